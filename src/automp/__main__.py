@@ -1,0 +1,5 @@
+import sys
+
+from automp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""Timing and result writing shared by every benchmark suite.
+
+Every suite measures its anchor (FP32, cuBLAS, copy bandwidth, ...) in the same process as the thing it compares,
+so ratios are meaningful even when clocks or neighbours change between runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class Result:
+    suite: str
+    name: str
+    ms: float
+    anchor: str | None = None
+    anchor_ms: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        """anchor time / our time: > 1 means faster than the anchor."""
+        if self.anchor_ms is None or self.ms <= 0:
+            return None
+        return self.anchor_ms / self.ms
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 10, iters: int = 50, flush_l2: bool = False) -> float:
+    """Median milliseconds per call: CUDA events on a GPU, perf_counter on the CPU.
+
+    Median, not mean, so one preempted iteration does not move the figure; an optional L2 flush between iterations
+    keeps bandwidth-bound kernels from being measured out of cache.
+    """
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        scratch = torch.empty(64 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
+        times = []
+        for _ in range(iters):
+            if scratch is not None:
+                scratch.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
+    """Device-to-device copy rate, counting bytes read and written: the ceiling for memory-bound kernels."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), warmup=3, iters=10)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def write_results(results: list[Result], out_dir: str, suite: str, command: str) -> tuple[str, str]:
+    """Write `<suite>.json` and `<suite>.md` (a table with ratios) and return their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"suite": suite, "device": device_name(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "command": command}
+    rows = [dict(asdict(r), speedup=r.speedup) for r in results]
+    json_path = os.path.join(out_dir, f"{suite}.json")
+    with open(json_path, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=2)
+    md_path = os.path.join(out_dir, f"{suite}.md")
+    with open(md_path, "w") as f:
+        f.write(markdown_table(results, meta))
+    return json_path, md_path
+
+
+def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
+    lines = [f"{meta['date']} · {meta['device']} · torch {meta['torch']} · `{meta['command']}`", "",
+             "| case | ms | anchor | anchor ms | speedup vs anchor | notes |", "|---|---:|---|---:|---:|---|"]
+    for r in results:
+        sp = f"{r.speedup:.2f}x" if r.speedup is not None else ""
+        am = f"{r.anchor_ms:.4f}" if r.anchor_ms is not None else ""
+        notes = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+        lines.append(f"| {r.name} | {r.ms:.4f} | {r.anchor or ''} | {am} | {sp} | {notes} |")
+    return "\n".join(lines) + "\n"

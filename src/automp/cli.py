@@ -1,0 +1,87 @@
+"""`automp` command line.
+
+Each sub-command imports its implementation lazily so that `automp run` starts as fast as `python` would and a
+missing optional piece (say, onnxruntime for `optimize`) only breaks the command that needs it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _add_precision_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"],
+                   help="low-precision dtype; auto = bf16 where supported, else fp16")
+    p.add_argument("--loss-scale", default="dynamic",
+                   help="dynamic | off | a constant such as 1024 (only matters for fp16)")
+    p.add_argument("--report", default=None, help="write the precision report JSON here")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from automp.launcher import run_script
+    return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from automp.models.demo import main as demo_main
+    return demo_main(steps=args.steps, device=args.device, dtype=args.dtype, report=args.report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from automp.precision.report import print_saved_report
+    print_saved_report(args.path, show_nodes=args.nodes)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+    suite = importlib.import_module(f"automp.bench.suites.{args.suite}")
+    return int(suite.main(args.rest) or 0)
+
+
+def _cmd_optimize(args: argparse.Namespace) -> int:
+    from automp.deploy.cli import main as optimize_main
+    return int(optimize_main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="automp", description="Automatic reduced precision for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run an unmodified training script in mixed precision (like `python SCRIPT`)")
+    _add_precision_args(p)
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("demo", help="train built-in models FP32 vs automp side by side")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"])
+    p.add_argument("--report", default="automp-demo-report.json")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("report", help="print a saved precision report")
+    p.add_argument("path")
+    p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("bench", help="benchmarks: kernels | train | convergence | deploy")
+    p.add_argument("suite", choices=["kernels", "train", "convergence", "deploy"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("optimize", help="optimize a model for deployment (ONNX in, ONNX out)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_optimize)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
