@@ -1,0 +1,161 @@
+"""automp: automatic reduced precision for PyTorch.
+
+`enable()` makes every top-level call of a module with parameters go through torch.compile with the automp
+backend, so an unmodified training script gets the precision pass on its forward and backward graphs; nested
+modules are part of their root's graph and are not compiled on their own. Loss scaling (fp16) hooks autograd.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from automp.graph.capture import low_dtype, make_backend
+from automp.precision import cost
+from automp.precision.paint import PrecisionConfig
+from automp.precision.report import Recorder
+
+__version__ = "0.1.0"
+__all__ = ["enable", "disable", "compile", "report", "is_enabled", "__version__"]
+
+_ORIG_CALL = nn.Module.__call__
+
+
+@dataclass
+class _State:
+    dtype: str
+    loss_scale: Any
+    report_path: str | None
+    inner: str
+    recorder: Recorder
+    scaler: Any = None
+
+
+_state: _State | None = None
+_local = threading.local()
+_compiled: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_failed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _config_for(device: torch.device, dtype: str) -> PrecisionConfig:
+    return PrecisionConfig(dtype=low_dtype(dtype, device), spec=cost.spec_for(device))
+
+
+def _compile_module(module: nn.Module, state: _State):
+    device = _device_of(module)
+    config = _config_for(device, state.dtype)
+    state.recorder.device = cost.spec_for(device).name if device.type == "cuda" else "cpu"
+    state.recorder.dtype = str(config.dtype).replace("torch.", "")
+    backend = make_backend(config, state.recorder, inner=state.inner, label=type(module).__name__)
+    ref = weakref.ref(module)
+
+    def call(*args, **kwargs):
+        return _ORIG_CALL(ref(), *args, **kwargs)
+
+    return torch.compile(call, backend=backend)
+
+
+def _patched_call(self: nn.Module, *args, **kwargs):
+    """Compile root module calls only: inside a root's forward (depth > 0) or while Dynamo traces, call through."""
+    state = _state
+    if (state is None or getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling()
+            or self in _failed or not any(True for _ in self.parameters())):
+        return _ORIG_CALL(self, *args, **kwargs)
+    compiled = _compiled.get(self)
+    if compiled is None:
+        compiled = _compiled[self] = _compile_module(self, state)
+    _local.depth = 1
+    try:
+        return compiled(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported FP32 fallback; the user's own errors re-raise below
+        _failed.add(self)
+        state.recorder.add_fallback(type(self).__name__, f"compiled call failed, module runs eagerly in FP32: "
+                                                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    finally:
+        _local.depth = 0
+    return _ORIG_CALL(self, *args, **kwargs)
+
+
+def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None = None,
+           inner: str = "inductor") -> None:
+    """Turn automatic mixed precision on for every module called from now on.
+
+    dtype: "auto" (bf16 where supported), "fp16" or "bf16". loss_scale: "dynamic", "off" or a constant; it only
+    acts for fp16, bf16 has fp32's range. report: path of the JSON precision report, written at disable() or exit.
+    inner: "inductor" (fast) or "eager" (no code generation: quick to start, for tests and debugging)."""
+    global _state
+    if _state is not None:
+        disable()
+    low_dtype(dtype, None)  # validate early, with a clear message
+    _state = _State(dtype, loss_scale, report, inner, Recorder())
+    _state.scaler = _install_scaling(dtype, loss_scale)
+    nn.Module.__call__ = _patched_call
+
+
+def _install_scaling(dtype: str, loss_scale: Any):
+    """fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not."""
+    wants = dtype in ("fp16", "float16", "half") or (dtype == "auto" and torch.cuda.is_available()
+                                                      and not torch.cuda.is_bf16_supported())
+    if not wants or loss_scale in ("off", None, 0):
+        return None
+    from automp.scaling import autograd_hook
+    from automp.scaling.loss_scale import LossScaler
+    scaler = LossScaler.from_spec(loss_scale)
+    autograd_hook.install(scaler)
+    return scaler
+
+
+def disable() -> dict[str, Any] | None:
+    """Turn automp off, write the report (if a path was given) and return it."""
+    global _state
+    state = _state
+    if state is None:
+        return None
+    nn.Module.__call__ = _ORIG_CALL
+    if state.scaler is not None:
+        from automp.scaling import autograd_hook
+        state.recorder.loss_scale = state.scaler.summary()
+        autograd_hook.uninstall()
+    _compiled.clear()
+    _state = None
+    if state.report_path:
+        state.recorder.save(state.report_path)
+    return state.recorder.as_dict()
+
+
+def report() -> dict[str, Any] | None:
+    """The report so far, while enabled."""
+    if _state is None:
+        return None
+    if _state.scaler is not None:
+        _state.recorder.loss_scale = _state.scaler.summary()
+    return _state.recorder.as_dict()
+
+
+def is_enabled() -> bool:
+    return _state is not None
+
+
+def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", report: Recorder | None = None,
+            inner: str = "inductor") -> nn.Module:
+    """One model in mixed precision, for those who prefer a line of code to `automp run`.
+
+    Loss scaling, when fp16 asks for it, is installed globally (it hooks autograd)."""
+    config = _config_for(_device_of(model), dtype)
+    backend = make_backend(config, report, inner=inner, label=type(model).__name__)
+    _install_scaling(dtype, loss_scale)
+    return torch.compile(model, backend=backend)
+
+
+atexit.register(disable)

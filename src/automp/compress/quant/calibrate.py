@@ -1,0 +1,118 @@
+"""Run an ONNX model in onnxruntime (CPU) over calibration batches.
+
+Calibration needs the values of intermediate tensors; ORT only returns graph outputs, so we run a copy of the
+model with those tensors appended as extra outputs. The same runner measures the error of a quantized model.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from automp.compress.quant.observers import Observer
+
+
+def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    inits = {i.name for i in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in inits]
+
+
+def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Calibration data must hold exactly the model inputs, batch first, all with the same batch size."""
+    if not isinstance(calib, dict) or not calib:
+        raise ValueError("calibration data must be a non-empty dict {input name: array (batch first)}")
+    names = [i.name for i in model_inputs(model)]
+    missing, extra = sorted(set(names) - set(calib)), sorted(set(calib) - set(names))
+    if missing or extra:
+        raise ValueError(f"calibration inputs do not match the model: missing {missing}, unexpected {extra} "
+                         f"(model inputs: {names})")
+    out = {}
+    for name in names:
+        a = np.asarray(calib[name])
+        if not np.issubdtype(a.dtype, np.floating):
+            raise TypeError(f"calibration input {name!r} has dtype {a.dtype}; the model expects float32")
+        if a.ndim == 0 or a.shape[0] == 0:
+            raise ValueError(f"calibration input {name!r} has shape {a.shape}; expected batch-first samples")
+        out[name] = a.astype(np.float32, copy=False)
+    sizes = {a.shape[0] for a in out.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"calibration inputs have different batch sizes: "
+                         f"{ {k: v.shape[0] for k, v in out.items()} }")
+    return out
+
+
+def fixed_batch(model: onnx.ModelProto) -> int | None:
+    """The batch size baked into the model's first input, if it has one (then batches must match it)."""
+    dims = model_inputs(model)[0].type.tensor_type.shape.dim
+    return dims[0].dim_value if dims and dims[0].HasField("dim_value") else None
+
+
+def batches(calib: dict[str, np.ndarray], batch_size: int, fixed: bool) -> Iterator[dict[str, np.ndarray]]:
+    """Consecutive batches; a model with a fixed batch size never sees the short last one."""
+    n = next(iter(calib.values())).shape[0]
+    stop = n - batch_size + 1 if fixed else n
+    for start in range(0, stop, batch_size):
+        yield {k: v[start:start + batch_size] for k, v in calib.items()}
+
+
+def session(model: onnx.ModelProto, extra_outputs: list[str] = ()) -> ort.InferenceSession:
+    if extra_outputs:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        have = {o.name for o in m.graph.output}
+        m.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+                              for t in extra_outputs if t not in have)
+        model = m
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise RuntimeError(f"onnxruntime could not load the model: {e}") from e
+
+
+def model_batches(model: onnx.ModelProto, calib: dict[str, np.ndarray],
+                  wanted: int) -> list[dict[str, np.ndarray]]:
+    fixed = fixed_batch(model)
+    n = next(iter(calib.values())).shape[0]
+    if fixed and n < fixed:
+        raise ValueError(f"model has fixed batch size {fixed} but calibration data has only {n} samples")
+    return list(batches(calib, fixed or wanted, fixed is not None))
+
+
+def observe(model: onnx.ModelProto, calib: dict[str, np.ndarray], observers: dict[str, Observer],
+            batch_size: int, progress: Callable[[int, int], None] | None = None) -> int:
+    """Feed every calibration batch's value of each observed tensor to its observer; returns samples seen."""
+    names = list(observers)
+    sess = session(model, names)
+    todo = model_batches(model, calib, batch_size)
+    for k, feed in enumerate(todo):
+        try:
+            values = sess.run(names, feed)
+        except Exception as e:
+            raise RuntimeError(f"onnxruntime failed on calibration batch {k}: {e}") from e
+        for name, v in zip(names, values):
+            observers[name].update(v)
+        if progress is not None:
+            progress(k + 1, len(todo))
+    return sum(next(iter(b.values())).shape[0] for b in todo)
+
+
+def run(model: onnx.ModelProto, calib: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    """All graph outputs over the calibration samples, concatenated along the batch axis."""
+    sess = session(model)
+    names = [o.name for o in sess.get_outputs()]
+    outs = [sess.run(names, feed) for feed in model_batches(model, calib, batch_size)]
+    return {n: np.concatenate([o[i] for o in outs]) if outs[0][i].ndim else outs[0][i]
+            for i, n in enumerate(names)}
+
+
+def rel_errors(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> dict[str, float]:
+    """||got - ref|| / ||ref|| per output (float64)."""
+    errs = {}
+    for name, r in ref.items():
+        r64, g64 = r.astype(np.float64), got[name].astype(np.float64)
+        errs[name] = float(np.linalg.norm(g64 - r64) / max(np.linalg.norm(r64), 1e-30))
+    return errs

@@ -1,0 +1,111 @@
+"""fp16/bf16 tensor-core GEMM `c = a @ b` (like torch.mm) in Triton, autotuned per shape.
+
+The kernel is the classic tiled one: each program owns a BLOCK_M x BLOCK_N tile of c, walks K with a software
+pipeline (num_stages) and lets Triton pick the tensor-core instruction (wgmma on Hopper, mma elsewhere). Programs are
+ordered in GROUP_M super-rows so that consecutive programs share tiles of b in L2.
+
+Two config families: square-ish tiles for compute-bound shapes, and short-and-wide tiles for skinny M (<= 64),
+where the product is bound by streaming b and a 128-row tile would waste most of its tensor-core work and SMs.
+Configs are pruned by M before tuning so a shape never compiles the family it cannot use. No TMA / persistent
+variant: the plain kernel is portable across Triton 3.6-3.9 (the descriptor APIs moved between them).
+
+Arbitrary strides are handled (a transposed operand costs bandwidth, not correctness).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from automp.kernels.gemv import INTERPRET
+
+SKINNY_M = 64
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                         num_warps=warps, num_stages=stages)
+
+
+def mm_configs(square: list[tuple], skinny: list[tuple], tiny: tuple) -> list[triton.Config]:
+    """All configs for a matmul family; under the interpreter only `tiny` (tuning would run each on the CPU)."""
+    if INTERPRET:
+        return [_cfg(*tiny)]
+    return [_cfg(*c) for c in square + skinny]
+
+
+def prune_by_m(configs: list[triton.Config], nargs: dict, **_: object) -> list[triton.Config]:
+    """Skinny M tunes only tiles with BLOCK_M <= 64, other shapes only the larger ones."""
+    if len(configs) == 1:
+        return configs
+    m = nargs["M"]
+    skinny = [c for c in configs if c.kwargs["BLOCK_M"] <= SKINNY_M]
+    wide = [c for c in configs if c.kwargs["BLOCK_M"] > SKINNY_M]
+    if m <= SKINNY_M:
+        fit = [c for c in skinny if c.kwargs["BLOCK_M"] >= min(m, 16) and c.kwargs["BLOCK_M"] < 2 * max(m, 16)]
+        return fit or skinny
+    return wide or configs
+
+
+_SQUARE = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+           (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 32, 8, 4)]
+_SKINNY = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4),
+           (32, 128, 128, 4, 4), (32, 64, 256, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+           (64, 32, 128, 4, 4), (64, 128, 128, 4, 3)]
+
+
+@triton.jit
+def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped program ordering: GROUP_M row-tiles share each column tile of b while it is hot in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.autotune(configs=mm_configs(_SQUARE, _SKINNY, (16, 16, 32, 4, 1)), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_by_m})
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows/cols past the edge wrap to valid ones (their results are never stored), so the hot loop loads unmasked.
+    ram = rm % M
+    rbn = rn % N
+    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c = a @ b for a [M, K], b [K, N] of one half dtype; c has that dtype, fp32 accumulation."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _gemm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                       c.stride(0), c.stride(1))
+    return c

@@ -1,0 +1,42 @@
+"""The training/inference precision pipeline: lists -> cost -> paint -> casts, one function over an aten graph."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+
+from automp.precision.casts import eliminate_casts, insert_casts, is_cast, remember_output_dtypes
+from automp.precision.paint import Plan, PrecisionConfig, backward_nodes, paint
+from automp.precision.report import Recorder
+
+
+def _casts_by_part(gm: fx.GraphModule) -> Counter:
+    joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+    bwd = backward_nodes(gm.graph) if joint else set()
+    c: Counter = Counter()
+    for n in gm.graph.nodes:
+        if is_cast(n):
+            c[("backward" if n in bwd else "forward") if joint else "inference"] += 1
+    return c
+
+
+def apply_precision(gm: fx.GraphModule, config: PrecisionConfig, recorder: Recorder | None = None,
+                    name: str = "graph") -> fx.GraphModule:
+    """Mixed precision as a GraphModule -> GraphModule pass over a forward, joint (forward+backward) or inference
+    aten graph whose nodes carry fake values (meta['val']), as AOTAutograd and Inductor provide them."""
+    remember_output_dtypes(gm)
+    plan: Plan = paint(gm, config)
+    before = _casts_by_part(gm)
+    insert_casts(gm, plan, config.dtype)
+    mid = _casts_by_part(gm)
+    eliminate_casts(gm)
+    gm.graph.eliminate_dead_code()
+    after = _casts_by_part(gm)
+    gm.graph.lint()
+    gm.recompile()
+    if recorder is not None:
+        parts = set(before) | set(mid) | set(after) | {d.part for d in plan.decisions.values()}
+        recorder.add_plan(name, plan, {p: {"inserted": max(mid[p] - before[p], 0),
+                                           "eliminated": max(mid[p] - after[p], 0),
+                                           "remaining": after[p]} for p in parts})
+    return gm

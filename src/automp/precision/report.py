@@ -1,0 +1,105 @@
+"""The precision report: every node's dtype and the reason, as JSON (schema in DESIGN.md) and as a terminal table.
+
+A tool that silently changes numerics is not trusted; one that says, node by node, what it did and why is.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from automp.precision.paint import Plan
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass
+class Recorder:
+    """Collects one entry per compiled graph; the launcher and enable() write it out."""
+
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    graphs: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[dict[str, str]] = field(default_factory=list)
+    loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "overflow_steps": 0, "steps": 0})
+
+    def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
+        parts: dict[str, list[dict[str, str]]] = {}
+        for node, d in plan.decisions.items():
+            parts.setdefault(d.part, []).append(
+                {"name": node.name, "op": d.op, "dtype": dtype_name(d.dtype), "reason": d.reason})
+        for kind in ("forward", "backward", "inference"):
+            if kind in parts:
+                self.graphs.append({"name": f"{name}.{kind}", "kind": kind, "nodes": parts[kind],
+                                    "casts": casts_by_part.get(kind, {"inserted": 0, "eliminated": 0,
+                                                                      "remaining": 0})})
+
+    def add_fallback(self, where: str, why: str) -> None:
+        self.fallbacks.append({"where": where, "reason": why})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
+                "fallbacks": self.fallbacks}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+
+
+def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per graph: node counts by dtype, cast counts, and the unknown ops that were kept FP32."""
+    rows = []
+    for g in report["graphs"]:
+        by_dtype = Counter(n["dtype"] for n in g["nodes"])
+        unknown = sorted({n["op"] for n in g["nodes"] if n["reason"].startswith(("unknown op", "no low-precision"))})
+        rows.append({"graph": g["name"], "kind": g["kind"], "nodes": len(g["nodes"]), "by_dtype": dict(by_dtype),
+                     "casts": g["casts"], "unknown": unknown})
+    return rows
+
+
+def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"automp precision report — {report['dtype']} on {report['device']}")
+    for col in ("graph", "nodes", "low", "fp32", "casts +/-/=", "kept FP32 (unknown/unsupported)"):
+        t.add_column(col)
+    for r in summarize(report):
+        low = sum(v for k, v in r["by_dtype"].items() if k in ("float16", "bfloat16"))
+        c = r["casts"]
+        t.add_row(r["graph"], str(r["nodes"]), str(low), str(r["by_dtype"].get("float32", 0)),
+                  f"{c['inserted']}/{c['eliminated']}/{c['remaining']}", ", ".join(r["unknown"]) or "-")
+    console.print(t)
+    ls = report.get("loss_scale", {})
+    console.print(f"loss scale: {ls.get('scale')}  steps: {ls.get('steps')}  overflow steps: "
+                  f"{ls.get('overflow_steps')}")
+    for fb in report.get("fallbacks", []):
+        console.print(f"[yellow]FP32 fallback[/yellow] {fb['where']}: {fb['reason']}")
+    if show_nodes:
+        for g in report["graphs"]:
+            nt = Table(title=g["name"])
+            for col in ("node", "op", "dtype", "reason"):
+                nt.add_column(col)
+            for n in g["nodes"]:
+                nt.add_row(n["name"], n["op"], n["dtype"], n["reason"])
+            console.print(nt)
+
+
+def print_saved_report(path: str, show_nodes: bool = False) -> None:
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"automp report: cannot read {path}: {e}") from None
+    if "graphs" not in report:
+        raise SystemExit(f"automp report: {path} is not an automp precision report (no 'graphs' key)")
+    print_report(report, show_nodes=show_nodes)
