@@ -5,6 +5,9 @@ model with those tensors appended as extra outputs. The same runner measures the
 """
 from __future__ import annotations
 
+import os
+import tempfile
+from collections import Counter
 from typing import Callable, Iterator
 
 import numpy as np
@@ -116,3 +119,15 @@ def rel_errors(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> dict[s
         r64, g64 = r.astype(np.float64), got[name].astype(np.float64)
         errs[name] = float(np.linalg.norm(g64 - r64) / max(np.linalg.norm(r64), 1e-30))
     return errs
+
+
+def optimized_op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """Op histogram of the graph ORT actually executes: shows whether Q/DQ patterns became int8 kernels."""
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(opts.optimized_model_filepath)
+    return dict(Counter(n.op_type for n in optimized.graph.node))

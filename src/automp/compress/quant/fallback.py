@@ -29,7 +29,7 @@ class FallbackResult:
     float_layers: list[str]          # layers kept in float, most sensitive first
     sensitivity: dict[str, float]    # every candidate layer's sensitivity
     error: float                     # model error with float_layers in float
-    steps: list[tuple[int, float]]   # (number of float layers, error) after each step, starting at 0
+    steps: list[list]                # [number of float layers, error) after each step, starting at 0
 
 
 def check_budget(budget: float | None) -> None:
@@ -51,7 +51,7 @@ def fit_budget(evaluate: Callable[[set[str]], float], layers: list[str], budget:
     check_budget(budget)
     quantized = set(layers)
     error = evaluate(quantized) if full_error is None else full_error
-    steps = [(0, error)]
+    steps = [[0, error]]
     if error <= budget:
         return FallbackResult([], {}, error, steps)
     sens = sensitivities(evaluate, layers, config.method, error)
@@ -60,7 +60,7 @@ def fit_budget(evaluate: Callable[[set[str]], float], layers: list[str], budget:
         kept.append(name)
         quantized.discard(name)
         error = evaluate(quantized) if quantized else 0.0
-        steps.append((len(kept), error))
+        steps.append([len(kept), error])
         if error <= budget:
             break
     return FallbackResult(kept, sens, error, steps)

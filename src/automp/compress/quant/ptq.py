@@ -1,0 +1,184 @@
+"""Post-training int8 quantization of ONNX models (QDQ format, runs in onnxruntime CPU).
+
+    model_q, report = quantize_onnx(model, {"x": calib_x}, PTQConfig(), budget=0.02)
+
+mode="weight_only": per-channel symmetric int8 weights behind DequantizeLinear, activations stay float (smaller
+file, no calibration needed beyond the error report). mode="static": weights as above plus per-tensor activation
+Q/DQ pairs with ranges calibrated by running the model in onnxruntime; non-negative activations (ReLU outputs)
+use asymmetric uint8 so none of the 256 levels is wasted on negatives.
+
+The returned report is a plain dict (JSON-serialisable):
+  mode, calibration {samples, batches, activation_observer, weight_observer},
+  quantized [{name, op, weight, weight_axis, activations}], float [{name, op, reason}],
+  error {outputs {name: rel}, max_rel_error, samples}, budget, sensitivity {layer: error},
+  fallback_steps [[n_float, error]], ort_int8_kernels {op: count in ORT's optimized graph}.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from automp.compress.quant import calibrate
+from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
+from automp.compress.quant.layers import Layer, check_model, find_layers, weight_array
+from automp.compress.quant.observers import Observer, ObserverConfig, make_observer
+from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
+
+INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
+                "QLinearAdd", "QLinearGlobalAveragePool")
+
+
+def _default_activation() -> ObserverConfig:
+    return ObserverConfig(method="minmax", dtype="uint8", symmetric=False)
+
+
+@dataclass
+class PTQConfig:
+    """mode: static | weight_only. weight_method: observer for per-channel weights (minmax | mse | ...).
+    activation: per-tensor activation observer (axis must be None). quantize_outputs: also Q/DQ the output of
+    each quantized layer, which lets ORT fuse DQ -> Conv -> Q into one int8 kernel. exclude: node names the
+    user keeps in float. batch_size: calibration batch (a model with a fixed batch uses its own).
+    error_samples: calibration samples used to measure the error vs FP32 (and by the budget search)."""
+    mode: str = "static"
+    weight_method: str = "minmax"
+    activation: ObserverConfig = field(default_factory=_default_activation)
+    op_types: tuple[str, ...] = ("Conv", "Gemm", "MatMul")
+    quantize_outputs: bool = True
+    quantize_bias: bool = True
+    exclude: tuple[str, ...] = ()
+    batch_size: int = 32
+    error_samples: int = 256
+    fallback: FallbackConfig = field(default_factory=FallbackConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("static", "weight_only"):
+            raise ValueError(f"PTQ mode must be 'static' or 'weight_only', got {self.mode!r}")
+        if self.activation.axis is not None:
+            raise ValueError("activations are quantized per tensor: PTQConfig.activation.axis must be None")
+        if self.batch_size < 1 or self.error_samples < 1:
+            raise ValueError("batch_size and error_samples must be >= 1")
+
+
+def _weight_qparams(model: onnx.ModelProto, layer: Layer, method: str) -> QParams:
+    obs = make_observer(ObserverConfig(method=method, axis=layer.weight_axis))
+    obs.update(weight_array(model, layer.weight))
+    scale, zero = obs.qparams()
+    return QParams(scale, zero, layer.weight_axis)
+
+
+def _activation_qparams(obs: Observer) -> QParams:
+    if obs.config.symmetric and np.all(obs.lo >= 0):  # one-sided: uint8 with zero point 0 doubles resolution
+        obs.config = replace(obs.config, dtype="uint8", symmetric=False)
+    scale, zero = obs.qparams()
+    return QParams(scale, zero)
+
+
+class _Quantizer:
+    """Holds the calibrated parameters so the budget search can rebuild the model for any layer subset."""
+
+    def __init__(self, model: onnx.ModelProto, layers: list[Layer], config: PTQConfig) -> None:
+        self.model, self.layers, self.config = model, layers, config
+        self.weights = {l.name: _weight_qparams(model, l, config.weight_method) for l in layers if l.weight}
+        self.acts: dict[str, QParams] = {}
+        self.graph_outputs = {o.name for o in model.graph.output}
+
+    def tensors_to_observe(self) -> list[str]:
+        names = []
+        for l in self.layers:
+            names += l.activations
+            if self.config.quantize_outputs and l.output not in self.graph_outputs:
+                names.append(l.output)
+        return list(dict.fromkeys(names))
+
+    def calibrate(self, calib: dict[str, np.ndarray], progress) -> tuple[int, int]:
+        observers = {t: make_observer(self.config.activation) for t in self.tensors_to_observe()}
+        samples = calibrate.observe(self.model, calib, observers, self.config.batch_size, progress)
+        self.acts = {t: _activation_qparams(o) for t, o in observers.items()}
+        return samples, len(calibrate.model_batches(self.model, calib, self.config.batch_size))
+
+    def build(self, quantized: set[str]) -> onnx.ModelProto:
+        plan = QDQPlan(quantize_bias=self.config.quantize_bias)
+        for l in self.layers:
+            if l.name not in quantized:
+                plan.float_layers.add(l.name)
+                continue
+            if l.weight:
+                plan.weights[l.name] = self.weights[l.name]
+            outs = [l.output] if self.config.quantize_outputs else []
+            for t in l.activations + outs:
+                if t in self.acts:
+                    plan.activations[t] = self.acts[t]
+        return write_qdq(self.model, self.layers, plan)
+
+
+def quantize_onnx(model: onnx.ModelProto, calib: dict[str, np.ndarray], config: PTQConfig,
+                  budget: float | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Quantize `model` to int8 QDQ. calib: one float array per model input, batch first. budget: max
+    relative output error vs FP32 on the calibration samples; layers are kept in float (most sensitive first)
+    until it holds. progress(done, total) is called after each calibration batch."""
+    if not isinstance(config, PTQConfig):
+        raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
+    check_budget(budget)
+    model = check_model(model)
+    calib = calibrate.check_calib(model, calib)
+    scan = find_layers(model, config.op_types)
+    floats = list(scan.skipped)
+    layers = []
+    for l in scan.layers:
+        if l.name in config.exclude:
+            floats.append({"name": l.name, "op": l.op, "reason": "excluded by config"})
+        elif config.mode == "weight_only" and l.weight is None:
+            floats.append({"name": l.name, "op": l.op, "reason": "weight_only: no constant weight"})
+        else:
+            layers.append(l)
+    q = _Quantizer(model, layers, config)
+    samples, n_batches = (q.calibrate(calib, progress) if config.mode == "static"
+                          else (0, 0))
+
+    n_eval = min(config.error_samples, next(iter(calib.values())).shape[0])
+    eval_data = {k: v[:n_eval] for k, v in calib.items()}
+    ref = calibrate.run(model, eval_data, config.batch_size)
+    cache: dict[frozenset, tuple[onnx.ModelProto, dict[str, float]]] = {}
+
+    def measure(quantized: set[str]) -> float:
+        key = frozenset(quantized)
+        if key not in cache:
+            m = q.build(quantized)
+            cache[key] = (m, calibrate.rel_errors(ref, calibrate.run(m, eval_data, config.batch_size)))
+        return max(cache[key][1].values())
+
+    names = [l.name for l in layers]
+    full = measure(set(names))
+    report: dict = {"budget": budget, "sensitivity": {}, "fallback_steps": [[0, full]]}
+    kept: list[str] = []
+    if budget is not None:
+        res = fit_budget(measure, names, budget, config.fallback, full_error=full)
+        kept, report["sensitivity"], report["fallback_steps"] = res.float_layers, res.sensitivity, res.steps
+        if res.error > budget:  # cannot happen (all-float has 0 error) but never hide a miss
+            raise RuntimeError(f"fallback could not meet budget {budget}: best error {res.error}")
+    final = set(names) - set(kept)
+    measure(final)
+    model_q, errs = cache[frozenset(final)]
+    for name in kept:
+        floats.append({"name": name, "op": next(l.op for l in layers if l.name == name),
+                       "reason": f"sensitivity {report['sensitivity'][name]:.3g} ({config.fallback.method}); "
+                                 f"kept float to meet budget {budget}"})
+    by_name = {l.name: l for l in layers}
+    report.update({
+        "mode": config.mode,
+        "calibration": {"samples": samples, "batches": n_batches, "activation_observer": config.activation.method,
+                        "weight_observer": config.weight_method},
+        "quantized": [{"name": n, "op": by_name[n].op, "weight": by_name[n].weight,
+                       "weight_axis": by_name[n].weight_axis if by_name[n].weight else None,
+                       "activations": by_name[n].activations if config.mode == "static" else []}
+                      for n in names if n in final],
+        "float": floats,
+        "error": {"outputs": errs, "max_rel_error": max(errs.values()), "samples": n_eval},
+        "ort_int8_kernels": {k: v for k, v in calibrate.optimized_op_counts(model_q).items() if k in INT8_KERNELS},
+    })
+    onnx.checker.check_model(model_q)
+    return model_q, report
