@@ -1,0 +1,1 @@
+"""Model compression for deployment: int8 quantization (quant/: observers, PTQ on ONNX, QAT in torch)."""

@@ -1,0 +1,57 @@
+"""Triton kernels for reduced-precision inference and training, registered as `torch.ops.automp.*`.
+
+Each function takes and returns torch tensors on CUDA (Triton) or CPU (Triton interpreter under
+TRITON_INTERPRET=1, else a torch reference). Layouts of the quantized weights are documented in `quant`.
+"""
+from __future__ import annotations
+
+import torch
+
+from automp.kernels import ops
+from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quantize_weight_int4,
+                                  quantize_weight_int8)
+
+__all__ = ["gemv", "gemm", "quant_gemv", "quant_gemm", "int8_gemm", "unscale_and_check_", "cast",
+           "quantize_weight_int8", "quantize_weight_int4", "quantize_rowwise_int8", "dequantize_weight"]
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y = w @ x: w [N, K] fp16/bf16, x [K] or [K, B] (B <= 8) of the same dtype; fp32 accumulation."""
+    return torch.ops.automp.gemv(w, x)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c = a @ b like torch.mm for a [M, K], b [K, N] fp16/bf16 (any strides); fp32 accumulation."""
+    return torch.ops.automp.gemm(a, b)
+
+
+def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y [N] = dequant(qw, scales) @ x [K]; qw from quantize_weight_int8 (int8) or _int4 (packed uint8)."""
+    return torch.ops.automp.quant_gemv(qw, scales, x)
+
+
+def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """c [M, N] = a [M, K] @ dequant(qw, scales)^T, i.e. an nn.Linear with quantized weight, in a's dtype."""
+    return torch.ops.automp.quant_gemm(a, qw, scales)
+
+
+def int8_gemm(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
+              a_zero: torch.Tensor | None = None) -> torch.Tensor:
+    """sa[m] * sb[n] * (a_q - a_zero) @ b_q + bias in out_dtype; int8 operands, int32 accumulation.
+
+    sa: [M] or [M, 1]; sb: [N] or [1, N]; a_zero: optional integer scalar or [M] zero point (asymmetric
+    activations, see quantize_rowwise_int8(..., asymmetric=True)).
+    """
+    return torch.ops.automp.int8_gemm(a_q, b_q, sa, sb, bias, a_zero, out_dtype)
+
+
+def unscale_and_check_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply every tensor in place by inv_scale (1-element fp32); return found_inf (1-element fp32, 1.0 if any
+    element of any input was inf/nan before scaling)."""
+    return torch.ops.automp.unscale_and_check_(list(tensors), inv_scale)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x converted to dtype (float32/float16/bfloat16), contiguous, round to nearest even."""
+    return torch.ops.automp.cast(x, dtype)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from automp.kernels.gemv import INTERPRET
+from automp.kernels.gemv import INTERPRET, half_dot
 
 SKINNY_M = 64
 
@@ -93,7 +93,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, 
         else:
             a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = half_dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET, mm_configs, prune_by_m, tile_ids
+from automp.kernels.gemv import half_dot
 
 MIN_GROUP = 32
 
@@ -198,7 +199,7 @@ def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
             a = tl.load(a_rows + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
             q = tl.load(q_cols + rk[:, None], mask=rk[:, None] < K, other=0)
             s = tl.load(s_cols + k0 // GROUP).to(tl.float32)
-            acc += tl.dot(a, q.to(dt)) * s[None, :]
+            acc += half_dot(a, q.to(tl.float32).to(dt), tl.zeros((BLOCK_M, BLOCK_N), tl.float32)) * s[None, :]
     else:
         kp = (K + 1) // 2
         for j0 in range(0, kp, BLOCK_K // 2):
@@ -206,10 +207,10 @@ def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
             p = tl.load(q_cols + rj[:, None], mask=rj[:, None] < kp, other=0)
             ae = tl.load(a_rows + (2 * rj)[None, :] * stride_ak, mask=(2 * rj)[None, :] < K, other=0.0)
             ao = tl.load(a_rows + (2 * rj + 1)[None, :] * stride_ak, mask=(2 * rj + 1)[None, :] < K, other=0.0)
-            lo = ((p & 15).to(tl.int8) - 8).to(dt)
-            hi = ((p >> 4).to(tl.int8) - 8).to(dt)
+            lo = ((p & 15).to(tl.float32) - 8.0).to(dt)  # via fp32: exact, and the interpreter
+            hi = ((p >> 4).to(tl.float32) - 8.0).to(dt)  # cannot convert ints to bf16 directly
             s = tl.load(s_cols + (2 * j0) // GROUP).to(tl.float32)
-            acc += (tl.dot(ae, lo) + tl.dot(ao, hi)) * s[None, :]
+            acc += half_dot(ao, hi, half_dot(ae, lo, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))) * s[None, :]
     c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 

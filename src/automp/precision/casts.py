@@ -19,6 +19,8 @@ from automp.precision.paint import Decision, Plan, float_inputs
 from automp.precision.lists import Category
 
 _CONVERT = torch.ops.prims.convert_element_type.default
+_OURS = "automp_cast"  # meta key marking casts this pass inserted
+_EXACT_IN_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class _Caster:
             c = self.graph.call_function(_CONVERT, (src, dtype))
         c.meta.update({k: v for k, v in before.meta.items() if k in ("stack_trace", "seq_nr", "partitioner_tag")})
         _set_val(c, _CONVERT(cost.val(src), dtype))
+        c.meta[_OURS] = True
         self.cache[key] = c
         self.stats.inserted += 1
         return c
@@ -183,8 +186,8 @@ def eliminate_casts(gm: fx.GraphModule) -> int:
             src, dst = n.args[0], cast_dtype(n)
             if dtype_of(src) == dst:  # x -> its own dtype
                 n.replace_all_uses_with(src)
-            elif is_cast(src) and (dtype_of(src.args[0]) == dst or dtype_of(src) == torch.float32):
-                # a -> b -> a (inverse pair) or a -> fp32 -> c (a wide intermediate adds nothing)
+            elif is_cast(src) and dtype_of(src) == torch.float32 and dtype_of(src.args[0]) in _EXACT_IN_FP32:
+                # a -> fp32 -> c: fp32 holds a exactly, so this is a -> c (or nothing, when c == a)
                 inner = src.args[0]
                 if dtype_of(inner) == dst:
                     n.replace_all_uses_with(inner)
@@ -192,11 +195,15 @@ def eliminate_casts(gm: fx.GraphModule) -> int:
                     n.args = (inner, dst) if n.target is _CONVERT else (inner,)
                     changed = True
                     continue
+            elif is_cast(src) and dtype_of(src.args[0]) == dst and n.meta.get(_OURS) and src.meta.get(_OURS):
+                # our own down-and-up round trip; a user's x.half().float() rounds on purpose and is kept
+                n.replace_all_uses_with(src.args[0])
             elif _hoistable(src, dst):
                 # cast(view(weight)) -> view(cast(weight)): every use of a weight then shares one cast
                 with gm.graph.inserting_before(src):
                     c = gm.graph.call_function(_CONVERT, (src.args[0], dst))
                     v = gm.graph.call_function(src.target, (c, *src.args[1:]), dict(src.kwargs))
+                c.meta[_OURS] = True
                 for new in (c, v):
                     new.meta.update({k: x for k, x in n.meta.items() if k in ("stack_trace", "seq_nr",
                                                                               "partitioner_tag")})

@@ -32,6 +32,8 @@ _WHY: dict[str, tuple[Category, str]] = {}
 
 def _put(cat: Category, why: str, *names: str) -> None:
     for n in names:
+        if n in _WHY:
+            raise ValueError(f"op {n!r} is on two lists: {_WHY[n][0].name} and {cat.name}")
         _WHY[n] = (cat, why)
 
 
@@ -90,7 +92,7 @@ _put(Category.CLEAR, "data movement: no arithmetic, no cast needed", "view", "_u
      "transpose_copy", "expand_copy", "slice_copy", "select_copy", "alias_copy", "pad")
 
 _put(Category.CLEAR, "creation or explicit cast: the dtype is fixed by the op's own argument", "full", "zeros",
-     "ones", "empty", "empty_strided", "scalar_tensor", "arange", "rand", "randn", "randint", "zeros_like",
+     "ones", "empty", "empty_strided", "scalar_tensor", "arange", "rand", "randn", "randint",
      "convert_element_type", "_to_copy", "to", "lift_fresh", "_unsafe_index", "iota", "copy_", "_assert_tensor_metadata")
 
 _put(Category.GATHER, "table lookup: low precision only if casting the table costs less than it saves",

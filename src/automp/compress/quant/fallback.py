@@ -29,7 +29,7 @@ class FallbackResult:
     float_layers: list[str]          # layers kept in float, most sensitive first
     sensitivity: dict[str, float]    # every candidate layer's sensitivity
     error: float                     # model error with float_layers in float
-    steps: list[list]                # [number of float layers, error) after each step, starting at 0
+    steps: list[list]                # [number of float layers, error] after each step, starting at 0
 
 
 def check_budget(budget: float | None) -> None:

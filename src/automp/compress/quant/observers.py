@@ -15,7 +15,7 @@ activations - the case asymmetric uint8 is for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -237,6 +237,15 @@ class MSEObserver(_HistogramObserver):
         step = ts / levels
         err = (np.clip(np.round(centres / step), 0, levels) * step - centres) ** 2
         return float(ts[np.argmin(err @ counts), 0])
+
+
+def activation_qparams(obs: Observer) -> tuple[np.ndarray, np.ndarray]:
+    """qparams for an activation: a symmetric int8 request on one-sided data (ReLU outputs) becomes asymmetric
+    uint8 with zero point 0, which doubles the resolution instead of wasting the negative half."""
+    obs._check_ready()
+    if obs.config.symmetric and np.all(obs.lo >= 0):
+        obs.config = replace(obs.config, dtype="uint8", symmetric=False)
+    return obs.qparams()
 
 
 _OBSERVERS = {"minmax": MinMaxObserver, "percentile": PercentileObserver,

@@ -15,7 +15,7 @@ The returned report is a plain dict (JSON-serialisable):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -24,7 +24,7 @@ import onnx
 from automp.compress.quant import calibrate
 from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
 from automp.compress.quant.layers import Layer, check_model, find_layers, weight_array
-from automp.compress.quant.observers import Observer, ObserverConfig, make_observer
+from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
 from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
 
 INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
@@ -69,13 +69,6 @@ def _weight_qparams(model: onnx.ModelProto, layer: Layer, method: str) -> QParam
     return QParams(scale, zero, layer.weight_axis)
 
 
-def _activation_qparams(obs: Observer) -> QParams:
-    if obs.config.symmetric and np.all(obs.lo >= 0):  # one-sided: uint8 with zero point 0 doubles resolution
-        obs.config = replace(obs.config, dtype="uint8", symmetric=False)
-    scale, zero = obs.qparams()
-    return QParams(scale, zero)
-
-
 class _Quantizer:
     """Holds the calibrated parameters so the budget search can rebuild the model for any layer subset."""
 
@@ -96,7 +89,7 @@ class _Quantizer:
     def calibrate(self, calib: dict[str, np.ndarray], progress) -> tuple[int, int]:
         observers = {t: make_observer(self.config.activation) for t in self.tensors_to_observe()}
         samples = calibrate.observe(self.model, calib, observers, self.config.batch_size, progress)
-        self.acts = {t: _activation_qparams(o) for t, o in observers.items()}
+        self.acts = {t: QParams(*activation_qparams(o)) for t, o in observers.items()}
         return samples, len(calibrate.model_batches(self.model, calib, self.config.batch_size))
 
     def build(self, quantized: set[str]) -> onnx.ModelProto:

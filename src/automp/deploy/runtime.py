@@ -1,0 +1,119 @@
+"""Run an ONNX model in onnxruntime and measure how far its outputs are from a reference.
+
+Every pass and every precision change is judged the same way: same inputs through both models, then the
+normalised error and cosine similarity per output, so "did the optimization change the answer" has one meaning.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+ModelLike = onnx.ModelProto | bytes | str | os.PathLike
+
+_NP_OF_ONNX = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+               onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,
+               onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.UINT8: np.uint8,
+               onnx.TensorProto.INT8: np.int8}
+
+
+def providers(device: str = "cpu") -> list[str]:
+    """cpu: CPU only. cuda: CUDA (error if absent). auto: CUDA when this onnxruntime build has it, else CPU."""
+    have = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda" and "CUDAExecutionProvider" not in have:
+        raise RuntimeError(f"onnxruntime has no CUDAExecutionProvider (available: {have}); "
+                           "install onnxruntime-gpu or use device='cpu'")
+    if device in ("cuda", "auto"):
+        return (["CUDAExecutionProvider"] if "CUDAExecutionProvider" in have else []) + ["CPUExecutionProvider"]
+    raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+
+
+def session(model: ModelLike, device: str = "cpu", optimize: bool = True) -> ort.InferenceSession:
+    """optimize=False turns off onnxruntime's own graph rewrites, so a test sees exactly the graph we wrote."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    if isinstance(src, os.PathLike):
+        src = os.fspath(src)
+    return ort.InferenceSession(src, sess_options=opts, providers=providers(device))
+
+
+def run(model: ModelLike | ort.InferenceSession, feeds: dict[str, np.ndarray], device: str = "cpu",
+        optimize: bool = True) -> dict[str, np.ndarray]:
+    sess = model if isinstance(model, ort.InferenceSession) else session(model, device, optimize)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def input_specs(model: onnx.ModelProto) -> list[tuple[str, int, list[int | str]]]:
+    """(name, onnx elem type, dims) of each real graph input (initializers listed as inputs are skipped)."""
+    inits = {t.name for t in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+        specs.append((vi.name, tt.elem_type, dims))
+    return specs
+
+
+def random_feeds(model: onnx.ModelProto, batch: int = 2, dim: int = 4, seed: int = 0,
+                 int_high: int = 2) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input: symbolic first dim = batch, other symbolic dims = dim; floats are
+    standard normal, integers uniform in [0, int_high) (token ids and masks need a model-specific range)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, elem, dims in input_specs(model):
+        shape = [d if isinstance(d, int) and d > 0 else (batch if k == 0 else dim) for k, d in enumerate(dims)]
+        np_type = _NP_OF_ONNX.get(elem)
+        if np_type is None:
+            raise TypeError(f"input {name!r}: cannot make random data of ONNX type "
+                            f"{onnx.TensorProto.DataType.Name(elem)}")
+        if np.issubdtype(np_type, np.floating):
+            feeds[name] = rng.standard_normal(shape).astype(np_type)
+        elif np_type is np.bool_:
+            feeds[name] = rng.integers(0, 2, shape).astype(np.bool_)
+        else:
+            feeds[name] = rng.integers(0, int_high, shape).astype(np_type)
+    return feeds
+
+
+@dataclass
+class Error:
+    max_abs: float
+    rel_l2: float  # ||out - ref|| / ||ref||
+    cosine: float  # mean over batch rows of cos(out_row, ref_row)
+    nonfinite: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(out: np.ndarray, ref: np.ndarray) -> Error:
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: output {out.shape} vs reference {ref.shape}")
+    o, r = out.astype(np.float64), ref.astype(np.float64)
+    bad = int((~np.isfinite(o)).sum())
+    diff = np.where(np.isfinite(o), o - r, np.inf)
+    ref_norm = np.linalg.norm(r)
+    rel = float(np.linalg.norm(diff) / ref_norm) if ref_norm > 0 else float(np.linalg.norm(diff))
+    o2, r2 = o.reshape(o.shape[0] if o.ndim > 1 else 1, -1), r.reshape(r.shape[0] if r.ndim > 1 else 1, -1)
+    denom = np.linalg.norm(o2, axis=1) * np.linalg.norm(r2, axis=1)
+    cos = np.where(denom > 0, (o2 * r2).sum(1) / np.where(denom > 0, denom, 1), 1.0)
+    return Error(max_abs=float(np.abs(diff).max()) if diff.size else 0.0, rel_l2=rel,
+                 cosine=float(np.nanmean(cos)) if bad == 0 else float("nan"), nonfinite=bad)
+
+
+def compare_all(outs: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> dict[str, Error]:
+    missing = set(refs) - set(outs)
+    if missing:
+        raise ValueError(f"outputs missing from the optimized model: {sorted(missing)}")
+    return {k: compare(outs[k], refs[k]) for k in refs}

@@ -1,0 +1,181 @@
+"""The precision pass's decisions on real models, read from its report and from the rewritten graphs."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from automp.precision import lists
+from automp.precision.casts import cast_dtype, dtype_of, is_cast
+
+from .helpers import nodes_by_op, rel_err, traced
+
+
+class Recommender(nn.Module):
+    """A huge table looked up for a few ids: casting the table would cost far more than the lookup."""
+
+    def __init__(self, vocab=200_000, dim=32):
+        super().__init__()
+        self.table = nn.Embedding(vocab, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 512), nn.ReLU(), nn.Linear(512, 1))
+
+    def forward(self, ids):
+        return self.mlp(self.table(ids)).squeeze(-1)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=4096, d=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, targets):
+        x = self.emb(ids)
+        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1)
+        x = x + att @ v
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_embedding_of_huge_table_stays_fp32_and_its_matmuls_go_low():
+    torch.manual_seed(0)
+    m = Recommender()
+    _, rec, _ = traced(m, torch.randint(0, 200_000, (256,)))
+    emb = nodes_by_op(rec, "embedding", "forward")
+    assert emb and all(n["dtype"] == "float32" for n in emb)
+    assert "table" in emb[0]["reason"]
+    mms = nodes_by_op(rec, "addmm", "forward") + nodes_by_op(rec, "mm", "backward")
+    assert mms and all(n["dtype"] == "bfloat16" for n in mms)
+
+
+def test_embedding_of_small_table_goes_low_when_it_pays():
+    torch.manual_seed(0)
+    m = Recommender(vocab=64)
+    _, rec, _ = traced(m, torch.randint(0, 64, (4096,)))
+    assert nodes_by_op(rec, "embedding", "forward")[0]["dtype"] == "bfloat16"
+
+
+def test_transformer_decisions_softmax_ce_fp32_matmuls_low():
+    torch.manual_seed(0)
+    m = TinyLM()
+    ids, tgt = torch.randint(0, 4096, (8, 64)), torch.randint(0, 4096, (8, 64))
+    _, rec, _ = traced(m, ids, tgt)
+    for op in ("_softmax", "_log_softmax", "nll_loss_forward", "native_layer_norm"):
+        found = nodes_by_op(rec, op, "forward")
+        assert found, op
+        assert all(n["dtype"] == "float32" for n in found), op
+    for op in ("bmm", "addmm"):
+        found = nodes_by_op(rec, op, "forward")
+        assert found and all(n["dtype"] == "bfloat16" for n in found), op
+    assert all(n["dtype"] == "bfloat16" for n in nodes_by_op(rec, "bmm", "backward"))
+    # the residual add meets the FP32 embedding output: promoted to FP32, like autocast
+    adds = [n for n in nodes_by_op(rec, "add", "forward") if "promoted" in n["reason"]]
+    assert adds and all(n["dtype"] == "float32" for n in adds)
+
+
+def test_each_weight_cast_once_and_no_inverse_pairs_remain():
+    torch.manual_seed(0)
+
+    class RoundTrip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = self.a(x).float()  # the user's own cast next to ours: an inverse pair to remove
+            return self.b(h.to(torch.bfloat16).float())
+
+    _, rec, graphs = traced(RoundTrip(), torch.randn(512, 256))
+    joint = graphs[0]
+    weights = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    for w in weights:
+        casts = [u for u in w.users if is_cast(u)]
+        assert len(casts) <= 1, f"{w.name} cast {len(casts)} times"
+    for n in joint.graph.nodes:
+        if is_cast(n) and is_cast(n.args[0]):
+            assert dtype_of(n.args[0].args[0]) != cast_dtype(n), f"inverse pair left at {n.name}"
+    assert sum(g["casts"]["eliminated"] for g in rec.graphs) > 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+def test_gradients_match_fp32_autograd(dtype, tol):
+    torch.manual_seed(1)
+    m = TinyLM()
+    ids, tgt = torch.randint(0, 4096, (8, 64)), torch.randint(0, 4096, (8, 64))
+    ref = TinyLM()
+    ref.load_state_dict(m.state_dict())
+    ref(ids, tgt).backward()
+    loss, rec, _ = traced(m, ids, tgt, dtype=dtype)
+    assert any(n["dtype"] == str(dtype).replace("torch.", "") for g in rec.graphs for n in g["nodes"])
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert rel_err(p.grad, q.grad) < tol, (name, rel_err(p.grad, q.grad))
+
+
+def test_nothing_after_unscale_marker_is_low():
+    from automp.precision.marker import unscale_marker
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(256, 256)
+
+        def forward(self, x):
+            g = unscale_marker(self.l(x))
+            return torch.relu(g) * 0.5 + g
+
+    _, rec, _ = traced(Step(), torch.randn(512, 256), backward=False)
+    nodes = rec.graphs[0]["nodes"]
+    assert next(n for n in nodes if n["op"] == "addmm")["dtype"] == "bfloat16"
+    after = [n for n in nodes if n["op"] in ("relu", "mul", "add")]
+    assert after and all(n["dtype"] == "float32" and "unscal" in n["reason"] for n in after)
+
+
+@torch.library.custom_op("automp_test::fp32_only", mutates_args=())
+def fp32_only(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@fp32_only.register_fake
+def _(x):
+    if x.dtype != torch.float32:
+        raise TypeError(f"fp32_only has no {x.dtype} kernel")
+    return torch.empty_like(x)
+
+
+def test_op_without_low_precision_kernel_runs_fp32_and_is_reported(monkeypatch):
+    # pretend the op is elementwise so the pass tries low precision; its kernel refuses, so it must fall back
+    monkeypatch.setitem(lists._WHY, "fp32_only", (lists.Category.INFER, "test"))
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(256, 256)
+
+        def forward(self, x):
+            return fp32_only(self.l(x)).sum()
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(512, 256)
+    with torch.no_grad():  # the test op has no autograd formula: an inference graph
+        out, rec, _ = traced(m, x, backward=False)
+    node = nodes_by_op(rec, "fp32_only")[0]
+    assert node["dtype"] == "float32" and "no low-precision kernel" in node["reason"]
+    assert rel_err(out, m(x)) < 1e-2
+    assert not rec.fallbacks
+
+
+def test_unknown_op_is_fp32_and_named():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(256, 256)
+
+        def forward(self, x):
+            return fp32_only(self.l(x)).sum()
+
+    with torch.no_grad():
+        _, rec, _ = traced(M(), torch.randn(512, 256), backward=False)
+    node = nodes_by_op(rec, "fp32_only")[0]
+    assert node["dtype"] == "float32" and "unknown op 'fp32_only'" in node["reason"]
