@@ -179,3 +179,33 @@ def test_unknown_op_is_fp32_and_named():
         _, rec, _ = traced(M(), torch.randn(512, 256), backward=False)
     node = nodes_by_op(rec, "fp32_only")[0]
     assert node["dtype"] == "float32" and "unknown op 'fp32_only'" in node["reason"]
+
+
+def test_attention_backward_keeps_its_logsumexp_fp32():
+    """The fused attention backward reads log-sum-exp as fp32 whatever q/k/v are: casting it would be a wrong read."""
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(128, 384)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(4, 64, 3, 2, 64).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    m = Attn()
+    x = torch.randn(4, 64, 128)
+    ref = Attn()
+    ref.load_state_dict(m.state_dict())
+    ref(x).float().square().mean().backward()
+    _, rec, graphs = traced(m, x)
+    bwd = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "attention" in str(n.target)
+           and "backward" in str(n.target)]
+    assert bwd, "no fused attention backward in the graph"
+    schema_names = [a.name for a in bwd[0].target._schema.arguments]
+    lse = bwd[0].args[schema_names.index("logsumexp")]
+    assert dtype_of(lse) == torch.float32
+    assert dtype_of(bwd[0].args[schema_names.index("query")]) == torch.bfloat16
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 2e-2

@@ -1,0 +1,110 @@
+"""Deployment optimizer: one model in (ONNX file/bytes/ModelProto or a torch module), one ONNX model out.
+
+    model, report = automp.deploy.optimize("model.onnx", precision="fp16")
+
+Graph passes (fold constants, dce, fold BN, fuse, reorder) run first, then the precision change (fp16 by the
+training op lists, or int8 by automp.compress PTQ), then the result is checked against the FP32 input in
+onnxruntime. The output keeps the input's names and float32 I/O types and runs in onnxruntime's CPU provider.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+
+from automp.deploy import onnx_io, report, runtime
+from automp.deploy.fp16 import Fp16Config, convert_fp16
+from automp.deploy.passes.fuse import FuseConfig
+from automp.deploy.passes.graph import op_counts
+from automp.deploy.passes.pipeline import default_passes, run_pipeline
+
+PRECISIONS = ("fp32", "fp16", "int8")
+ERROR_SAMPLES = 256
+
+
+def _quantize_int8(model: onnx.ModelProto, calib: dict[str, np.ndarray], budget: float | None,
+                   progress: Callable[[int, int], None] | None) -> tuple[onnx.ModelProto, dict]:
+    try:
+        from automp.compress.quant.ptq import PTQConfig, quantize_onnx
+    except ImportError as e:
+        raise NotImplementedError(f"--precision int8 needs automp.compress.quant.ptq.quantize_onnx, which is not "
+                                  f"available in this build ({e})") from None
+    return quantize_onnx(model, calib, PTQConfig(), budget=budget, progress=progress)
+
+
+def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray], source: str = "calibration data"
+                ) -> dict[str, np.ndarray]:
+    """One batch-first array per model input, matching its name, rank and dtype family."""
+    specs = {name: (elem, dims) for name, elem, dims in runtime.input_specs(model)}
+    missing, extra = set(specs) - set(calib), set(calib) - set(specs)
+    if missing or extra:
+        raise ValueError(f"{source}: arrays must be keyed by the model's input names {sorted(specs)}; "
+                         f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+    out, batch = {}, None
+    for name, (elem, dims) in specs.items():
+        arr = np.asarray(calib[name])
+        want = runtime.NP_DTYPE.get(elem)
+        if arr.ndim != len(dims):
+            raise ValueError(f"{source}: {name!r} has shape {arr.shape}, the model expects rank {len(dims)} {dims}")
+        if want is not None and np.issubdtype(want, np.floating) != np.issubdtype(arr.dtype, np.floating):
+            raise TypeError(f"{source}: {name!r} is {arr.dtype}, the model input is {np.dtype(want).name}")
+        if batch is not None and arr.shape[0] != batch:
+            raise ValueError(f"{source}: inputs disagree on the batch size ({name!r} has {arr.shape[0]}, "
+                             f"others {batch})")
+        batch = arr.shape[0]
+        out[name] = arr.astype(want) if want is not None else arr
+    return out
+
+
+def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] | None = None,
+             budget: float | None = None, example_inputs=None, input_names=None, output_names=None,
+             progress: Callable[[int, int], None] | None = None, source: str | None = None
+             ) -> tuple[onnx.ModelProto, dict]:
+    """budget: max relative L2 error of any output vs the FP32 input, on calib (else seeded random inputs);
+    for int8 the quantizer keeps layers in float to meet it, for fp16/fp32 a miss is an error."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if budget is not None and budget <= 0:
+        raise ValueError(f"budget must be > 0, got {budget}")
+    if isinstance(model, onnx.ModelProto):
+        src = onnx_io.validate(model, source or "<model>")
+    elif isinstance(model, (str, bytes, bytearray)) or hasattr(model, "__fspath__"):
+        src = onnx_io.load(model)
+    elif example_inputs is not None:
+        src = onnx_io.export_torch(model, example_inputs, input_names, output_names)
+    else:
+        raise TypeError(f"optimize takes an ONNX model/path/bytes, or a torch module with example_inputs; got "
+                        f"{type(model).__name__}")
+    source = source or (str(model) if isinstance(model, str) else f"<{type(model).__name__}>")
+    if calib is not None:
+        calib = check_calib(src, calib)
+    elif precision == "int8":
+        raise ValueError("int8 needs calibration data: pass --calib FILE.npz (one batch-first array per model input, "
+                         f"keyed by {[n for n, _, _ in runtime.input_specs(src)]})")
+
+    # FusedConv/FusedGemm are float32-only on ORT's CUDA provider and hide Conv/Gemm from the int8 quantizer
+    passes = default_passes(FuseConfig(activations=precision == "fp32"))
+    model_opt, records = run_pipeline(src, passes)
+    fp16_rep = int8_rep = None
+    if precision == "fp16":
+        model_opt, rep = convert_fp16(model_opt, Fp16Config())
+        fp16_rep = rep.to_dict()
+    elif precision == "int8":
+        model_opt, int8_rep = _quantize_int8(model_opt, calib, budget, progress)
+    onnx_io.validate(model_opt, f"optimized {source}")
+
+    feeds = ({k: v[:ERROR_SAMPLES] for k, v in calib.items()} if calib is not None
+             else runtime.random_feeds(src, batch=4, seed=0))
+    errors = runtime.compare_all(runtime.run(model_opt, feeds), runtime.run(src, feeds))
+    worst = max(e.rel_l2 for e in errors.values())
+    if budget is not None and precision != "int8" and not worst <= budget:
+        raise RuntimeError(f"{source}: {precision} output error {worst:.3g} exceeds budget {budget}")
+    data = f"calibration data ({len(next(iter(feeds.values())))} samples)" if calib is not None else \
+        "seeded random inputs (no --calib)"
+    rep = report.build(source, precision, records, op_counts(src), op_counts(model_opt), errors, data, budget,
+                       fp16=fp16_rep, int8=int8_rep, sizes={"before": src.ByteSize(), "after": model_opt.ByteSize()})
+    return model_opt, rep
+
+
+__all__ = ["optimize", "check_calib", "onnx_io", "runtime", "PRECISIONS"]

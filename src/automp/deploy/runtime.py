@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
 
-_NP_OF_ONNX = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+NP_DTYPE = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
                onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,
                onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.UINT8: np.uint8,
                onnx.TensorProto.INT8: np.int8}
@@ -73,7 +73,7 @@ def random_feeds(model: onnx.ModelProto, batch: int = 2, dim: int = 4, seed: int
     feeds = {}
     for name, elem, dims in input_specs(model):
         shape = [d if isinstance(d, int) and d > 0 else (batch if k == 0 else dim) for k, d in enumerate(dims)]
-        np_type = _NP_OF_ONNX.get(elem)
+        np_type = NP_DTYPE.get(elem)
         if np_type is None:
             raise TypeError(f"input {name!r}: cannot make random data of ONNX type "
                             f"{onnx.TensorProto.DataType.Name(elem)}")

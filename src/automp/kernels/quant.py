@@ -74,7 +74,7 @@ def dequantize_weight(qw: torch.Tensor, scales: torch.Tensor, k: int) -> torch.T
         codes = torch.stack([(qw & 15), (qw >> 4)], dim=2).view(qw.shape[0], -1)[:, :k].float() - 8
     else:
         codes = qw.float()
-    group = triton.cdiv(k, scales.shape[1]) if scales.shape[1] > 1 else k
+    group = kernel_group(k, scales.shape[1]) if scales.shape[1] > 1 else k
     return codes * scales.float().repeat_interleave(group, dim=1)[:, :k]
 
 

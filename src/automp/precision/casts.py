@@ -58,6 +58,19 @@ def written_args(n: fx.Node) -> set[int]:
     return {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
 
 
+# Statistics a kernel reads as fp32 whatever the data dtype (attention's log-sum-exp, norms' saved moments).
+# Fake kernels don't check them, the real kernels would read a half-size buffer as fp32.
+_FP32_ARG_NAMES = frozenset({"logsumexp", "log_sumexp", "softmax_lse", "running_mean", "running_var", "save_mean",
+                             "save_var", "save_invstd", "rstd", "mean", "invstd"})
+
+
+def fp32_args(n: fx.Node) -> set[int]:
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return set()
+    return {i for i, a in enumerate(schema.arguments) if a.name in _FP32_ARG_NAMES}
+
+
 def _fake_run(n: fx.Node):
     def unwrap(a):
         return cost.val(a) if isinstance(a, fx.Node) else a
@@ -146,7 +159,7 @@ def _dtypes(v):
 def _retarget(n: fx.Node, d: Decision, caster: _Caster, low: torch.dtype) -> None:
     """Point each floating input of n at a version of itself in n's decided dtype (0-d tensors excepted: type
     promotion already lets them through without changing the result's dtype)."""
-    skip = {n.args[i] for i in written_args(n) if i < len(n.args) and isinstance(n.args[i], fx.Node)}
+    skip = {n.args[i] for i in written_args(n) | fp32_args(n) if i < len(n.args) and isinstance(n.args[i], fx.Node)}
     for a in float_inputs(n):
         v = cost.val(a)
         if a in skip or v.dtype not in (torch.float32, low) or v.dtype == d.dtype or v.dim() == 0:

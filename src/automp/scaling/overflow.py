@@ -14,22 +14,23 @@ from torch import Tensor
 
 @functools.lru_cache(maxsize=1)
 def _cuda_kernel() -> Callable[[list[Tensor], Tensor], Tensor] | None:
-    """automp's fused Triton kernel, when that module is present; torch's own fused op otherwise."""
+    """automp's fused Triton kernel (the `automp::unscale_and_check_` op), when that module is present; torch's own
+    fused op otherwise."""
     try:
-        from automp.kernels.reduce import unscale_and_check_
+        from automp.kernels import unscale_and_check_
     except (ImportError, AttributeError):
         return None
     return unscale_and_check_
 
 
-def _foreach_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor) -> None:
+def _foreach_unscale_and_check_(group: list[Tensor], found: Tensor, inv_scale: float) -> None:
     """Portable fallback for builds without torch's fused amp op for this device/dtype."""
-    torch._foreach_mul_(group, inv.to(group[0].dtype))
+    torch._foreach_mul_(group, inv_scale)
     peak = torch.stack([n.float() for n in torch._foreach_norm(group, float("inf"))]).sum()
     found.add_((~torch.isfinite(peak)).float().reshape(1))
 
 
-def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor) -> None:
+def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor, inv_scale: float) -> None:
     op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
     if op is not None:
         try:
@@ -37,7 +38,7 @@ def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor) -
             return
         except (RuntimeError, NotImplementedError):  # dtype/device without a fused kernel in this build
             pass
-    _foreach_unscale_and_check_(group, found, inv)
+    _foreach_unscale_and_check_(group, found, inv_scale)
 
 
 def _groups(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
@@ -58,7 +59,7 @@ def unscale_and_check_(tensors: list[Tensor], inv_scale: float) -> Tensor | None
             founds.append(kernel(group, inv).reshape(1).float())
             continue
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        _torch_unscale_and_check_(group, found, inv)
+        _torch_unscale_and_check_(group, found, inv, inv_scale)
         founds.append(found)
     return _combine(founds)
 

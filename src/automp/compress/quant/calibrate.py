@@ -97,6 +97,8 @@ def observe(model: onnx.ModelProto, calib: dict[str, np.ndarray], observers: dic
         except Exception as e:
             raise RuntimeError(f"onnxruntime failed on calibration batch {k}: {e}") from e
         for name, v in zip(names, values):
+            if v.dtype != np.float32:
+                raise RuntimeError(f"tensor {name!r} chosen for int8 calibration is {v.dtype}, not float32")
             observers[name].update(v)
         if progress is not None:
             progress(k + 1, len(todo))

@@ -78,9 +78,21 @@ def _attr(node: onnx.NodeProto, name: str, default):
     return default
 
 
+def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor shape inference can type (absent: unknown)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is best effort: unknown types are checked again at calibration time
+        inferred = model
+    g = inferred.graph
+    return {v.name: v.type.tensor_type.elem_type for v in list(g.value_info) + list(g.input) + list(g.output)
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+
+
 def find_layers(model: onnx.ModelProto, op_types: tuple[str, ...] = SUPPORTED_OPS) -> LayerScan:
     inits = {i.name: i for i in model.graph.initializer}
     is_float = lambda n: n in inits and inits[n].data_type == onnx.TensorProto.FLOAT  # noqa: E731
+    types = tensor_types(model)
     scan = LayerScan()
     for node in model.graph.node:
         if node.op_type not in op_types:
@@ -92,6 +104,10 @@ def find_layers(model: onnx.ModelProto, op_types: tuple[str, ...] = SUPPORTED_OP
         a, b = node.input[0], node.input[1]
         if a in inits:
             skip("first input is a constant: no activation to quantize")
+            continue
+        odd = [t for t in (a, b) if t not in inits and types.get(t, onnx.TensorProto.FLOAT) != onnx.TensorProto.FLOAT]
+        if odd:
+            skip(f"input {odd[0]!r} is {onnx.TensorProto.DataType.Name(types[odd[0]])}, not float32")
             continue
         if node.op_type == "MatMul":
             if b in inits and not is_float(b):

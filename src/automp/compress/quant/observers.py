@@ -149,20 +149,19 @@ class _HistogramObserver(Observer):
         if self.counts is None:
             self.counts = np.zeros((c.shape[0], bins))
             self.top = np.where(amax > 0, amax, 1.0)
-        grow = amax > self.top
-        for ch in np.nonzero(grow)[0]:
-            self.counts[ch] = self._rebin(self.counts[ch], self.top[ch], amax[ch])
-        self.top = np.where(grow, amax, self.top)
+        factor = 2 ** np.ceil(np.log2(np.maximum(amax / self.top, 1.0)))  # the range grows by powers of 2
+        for ch in np.nonzero(factor > 1)[0]:
+            self.counts[ch] = self._widen(self.counts[ch], int(factor[ch]))
+        self.top = self.top * factor
         idx = np.minimum((a / self.top[:, None] * bins).astype(np.int64), bins - 1)
         offsets = np.arange(c.shape[0])[:, None] * bins
         self.counts += np.bincount((idx + offsets).ravel(), minlength=c.shape[0] * bins).reshape(-1, bins)
 
-    def _rebin(self, counts: np.ndarray, old_top: float, new_top: float) -> np.ndarray:
-        """Move each old bin's mass to the new bin holding its centre (the range only ever widens)."""
-        bins = len(counts)
-        centres = (np.arange(bins) + 0.5) * old_top / bins
-        idx = np.minimum((centres / new_top * bins).astype(np.int64), bins - 1)
-        return np.bincount(idx, weights=counts, minlength=bins)
+    @staticmethod
+    def _widen(counts: np.ndarray, factor: int) -> np.ndarray:
+        """Range x factor: merge each run of `factor` bins into one - exact, no smearing or empty-bin comb
+        (the KL search reads empty bins as "no data here", so interpolated rebinning would bias it)."""
+        return np.bincount(np.arange(len(counts)) // factor, weights=counts, minlength=len(counts))
 
     def _threshold(self, counts: np.ndarray, top: float) -> float:
         raise NotImplementedError

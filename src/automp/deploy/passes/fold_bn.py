@@ -94,6 +94,8 @@ def _to_mul_add(g: Graph, bn: onnx.NodeProto, rank: int, s: np.ndarray, t: np.nd
 
 def fold_bn(model: onnx.ModelProto) -> onnx.ModelProto:
     out = copy_model(model)
+    if not any(n.op_type == "BatchNormalization" for n in out.graph.node):
+        return out
     types = value_types(infer_shapes(out))
     g = Graph(out)
     dead: list[onnx.NodeProto] = []

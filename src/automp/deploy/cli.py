@@ -1,0 +1,79 @@
+"""`automp optimize IN -o OUT [--precision fp32|fp16|int8] [--calib FILE.npz] [--budget B] [--report PATH]`.
+
+User errors (a corrupt or unsupported model, calibration data that does not match the inputs, int8 without
+--calib, a missed budget) print one line naming the problem and return 1; nothing is written in that case.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Sequence
+
+import numpy as np
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError, RuntimeError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="automp optimize", description="Optimize an ONNX model for deployment.")
+    p.add_argument("input", metavar="IN", help="ONNX model to optimize")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the optimized ONNX model")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--calib", metavar="FILE.npz", default=None,
+                   help="calibration inputs: one batch-first array per model input, keyed by input name "
+                        "(required for int8; used to measure the error for all precisions)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="max relative output error vs FP32 (int8: layers fall back to float until it holds)")
+    p.add_argument("--report", metavar="PATH", default=None, help="write the JSON report here")
+    return p
+
+
+def load_calib(path: str) -> dict[str, np.ndarray]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such calibration file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a readable .npz of arrays ({e})") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from automp.deploy import onnx_io, optimize, report
+
+    calib = load_calib(args.calib) if args.calib else None
+    bar = Progress(console=Console(stderr=True), transient=True)
+    task = bar.add_task("calibrating", total=None)
+
+    def progress(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    with bar if args.precision == "int8" else contextlib.nullcontext():
+        model, rep = optimize(args.input, precision=args.precision, calib=calib, budget=args.budget,
+                              progress=progress, source=args.input)
+    onnx_io.save(model, args.output)
+    onnx_io.load(args.output)  # what we promise: it loads and runs in onnxruntime CPU
+    rep["output"] = args.output
+    rep["bytes"]["file"] = os.path.getsize(args.output)
+    if args.report:
+        report.write(rep, args.report)
+    report.print_summary(rep, Console())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except USER_ERRORS as e:
+        print(f"automp optimize: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

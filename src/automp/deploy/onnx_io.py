@@ -1,0 +1,155 @@
+"""ONNX in and out: the deployment IR is an onnx.ModelProto, whichever way the model arrives.
+
+A model is accepted only if onnxruntime's CPU provider can run it, because that is the promise the optimizer makes
+about its output; the checks run in the order that gives the most precise message (decode -> op registry ->
+checker -> shape inference -> onnxruntime session), and each error names the file and the node or op at fault.
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Sequence
+
+import onnx
+
+from automp.deploy import runtime
+
+_DEFAULT_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+class UnsupportedOpError(NotImplementedError):
+    """The model uses an op (or an op/type combination) that onnxruntime's CPU provider cannot run."""
+
+
+def _source_name(src) -> str:
+    return os.fspath(src) if isinstance(src, (str, os.PathLike)) else "<bytes>"
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    op = f"{node.domain}:{node.op_type}" if node.domain else node.op_type
+    return f"node {node.name or f'#{index}'!r} (op {op})"
+
+
+def _check_registry(model: onnx.ModelProto, name: str) -> None:
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    for k, node in enumerate(model.graph.node):
+        dom = node.domain or ""
+        if dom not in _DEFAULT_DOMAINS:
+            continue  # contrib domains: only onnxruntime knows, checked when the session is built
+        version = opsets.get(dom, opsets.get("ai.onnx", 0)) if dom != "ai.onnx.ml" else opsets.get(dom, 1)
+        try:
+            onnx.defs.get_schema(node.op_type, version, dom)
+        except onnx.defs.SchemaError:
+            raise UnsupportedOpError(f"{name}: {_node_label(node, k)} is not an ONNX operator at opset {version}; "
+                                     "onnxruntime cannot run it") from None
+
+
+def _blame(model: onnx.ModelProto, message: str) -> str:
+    """The node an onnxruntime error message is about (by name, else by op type), as a label."""
+    for k, node in enumerate(model.graph.node):
+        if node.name and re.search(rf"[\s(\"'`]{re.escape(node.name)}[\s)\"',`]", message):
+            return _node_label(node, k)
+    for k, node in enumerate(model.graph.node):
+        if re.search(rf"\b{re.escape(node.op_type)}\b", message):
+            return _node_label(node, k)
+    return "the model"
+
+
+def _check_runtime(model: onnx.ModelProto, name: str) -> None:
+    try:
+        runtime.session(model, "cpu", optimize=False)
+    except Exception as e:  # noqa: BLE001 — onnxruntime raises its own exception types; re-raise with context
+        msg = str(e)
+        where = _blame(model, msg)
+        unsupported = ("not a registered function/op", "No Op registered", "Could not find an implementation",
+                       "is invalid", "NOT_IMPLEMENTED")
+        cls = UnsupportedOpError if any(s in msg for s in unsupported) else ValueError
+        raise cls(f"{name}: onnxruntime (CPUExecutionProvider) cannot run {where}: {msg}") from None
+
+
+def validate(model: onnx.ModelProto, name: str = "<model>", check_runtime: bool = True) -> onnx.ModelProto:
+    """Raise ValueError/UnsupportedOpError naming the problem; return the model unchanged when it is usable."""
+    if not model.HasField("graph") or not model.graph.output:
+        raise ValueError(f"{name}: not an ONNX model (no graph or no graph outputs)")
+    _check_registry(model, name)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise ValueError(f"{name}: invalid ONNX model: {e}") from None
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except Exception as e:  # noqa: BLE001 — onnx raises InferenceError or RuntimeError depending on version
+        raise ValueError(f"{name}: ONNX shape inference fails: {e}") from None
+    if check_runtime:
+        _check_runtime(model, name)
+    return model
+
+
+def load(src: str | os.PathLike | bytes, check_runtime: bool = True) -> onnx.ModelProto:
+    name = _source_name(src)
+    if not isinstance(src, (bytes, bytearray)) and not os.path.isfile(src):
+        raise FileNotFoundError(f"{name}: no such ONNX file")
+    try:
+        model = onnx.load_model_from_string(bytes(src)) if isinstance(src, (bytes, bytearray)) else onnx.load(src)
+    except Exception as e:  # noqa: BLE001 — protobuf DecodeError, or missing external data
+        raise ValueError(f"{name}: not a readable ONNX file ({type(e).__name__}: {e})") from None
+    return validate(model, name, check_runtime)
+
+
+def save(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Weights go to a side file only past protobuf's 2 GB limit; small models stay one self-contained file."""
+    big = model.ByteSize() > 1_800_000_000
+    onnx.save_model(model, os.fspath(path), save_as_external_data=big,
+                    location=os.path.basename(os.fspath(path)) + ".data" if big else None)
+
+
+def export_torch(module, example_inputs: Sequence, input_names: Sequence[str] | None = None,
+                 output_names: Sequence[str] | None = None, dynamic_batch: bool = True, opset: int = 18,
+                 exporter: str = "auto") -> onnx.ModelProto:
+    """Export an nn.Module (in eval mode) to ONNX with named inputs/outputs and a symbolic batch axis.
+
+    exporter: dynamo (torch.export based, torch >= 2.9 default), legacy (TorchScript), or auto = dynamo with the
+    legacy exporter as fallback, since dynamo export still rejects some models that trace fine.
+    """
+    import torch
+
+    if exporter not in ("auto", "dynamo", "legacy"):
+        raise ValueError(f"exporter must be auto, dynamo or legacy, got {exporter!r}")
+    if opset < 17:
+        raise ValueError(f"opset {opset} < 17: LayerNormalization needs opset 17")
+    args = tuple(example_inputs)
+    ins = list(input_names or [f"input_{k}" for k in range(len(args))])
+    module = module.eval()
+    errors = []
+    if exporter in ("auto", "dynamo"):
+        try:
+            dyn = None
+            if dynamic_batch:
+                batch = torch.export.Dim("batch")
+                dyn = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prog = torch.onnx.export(module, args, dynamo=True, input_names=ins, output_names=output_names,
+                                         dynamic_shapes=dyn, opset_version=opset, verbose=False)
+            return validate(prog.model_proto, f"<export of {type(module).__name__}>")
+        except Exception as e:  # noqa: BLE001 — fall back below, and report both failures if that fails too
+            if exporter == "dynamo":
+                raise
+            errors.append(f"dynamo: {type(e).__name__}: {e}")
+    import io
+    buf = io.BytesIO()
+    outs = list(output_names) if output_names else None
+    axes = None
+    if dynamic_batch:
+        axes = {n: {0: "batch"} for n in ins}
+        axes.update({n: {0: "batch"} for n in outs or []})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, args, buf, dynamo=False, input_names=ins, output_names=outs,
+                              dynamic_axes=axes, opset_version=opset)
+    except Exception as e:
+        errors.append(f"legacy: {type(e).__name__}: {e}")
+        raise RuntimeError(f"cannot export {type(module).__name__} to ONNX: " + " | ".join(errors)) from None
+    return validate(onnx.load_model_from_string(buf.getvalue()), f"<export of {type(module).__name__}>")

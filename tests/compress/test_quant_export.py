@@ -1,0 +1,68 @@
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+import automp.compress.quant.export as export_mod
+from automp.compress.quant.export import export_float, export_qat_onnx
+from automp.compress.quant.qat import convert_qat, prepare_qat
+from tests.compress.helpers import ort_run, rel_err
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+
+
+def test_export_falls_back_to_torchscript_exporter(monkeypatch):
+    real = torch.onnx.export
+    calls = []
+
+    def no_dynamo(*args, dynamo=True, **kw):
+        calls.append(dynamo)
+        if dynamo:
+            raise RuntimeError("simulated dynamo exporter failure")
+        return real(*args, dynamo=False, **kw)
+
+    monkeypatch.setattr(torch.onnx, "export", no_dynamo)
+    model, x = _mlp(), torch.randn(5, 6)
+    proto = export_float(model, (x[:2],), ["x"], ["y"])
+    assert calls == [True, False]
+    with torch.no_grad():
+        assert rel_err(ort_run(proto, {"x": x.numpy()})[0], model(x).numpy()) < 1e-6  # dynamic batch works
+
+
+def test_export_reports_both_failures(monkeypatch):
+    def broken(*args, dynamo=True, **kw):
+        raise RuntimeError(f"boom dynamo={dynamo}")
+
+    monkeypatch.setattr(torch.onnx, "export", broken)
+    with pytest.raises(RuntimeError, match="(?s)both exporters.*boom dynamo=True.*boom dynamo=False"):
+        export_float(_mlp(), (torch.randn(2, 6),))
+
+
+def test_qat_export_matches_layers_by_weight_value_when_names_change(monkeypatch):
+    """Exporters may rename initializers; the QAT writer then finds each layer by its weight values."""
+    model = prepare_qat(_mlp())
+    x = torch.randn(32, 6)
+    model(x)
+    convert_qat(model)
+    real = export_mod.export_float
+
+    def renamed(*args, **kw):
+        proto = real(*args, **kw)
+        for init in proto.graph.initializer:
+            old, init.name = init.name, f"param_{abs(hash(init.name)) % 10000}"
+            for node in proto.graph.node:
+                node.input[:] = [init.name if i == old else i for i in node.input]
+        return proto
+
+    monkeypatch.setattr(export_mod, "export_float", renamed)
+    proto = export_qat_onnx(model, (x[:2],), ["x"], ["y"])
+    int8_weights = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT8 and i.dims != [3]
+                    and i.dims != [8]]
+    assert sorted(tuple(i.dims) for i in int8_weights) == [(3, 8), (8, 6)]
+    with torch.no_grad():
+        ref = model(x).numpy()
+    assert rel_err(ort_run(proto, {"x": x.numpy()})[0], ref) < 1e-2

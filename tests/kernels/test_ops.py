@@ -1,0 +1,60 @@
+"""The torch.library side: schemas/fake impls (opcheck), tracing under torch.compile, and the CPU torch fallback."""
+import pytest
+import torch
+
+import automp.kernels as K
+from automp.kernels import ops
+from kernel_testutil import TOL, rel_err
+
+
+def _cases():
+    h = torch.float16
+    qw8, s8 = K.quantize_weight_int8(torch.randn(24, 64), 32)
+    qw4, s4 = K.quantize_weight_int4(torch.randn(24, 63), 32)
+    a8 = torch.randint(-128, 128, (9, 40), dtype=torch.int8)
+    b8 = torch.randint(-128, 128, (40, 12), dtype=torch.int8)
+    return [
+        (torch.ops.automp.gemv, (torch.randn(24, 40, dtype=h), torch.randn(40, 3, dtype=h))),
+        (torch.ops.automp.gemm, (torch.randn(9, 40, dtype=h), torch.randn(40, 12, dtype=h))),
+        (torch.ops.automp.quant_gemv, (qw8, s8, torch.randn(64, dtype=h))),
+        (torch.ops.automp.quant_gemm, (torch.randn(3, 63, dtype=h), qw4, s4)),
+        (torch.ops.automp.int8_gemm, (a8, b8, torch.rand(9), torch.rand(12), torch.randn(12),
+                                      torch.randint(-5, 5, (9,), dtype=torch.int32), torch.float32)),
+        (torch.ops.automp.unscale_and_check_, ([torch.randn(50), torch.randn(3, 3)], torch.tensor([0.5]))),
+        (torch.ops.automp.cast, (torch.randn(7, 5), torch.bfloat16)),
+    ]
+
+
+@pytest.mark.parametrize("op,args", _cases(), ids=lambda v: getattr(v, "__name__", ""))
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_ops_trace_under_torch_compile():
+    w = torch.randn(32, 48, dtype=torch.float16)
+    x = torch.randn(48, dtype=torch.float16)
+    qw, s = K.quantize_weight_int8(torch.randn(16, 32), 32)
+
+    def f(w, x):
+        y = K.gemv(w, x)  # [32]
+        return K.quant_gemv(qw, s, y)  # [16]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    ref = K.dequantize_weight(qw, s, 32).double() @ (w.double() @ x.double())
+    assert rel_err(compiled(w, x), ref) < 5 * TOL[torch.float16]
+
+
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    """With TRITON_INTERPRET unset, CPU calls take the torch reference path, which must agree with float64."""
+    monkeypatch.setattr(ops, "INTERPRET", False)
+    assert not ops.use_triton(torch.empty(1))
+    a, b = torch.randn(13, 30, dtype=torch.bfloat16), torch.randn(30, 11, dtype=torch.bfloat16)
+    assert rel_err(K.gemm(a, b), a.double() @ b.double()) < TOL[torch.bfloat16]
+    qw, s = K.quantize_weight_int4(torch.randn(11, 30), 32)
+    assert rel_err(K.quant_gemm(a, qw, s), a.double() @ K.dequantize_weight(qw, s, 30).double().T) < 1.2e-2
+    a8 = torch.randint(-128, 128, (5, 30), dtype=torch.int8)
+    b8 = torch.randint(-128, 128, (30, 4), dtype=torch.int8)
+    assert torch.equal(K.int8_gemm(a8, b8, torch.ones(5), torch.ones(4), out_dtype=torch.float32),
+                       (a8.int() @ b8.int()).float())
+    grads = [torch.tensor([1.0, float("nan")]), torch.randn(4)]
+    assert K.unscale_and_check_(grads, torch.tensor([2.0])).item() == 1.0
