@@ -98,6 +98,16 @@ def test_clip_search_clips_heavy_tails_and_beats_minmax(method):
     assert mse_clip < 0.9 * mse_minmax
 
 
+@pytest.mark.parametrize("method", ["percentile", "mse", "entropy"])
+def test_per_channel_equals_per_tensor_on_each_channel(method):
+    rng = np.random.default_rng(7)
+    w = (rng.laplace(size=(3, 4000)) * np.array([[0.5], [1.0], [3.0]])).astype(np.float32)
+    s, z = _observe(method, w, axis=0).qparams()
+    assert s.shape == (3,) and z.shape == (3,)
+    for c in range(3):
+        np.testing.assert_allclose(s[c], _observe(method, w[c]).qparams()[0], rtol=1e-6)
+
+
 def test_mse_never_worse_than_minmax_on_gaussian():
     x = np.random.default_rng(5).normal(size=20_000).astype(np.float32)
     assert _mse(x, "mse")[0] <= _mse(x, "minmax")[0] * 1.01

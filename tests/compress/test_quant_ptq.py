@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -33,6 +35,7 @@ def test_static_ptq_cnn(cnn_onnx, task):
     assert {w.name for w in int8_weights} >= {"conv1.weight_quantized", "fc2.weight_quantized"}
     assert not any(i.name == "conv1.weight" for i in qmodel.graph.initializer)  # float copy dropped
     assert len(report["quantized"]) == 4 and report["float"] == []
+    assert json.loads(json.dumps(report)) == report  # plain JSON for `automp optimize --report`
     # ORT turned the QDQ patterns into int8 kernels
     assert report["ort_int8_kernels"].get("QLinearConv", 0) == 2
     # fresh data, not the calibration set
@@ -161,3 +164,22 @@ def test_bad_inputs_give_clear_errors(cnn_onnx, task):
     wrong_shape = {"image": np.ones((4, 3, 12, 12), np.float32)}
     with pytest.raises(RuntimeError, match="calibration batch 0"):
         quantize_onnx(cnn_onnx, wrong_shape, PTQConfig())
+
+
+def test_non_float_layers_are_reported_and_left_alone():
+    """A float32 model with an fp16 island: the fp16 MatMul is skipped with a reason, the float Gemm is int8."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(size=(8, 4)).astype(np.float16), "w16")]
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc"),
+             helper.make_node("Cast", ["h"], ["h16"], to=TensorProto.FLOAT16, name="to_half"),
+             helper.make_node("MatMul", ["h16", "w16"], ["y16"], name="half_mm"),
+             helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT, name="to_float")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.normal(size=(32, 8)).astype(np.float32)
+    qmodel, report = quantize_onnx(model, {"x": x}, PTQConfig())
+    assert [q["name"] for q in report["quantized"]] == ["fc"]
+    assert report["float"] == [{"name": "half_mm", "op": "MatMul", "reason": "input 'h16' is FLOAT16, not float32"}]
+    assert rel_err(ort_run(qmodel, {"x": x})[0], ort_run(model, {"x": x})[0]) < INT8_TOL

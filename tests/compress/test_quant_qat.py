@@ -106,3 +106,14 @@ def test_qat_finetune_and_onnx_export_keep_top1(trained_cnn, task):
     got = ort_run(proto, {"image": xt})[0]
     assert rel_err(got, ref) < 1e-2  # ORT int8 kernels vs torch fake quant: same grid, int32 bias rounding
     assert onnx_accuracy(proto, xt, yt) >= fp32_acc - ONE_POINT
+
+
+def test_qat_keeps_the_model_dtype():
+    model = prepare_qat(nn.Sequential(nn.Linear(8, 4)).to(torch.bfloat16))
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    model(x)  # observe
+    y = model(x)
+    assert y.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = model[0].weight.float() @ x.float().T
+    assert rel_err(y.float().numpy().T, ref.numpy()) < 3e-2  # bf16 rounding + int8 grid

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from automp.graph.attention import lower_attention_inputs
 from automp.precision.paint import PrecisionConfig
 from automp.precision.pipeline import apply_precision
 from automp.precision.report import Recorder
@@ -57,6 +58,8 @@ def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inne
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         try:
+            if config.dtype != torch.float32:
+                lower_attention_inputs(gm, config.dtype)
             return compile_graph(gm, example_inputs)
         except Exception as e:  # noqa: BLE001 - reported FP32 fallback, see docstring
             if recorder is not None:

@@ -70,6 +70,7 @@ class FakeQuant(nn.Module):
         self.register_buffer("initialized", torch.tensor(False))
         self.qmin, self.qmax = QRANGES[observer.dtype]
         self._observer = None
+        self._ready = False
 
     def set_qparams(self, scale: np.ndarray, zero_point: np.ndarray) -> None:
         self.qmin, self.qmax = QRANGES[str(zero_point.dtype)]
@@ -92,8 +93,14 @@ class FakeQuant(nn.Module):
     def effective_scale(self) -> torch.Tensor:
         return self.scale.clamp_min(1e-12)
 
+    def is_ready(self) -> bool:
+        """Cached host-side copy of the `initialized` buffer: no device sync per forward once set."""
+        if not self._ready:
+            self._ready = bool(self.initialized)
+        return self._ready
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not bool(self.initialized):
+        if not self.is_ready():
             raise RuntimeError("FakeQuant used before its scale was initialised (no observed forward pass)")
         per = x.numel() // (1 if self.axis is None else x.shape[self.axis])
         s = _grad_scale(self.effective_scale(), 1.0 / math.sqrt(per * self.qmax))
@@ -103,7 +110,7 @@ class FakeQuant(nn.Module):
             view[self.axis] = -1
             s, z = s.view(view), z.view(view)
         v = torch.clamp(x / s + z, self.qmin, self.qmax)
-        return (_round_ste(v) - z) * s
+        return ((_round_ste(v) - z) * s).to(x.dtype)
 
 
 class _QATMixin:
@@ -121,7 +128,7 @@ class _QATMixin:
 
     def _quant_input(self, x: torch.Tensor) -> torch.Tensor:
         fq = self.input_fq
-        if bool(fq.initialized):
+        if fq.is_ready():
             return fq(x)
         fq.observe(x)
         self.observed += 1
@@ -187,7 +194,7 @@ def convert_qat(model: nn.Module) -> nn.Module:
     if not layers:
         raise ValueError("convert_qat: model has no QAT layers (call prepare_qat first)")
     for name, m in layers.items():
-        if not bool(m.input_fq.initialized):
+        if not m.input_fq.is_ready():
             raise RuntimeError(f"QAT layer {name!r} never saw an input: run at least "
                                f"{m.observe_batches} training forward pass(es) before convert_qat")
         for fq in (m.weight_fq, m.input_fq):

@@ -1,0 +1,82 @@
+"""The capture backend and enable(): which modules get compiled, what the report holds, how failures fall back."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import automp
+from automp.graph import capture
+from automp.precision.paint import PrecisionConfig
+from automp.precision.report import Recorder
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    torch._dynamo.reset()
+    yield
+    automp.disable()
+
+
+def test_enable_compiles_root_modules_only_and_writes_report(tmp_path):
+    torch.manual_seed(0)
+    net, loss_fn = Net(), nn.CrossEntropyLoss()
+    x, y = torch.randn(512, 256), torch.randint(0, 8, (512,))
+    path = tmp_path / "r.json"
+    automp.enable(dtype="bf16", report=str(path), inner="eager")
+    loss = loss_fn(net(x), y)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    automp.disable()
+    rep = json.loads(path.read_text())
+    assert set(rep) >= {"device", "dtype", "graphs", "loss_scale"}
+    assert rep["dtype"] == "bfloat16"
+    names = {g["name"] for g in rep["graphs"]}
+    assert names == {"Net.0.forward", "Net.0.backward"}  # no separate graphs for nested or parameterless modules
+    for g in rep["graphs"]:
+        assert set(g["casts"]) == {"inserted", "eliminated", "remaining"}
+        for n in g["nodes"]:
+            assert set(n) == {"name", "op", "dtype", "reason"} and n["reason"]
+    fwd = next(g for g in rep["graphs"] if g["kind"] == "forward")
+    assert any(n["op"] == "addmm" and n["dtype"] == "bfloat16" for n in fwd["nodes"])
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in net.parameters())
+
+
+def test_disable_restores_plain_module_calls():
+    net = Net()
+    automp.enable(dtype="bf16", inner="eager")
+    automp.disable()
+    assert nn.Module.__call__ is automp._ORIG_CALL
+    assert not automp.is_enabled()
+    x = torch.randn(4, 256)
+    assert torch.equal(net(x), net.forward(x))
+
+
+def test_failure_inside_the_pass_falls_back_to_fp32_and_is_reported(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("simulated pass failure")
+
+    monkeypatch.setattr(capture, "apply_precision", broken)
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(64, 256)
+    rec = Recorder()
+    compiled = torch.compile(net, backend=capture.make_backend(PrecisionConfig(), rec, inner="eager", label="Net"))
+    out = compiled(x)
+    assert torch.allclose(out, net(x), rtol=1e-5, atol=1e-6)  # FP32 result
+    assert rec.fallbacks and "simulated pass failure" in rec.fallbacks[0]["reason"]
+
+
+def test_bad_dtype_is_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match="unsupported dtype 'int3'"):
+        automp.enable(dtype="int3")
+    assert not automp.is_enabled()
