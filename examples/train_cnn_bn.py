@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 p = argparse.ArgumentParser()
-p.add_argument("--steps", type=int, default=60)
+p.add_argument("--steps", type=int, default=40)
 p.add_argument("--batch", type=int, default=128)
 args = p.parse_args()
 torch.manual_seed(0)
@@ -31,7 +31,7 @@ def conv_bn(cin: int, cout: int) -> nn.Sequential:
 
 model = nn.Sequential(conv_bn(3, 32), nn.MaxPool2d(2), conv_bn(32, 64), nn.MaxPool2d(2), conv_bn(64, 128),
                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 train_gen, eval_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
 eval_x, eval_y = batch(512, eval_gen)
 model.train()

@@ -43,9 +43,8 @@ def _outlier_mlp() -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     w1 = rng.normal(0, 0.3, (16, 32)).astype(np.float32)
     w1[0] *= 1e-4
-    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(rng.normal(0, 0.1, 32).astype(np.float32), "b1"),
-             numpy_helper.from_array(rng.normal(0, 0.3, (32, 4)).astype(np.float32), "w2"),
-             numpy_helper.from_array(rng.normal(0, 0.1, 4).astype(np.float32), "b2")]
+    arrays = {"w1": w1, "b1": rng.normal(0, 0.1, 32), "w2": rng.normal(0, 0.3, (32, 4)), "b2": rng.normal(0, 0.1, 4)}
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
              helper.make_node("Relu", ["h"], ["r"], name="relu"),
              helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2")]

@@ -108,6 +108,20 @@ def test_per_channel_equals_per_tensor_on_each_channel(method):
         np.testing.assert_allclose(s[c], _observe(method, w[c]).qparams()[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["entropy", "mse"])
+def test_clip_search_keeps_the_range_of_uniform_data(method):
+    """No tails to trade away: clipping a uniform distribution only piles mass on the last level."""
+    x = np.random.default_rng(8).uniform(-1, 1, 100_000).astype(np.float32)
+    s, _ = _observe(method, x).qparams()
+    assert s * 127 > 0.95 * np.abs(x).max()
+
+
+def test_percentile_hand_case_on_uniform_data():
+    x = np.random.default_rng(9).uniform(-1, 1, 200_000).astype(np.float32)
+    s, _ = _observe("percentile", x, percentile=99.0).qparams()
+    assert s * 127 == pytest.approx(0.99, abs=2e-3)  # P(|x| <= t) = t for |x| ~ U(0, 1)
+
+
 def test_mse_never_worse_than_minmax_on_gaussian():
     x = np.random.default_rng(5).normal(size=20_000).astype(np.float32)
     assert _mse(x, "mse")[0] <= _mse(x, "minmax")[0] * 1.01

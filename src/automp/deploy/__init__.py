@@ -33,6 +33,12 @@ def _quantize_int8(model: onnx.ModelProto, calib: dict[str, np.ndarray], budget:
     return quantize_onnx(model, calib, PTQConfig(), budget=budget, progress=progress)
 
 
+def _signature(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
+    inits = {t.name for t in model.graph.initializer}
+    return [(kind, v.name, v.type.tensor_type.elem_type) for kind, vals in (("in", model.graph.input),
+            ("out", model.graph.output)) for v in vals if v.name not in inits]
+
+
 def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray], source: str = "calibration data"
                 ) -> dict[str, np.ndarray]:
     """One batch-first array per model input, matching its name, rank and dtype family."""
@@ -68,15 +74,16 @@ def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] |
     if budget is not None and budget <= 0:
         raise ValueError(f"budget must be > 0, got {budget}")
     if isinstance(model, onnx.ModelProto):
-        src = onnx_io.validate(model, source or "<model>")
+        src = onnx_io.validate(model, source or "<model>", check_runtime=False)
     elif isinstance(model, (str, bytes, bytearray)) or hasattr(model, "__fspath__"):
-        src = onnx_io.load(model)
+        src = onnx_io.load(model, check_runtime=False)
     elif example_inputs is not None:
         src = onnx_io.export_torch(model, example_inputs, input_names, output_names)
     else:
         raise TypeError(f"optimize takes an ONNX model/path/bytes, or a torch module with example_inputs; got "
                         f"{type(model).__name__}")
     source = source or (str(model) if isinstance(model, str) else f"<{type(model).__name__}>")
+    ref_session = onnx_io.checked_session(src, source)  # the runtime check of the input, reused for the error
     if calib is not None:
         calib = check_calib(src, calib)
     elif precision == "int8":
@@ -92,11 +99,15 @@ def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] |
         fp16_rep = rep.to_dict()
     elif precision == "int8":
         model_opt, int8_rep = _quantize_int8(model_opt, calib, budget, progress)
-    onnx_io.validate(model_opt, f"optimized {source}")
+    onnx_io.validate(model_opt, f"optimized {source}", check_runtime=False)
+    if _signature(model_opt) != _signature(src):
+        raise RuntimeError(f"{source}: optimization changed the model's inputs/outputs from {_signature(src)} to "
+                           f"{_signature(model_opt)}; this is a bug")
+    opt_session = onnx_io.checked_session(model_opt, f"optimized {source}")
 
     feeds = ({k: v[:ERROR_SAMPLES] for k, v in calib.items()} if calib is not None
              else runtime.random_feeds(src, batch=4, seed=0))
-    errors = runtime.compare_all(runtime.run(model_opt, feeds), runtime.run(src, feeds))
+    errors = runtime.compare_all(runtime.run(opt_session, feeds), runtime.run(ref_session, feeds))
     worst = max(e.rel_l2 for e in errors.values())
     if budget is not None and precision != "int8" and not worst <= budget:
         raise RuntimeError(f"{source}: {precision} output error {worst:.3g} exceeds budget {budget}")

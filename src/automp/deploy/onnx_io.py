@@ -6,6 +6,7 @@ checker -> shape inference -> onnxruntime session), and each error names the fil
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -56,9 +57,10 @@ def _blame(model: onnx.ModelProto, message: str) -> str:
     return "the model"
 
 
-def _check_runtime(model: onnx.ModelProto, name: str) -> None:
+def checked_session(model: onnx.ModelProto, name: str = "<model>", optimize: bool = True):
+    """An onnxruntime CPU session, or an error that names the node onnxruntime could not handle."""
     try:
-        runtime.session(model, "cpu", optimize=False)
+        return runtime.session(model, "cpu", optimize=optimize)
     except Exception as e:  # noqa: BLE001 — onnxruntime raises its own exception types; re-raise with context
         msg = str(e)
         where = _blame(model, msg)
@@ -82,7 +84,7 @@ def validate(model: onnx.ModelProto, name: str = "<model>", check_runtime: bool 
     except Exception as e:  # noqa: BLE001 — onnx raises InferenceError or RuntimeError depending on version
         raise ValueError(f"{name}: ONNX shape inference fails: {e}") from None
     if check_runtime:
-        _check_runtime(model, name)
+        checked_session(model, name, optimize=False)
     return model
 
 
@@ -102,6 +104,26 @@ def save(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     big = model.ByteSize() > 1_800_000_000
     onnx.save_model(model, os.fspath(path), save_as_external_data=big,
                     location=os.path.basename(os.fspath(path)) + ".data" if big else None)
+
+
+def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
+    """Rename tensor `old` to `new` everywhere in the main graph, first moving any other tensor called `new`."""
+    if old == new:
+        return
+    g = model.graph
+    taken = {n for node in g.node for n in list(node.input) + list(node.output)} | \
+        {t.name for t in g.initializer} | {v.name for v in list(g.input) + list(g.output)}
+    if new in taken:
+        k = 0
+        while f"{new}_{k}" in taken:
+            k += 1
+        _rename(model, new, f"{new}_{k}")
+    for node in g.node:
+        node.input[:] = [new if i == old else i for i in node.input]
+        node.output[:] = [new if o == old else o for o in node.output]
+    for v in list(g.input) + list(g.output) + list(g.value_info) + list(g.initializer):
+        if v.name == old:
+            v.name = new
 
 
 def export_torch(module, example_inputs: Sequence, input_names: Sequence[str] | None = None,
@@ -128,11 +150,24 @@ def export_torch(module, example_inputs: Sequence, input_names: Sequence[str] | 
             if dynamic_batch:
                 batch = torch.export.Dim("batch")
                 dyn = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                prog = torch.onnx.export(module, args, dynamo=True, input_names=ins, output_names=output_names,
-                                         dynamic_shapes=dyn, opset_version=opset, verbose=False)
-            return validate(prog.model_proto, f"<export of {type(module).__name__}>")
+            quiet = logging.getLogger("torch.onnx")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # "torchvision is not installed" and similar notes are not our problem
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    prog = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dyn, opset_version=opset,
+                                             verbose=False)
+            finally:
+                quiet.setLevel(level)
+            # naming is done here, not by the exporter: its renaming can collide with an internal value of the
+            # same name (seen with output "embedding" on a BERT) and produce a non-SSA graph
+            model = prog.model_proto
+            for vi, new in zip(list(model.graph.input), ins):
+                _rename(model, vi.name, new)
+            for vi, new in zip(list(model.graph.output), output_names or []):
+                _rename(model, vi.name, new)
+            return validate(model, f"<export of {type(module).__name__}>")
         except Exception as e:  # noqa: BLE001 — fall back below, and report both failures if that fails too
             if exporter == "dynamo":
                 raise

@@ -27,8 +27,10 @@ _DOT_UPCAST = tl.constexpr(INTERPRET)
 def half_dot(a, b, acc):
     """acc + a @ b for fp16/bf16 tiles, fp32 accumulation."""
     if _DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 def num_sms(device: torch.device) -> int:
@@ -42,7 +44,8 @@ def _vec_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 2), (16, 512, 8, 3),
-                                 (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (32, 512, 8, 2)]]
+                                 (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (32, 512, 8, 2),
+                                 (8, 1024, 4, 2), (16, 1024, 8, 2)]]
 
 
 def _batched_configs() -> list[triton.Config]:
@@ -111,13 +114,15 @@ def _gemv_batched_kernel(w_ptr, x_ptr, y_ptr, N, K, B, stride_wn, stride_wk, str
 
 
 def split_k_for(n: int, k: int, device: torch.device) -> int:
-    """Enough K-slices that ~2 waves of 32-row programs exist; never slices shorter than 512 elements.
+    """Split K only when even 16-row programs cannot fill the SMs; then aim at ~2 waves, slices >= 512 long.
 
-    Large N needs no split: the extra fp32 buffer, memset and cast would cost more than the idle SMs.
+    Otherwise the split's fp32 buffer, memset and final cast cost more than the idle SMs would.
     """
-    rows = triton.cdiv(n, 32)
-    want = triton.cdiv(2 * num_sms(device), rows)
-    return max(1, min(want, k // 512, 32))
+    rows = triton.cdiv(n, 16)
+    sms = num_sms(device)
+    if rows >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, rows), k // 512, 32))
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, split_k: int | None = None) -> torch.Tensor:

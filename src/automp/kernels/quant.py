@@ -97,49 +97,66 @@ def quantize_rowwise_int8(x: torch.Tensor, asymmetric: bool = False):
 
 
 # ----------------------------------------------------------------------------------------------- weight-only GEMV
-def _group_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
-    group = {**nargs, **kw}["GROUP"]
-    fit = [c for c in configs if c.kwargs["BLOCK_K"] <= group]
-    return fit or configs[:1]
+@triton.jit
+def _i8_to_f32(q):
+    """int8 -> fp32 without the quarter-rate I2F: the float with bits 0x4B000000 + 128 + q is 2^23 + 128 + q."""
+    return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _u4_to_f32(u):
+    """Stored nibble u (int32, 0..15) -> code u - 8, by the same exponent trick."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _codes_f32(q_ptr, rn, n_mask, k0, K, KP, stride_qn, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of weight codes at column k0, as fp32 (int4: nibbles re-interleaved along K)."""
+    if BITS == 8:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_ptr + rn[:, None] * stride_qn + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
+                    other=0)
+        w = _i8_to_f32(q)
+    else:
+        rj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(q_ptr + rn[:, None] * stride_qn + rj[None, :],
+                    mask=n_mask[:, None] & (rj < KP)[None, :], other=0).to(tl.int32)
+        w = tl.reshape(tl.join(_u4_to_f32(p & 15), _u4_to_f32(p >> 4)), (BLOCK_N, BLOCK_K))
+    return w
 
 
 def _qgemv_configs() -> list[triton.Config]:
-    if INTERPRET:
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
+    if INTERPRET:  # BLOCK_K 64: group 32 takes the multi-group path, 64 and per-channel the one-group path
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(16, 128, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),
-                                 (32, 64, 4, 4), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)]]
+            for bn, bk, w, s in [(16, 512, 4, 2), (32, 512, 8, 2), (16, 1024, 8, 2), (32, 256, 4, 3),
+                                 (64, 256, 8, 2), (16, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3)]]
 
 
-@triton.autotune(configs=_qgemv_configs(), key=["N", "K", "GROUP", "BITS"],
-                 prune_configs_by={"early_config_prune": _group_prune})
+@triton.autotune(configs=_qgemv_configs(), key=["N", "K", "GROUP", "BITS"])
 @triton.jit
-def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_qn, stride_sn, stride_xk,
+def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, y_ptr, N, K, KP, stride_qn, stride_sn, stride_xk,
                     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K // (8 // BITS)), dtype=tl.float32)
-    if BITS == 8:
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = rk < K
-            q = tl.load(q_ptr + rn[:, None] * stride_qn + rk[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0)
+    n_groups = tl.cdiv(K, GROUP)
+    if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:  # the tile spans BLOCK_K // GROUP groups: reduce each group, then scale it
+        acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rk * stride_xk, mask=rk < K, other=0.0).to(tl.float32)
+        prod = _codes_f32(q_ptr, rn, n_mask, k0, K, KP, stride_qn, BITS, BLOCK_N, BLOCK_K) * x[None, :]
+        if BLOCK_K <= GROUP:
             s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_mask, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + rk * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
-            acc += q.to(tl.float32) * x[None, :] * s[:, None]
-    else:
-        kp = (K + 1) // 2
-        for j0 in range(0, kp, BLOCK_K // 2):
-            rj = j0 + tl.arange(0, BLOCK_K // 2)
-            p = tl.load(q_ptr + rn[:, None] * stride_qn + rj[None, :], mask=n_mask[:, None] & (rj < kp)[None, :],
-                        other=0)
-            s = tl.load(s_ptr + rn * stride_sn + (2 * j0) // GROUP, mask=n_mask, other=0.0).to(tl.float32)
-            xe = tl.load(x_ptr + 2 * rj * stride_xk, mask=2 * rj < K, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + (2 * rj + 1) * stride_xk, mask=2 * rj + 1 < K, other=0.0).to(tl.float32)
-            lo = (p & 15).to(tl.float32) - 8.0
-            hi = (p >> 4).to(tl.float32) - 8.0
-            acc += (lo * xe[None, :] + hi * xo[None, :]) * s[:, None]
+            acc += prod * s[:, None]
+        else:
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=n_mask[:, None] & (g < n_groups)[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * s
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
@@ -164,53 +181,72 @@ def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch
     bits = 4 if qw.dtype == torch.uint8 else 8
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _wq_gemv_kernel[grid](qw, scales, x, y, n, k, qw.stride(0), scales.stride(0), x.stride(0),
+    _wq_gemv_kernel[grid](qw, scales, x, y, n, k, qw.shape[1], qw.stride(0), scales.stride(0), x.stride(0),
                           kernel_group(k, scales.shape[1]), bits)
     return y
 
 
 # ----------------------------------------------------------------------------------------------- weight-only GEMM
 def _qgemm_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
-    return _group_prune(prune_by_m(configs, nargs), nargs, **kw)
+    """Skinny/square family by M, and tiles no deeper than a group (one scale per column per tile)."""
+    group = {**nargs, **kw}["GROUP"]
+    by_m = prune_by_m(configs, nargs)
+    return [c for c in by_m if c.kwargs["BLOCK_K"] <= group] or by_m[:1]
 
 
-_Q_SQUARE = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4)]
-_Q_SKINNY = [(16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-             (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (16, 64, 64, 4, 4)]
+@triton.jit
+def _weight_tile_t(q_ptr, rqn, k0, K, KP, stride_qn, BITS: tl.constexpr, A_FP16: tl.constexpr, dt: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized-code tile [BLOCK_K, BLOCK_N] in the activation dtype (exact: codes are small integers).
+
+    fp16 builds the halves directly (0x6400 | u is the half 1024 + u), skipping two quarter-rate conversions.
+    """
+    if BITS == 8:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_ptr + rqn[:, None] * stride_qn + rk[None, :], mask=(rk < K)[None, :], other=0)
+        if A_FP16:
+            w = (q.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+        else:
+            w = _i8_to_f32(q).to(dt)
+    else:
+        rj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(q_ptr + rqn[:, None] * stride_qn + rj[None, :], mask=(rj < KP)[None, :], other=0)
+        if A_FP16:
+            p = p.to(tl.int16)
+            lo = ((p & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+            hi = ((p >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        else:
+            p = p.to(tl.int32)
+            lo = _u4_to_f32(p & 15).to(dt)
+            hi = _u4_to_f32(p >> 4).to(dt)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    return tl.trans(w)
+
+
+_Q_SQUARE = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 64, 128, 4, 4)]
+_Q_SKINNY = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 32, 128, 4, 4), (32, 64, 128, 4, 4),
+             (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4)]
 
 
 @triton.autotune(configs=mm_configs(_Q_SQUARE, _Q_SKINNY, (16, 16, 32, 4, 1)), key=["M", "N", "K", "GROUP", "BITS"],
                  prune_configs_by={"early_config_prune": _qgemm_prune})
 @triton.jit
-def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_qn, stride_sn,
-                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, KP, stride_am, stride_ak, stride_qn, stride_sn,
+                    GROUP: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rqn = rn % N
     a_rows = a_ptr + (rm % M)[:, None] * stride_am
-    q_cols = q_ptr + (rn % N)[None, :] * stride_qn
-    s_cols = s_ptr + (rn % N) * stride_sn
     dt = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if BITS == 8:
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
-            q = tl.load(q_cols + rk[:, None], mask=rk[:, None] < K, other=0)
-            s = tl.load(s_cols + k0 // GROUP).to(tl.float32)
-            acc += half_dot(a, q.to(tl.float32).to(dt), tl.zeros((BLOCK_M, BLOCK_N), tl.float32)) * s[None, :]
-    else:
-        kp = (K + 1) // 2
-        for j0 in range(0, kp, BLOCK_K // 2):
-            rj = j0 + tl.arange(0, BLOCK_K // 2)
-            p = tl.load(q_cols + rj[:, None], mask=rj[:, None] < kp, other=0)
-            ae = tl.load(a_rows + (2 * rj)[None, :] * stride_ak, mask=(2 * rj)[None, :] < K, other=0.0)
-            ao = tl.load(a_rows + (2 * rj + 1)[None, :] * stride_ak, mask=(2 * rj + 1)[None, :] < K, other=0.0)
-            lo = ((p & 15).to(tl.float32) - 8.0).to(dt)  # via fp32: exact, and the interpreter
-            hi = ((p >> 4).to(tl.float32) - 8.0).to(dt)  # cannot convert ints to bf16 directly
-            s = tl.load(s_cols + (2 * j0) // GROUP).to(tl.float32)
-            acc += half_dot(ao, hi, half_dot(ae, lo, tl.zeros((BLOCK_M, BLOCK_N), tl.float32))) * s[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
+        w = _weight_tile_t(q_ptr, rqn, k0, K, KP, stride_qn, BITS, A_FP16, dt, BLOCK_N, BLOCK_K)
+        s = tl.load(s_ptr + rqn * stride_sn + k0 // GROUP).to(tl.float32)
+        acc += half_dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32)) * s[None, :]
     c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -222,8 +258,8 @@ def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch
     bits = 4 if qw.dtype == torch.uint8 else 8
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _wq_gemm_kernel[grid](a, qw, scales, c, m, n, k, a.stride(0), a.stride(1), qw.stride(0), scales.stride(0),
-                          kernel_group(k, scales.shape[1]), bits)
+    _wq_gemm_kernel[grid](a, qw, scales, c, m, n, k, qw.shape[1], a.stride(0), a.stride(1), qw.stride(0),
+                          scales.stride(0), kernel_group(k, scales.shape[1]), bits, a.dtype == torch.float16)
     return c
 
 
@@ -256,7 +292,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, col
         else:
             a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
             b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     m_mask = rm < M

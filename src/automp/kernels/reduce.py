@@ -16,7 +16,7 @@ import triton.language as tl
 from automp.kernels.gemv import INTERPRET
 
 CHUNK = 1024 if INTERPRET else 4096
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a jit global must be a constexpr
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _TABLE_CACHE = 16
 

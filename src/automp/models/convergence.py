@@ -31,9 +31,11 @@ SIZES = {"tiny": Size(width=16, batch=32, steps=60), "full": Size(width=128, bat
 
 
 class Task:
-    """One family. Subclasses set `metric_name`/`higher_is_better` and build in `setup`."""
+    """One family. Subclasses set `metric_name`/`higher_is_better`/`tolerance` (how far, in the metric's units, a
+    low-precision run may trail FP32 and still count as converged) and build in `setup`."""
     metric_name = "loss"
     higher_is_better = False
+    tolerance = 0.05
     lr = 3e-3
     steps_factor = 1.0  # families that need longer than the size's default
 
@@ -92,12 +94,12 @@ class Classifier(Task):
     def setup(self, w: int) -> None:
         self.templates = torch.randn(4, 1, 12, 12, generator=self.gen)
         self.model = nn.Sequential(nn.Conv2d(1, w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                   nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                                   nn.Flatten(), nn.Linear(2 * w, 4))
+                                   nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                   nn.Flatten(), nn.Linear(2 * w * 9, 4))
 
     def batch(self, n: int) -> tuple[Tensor, ...]:
         y = torch.randint(0, 4, (n,), generator=self.gen)
-        return self.templates[y] + 1.5 * torch.randn(n, 1, 12, 12, generator=self.gen), y
+        return self.templates[y] + 2.5 * torch.randn(n, 1, 12, 12, generator=self.gen), y
 
     def loss_and_metric(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         logits = self.model(x).float()
@@ -134,10 +136,12 @@ class Detector(Task):
     def loss_and_metric(self, x: Tensor, cls: Tensor, cell: Tensor, box: Tensor) -> tuple[Tensor, Tensor]:
         out = self.model(x).float().flatten(2)  # [n, 8, 16 cells]
         n = x.shape[0]
-        target = torch.zeros(n, 16, dtype=torch.long, device=x.device)
-        target[torch.arange(n), cell] = cls + 1
-        cls_loss = F.cross_entropy(out[:, :4], target)
+        positive = torch.zeros(n, 16, dtype=torch.bool, device=x.device)
+        positive[torch.arange(n), cell] = True
         pos = out[torch.arange(n), :, cell]  # [n, 8]: the positive cell's prediction
+        neg = out[:, :4].transpose(1, 2)[~positive]  # [n * 15, 4]: background cells
+        # positives and background weigh the same, as SSD's hard-negative mining aims for
+        cls_loss = F.cross_entropy(pos[:, :4], cls + 1) + F.cross_entropy(neg, torch.zeros_like(neg[:, 0]).long())
         box_loss = F.smooth_l1_loss(pos[:, 4:], box)
         return cls_loss + box_loss, _accuracy(pos[:, :4], cls + 1)
 
@@ -219,15 +223,18 @@ class LanguageModel(Task):
 
 
 class GAN(Task):
-    """A generator learns a 2-D Gaussian against a discriminator: two losses, two optimizers per step. Metric: the
-    distance of the generated samples' mean and std from the real ones."""
-    metric_name, steps_factor = "moment error", 3.0
+    """A generator learns a 2-D Gaussian against a discriminator: two losses, two optimizers per step. The generator
+    matches the mean of the discriminator's hidden features on real and fake data (feature matching, Salimans et
+    al. 2016): plain non-saturating GANs oscillate on a toy target too much to compare runs. Metric: the distance
+    of the generated samples' mean and std from the real ones."""
+    metric_name, steps_factor, tolerance = "moment error", 10.0, 0.15
     real_mean, real_std = (1.5, -1.0), (0.3, 0.6)
 
     def setup(self, w: int) -> None:
         self.gen_net = nn.Sequential(nn.Linear(4, 2 * w), nn.ReLU(), nn.Linear(2 * w, 2 * w), nn.ReLU(),
                                      nn.Linear(2 * w, 2))
-        self.disc = nn.Sequential(nn.Linear(2, 2 * w), nn.LeakyReLU(0.2), nn.Linear(2 * w, 1))
+        self.features = nn.Sequential(nn.Linear(2, 2 * w), nn.LeakyReLU(0.2))
+        self.disc = nn.Sequential(self.features, nn.Linear(2 * w, 1))
         self.model = nn.ModuleDict({"g": self.gen_net, "d": self.disc})
 
     def __init__(self, *args, **kwargs) -> None:
@@ -240,7 +247,7 @@ class GAN(Task):
         return real, torch.randn(n, 4, generator=self.gen)
 
     def train_step(self, step: int) -> Tensor:
-        real, z = (t.to(self.device) for t in self.batch(self.size.batch))
+        real, z = (t.to(self.device) for t in self.batch(2 * self.size.batch))
         ones = torch.ones(real.shape[0], 1, device=self.device)
         fake = self.gen_net(z)
         d_loss = F.binary_cross_entropy_with_logits(self.disc(real).float(), ones) + \
@@ -248,7 +255,7 @@ class GAN(Task):
         self.opt_d.zero_grad()
         (d_loss * self.loss_mult).backward()
         self.opt_d.step()
-        g_loss = F.binary_cross_entropy_with_logits(self.disc(fake).float(), ones)
+        g_loss = (self.features(real).float().mean(0) - self.features(fake).float().mean(0)).pow(2).sum()
         self.opt.zero_grad()
         (g_loss * self.loss_mult).backward()
         self.opt.step()
@@ -301,7 +308,7 @@ class _WideDeepNet(nn.Module):
         return (wide + self.mlp(deep)).squeeze(1)
 
 
-SMALL_LOSS_MULT = 2.0 ** -24
+SMALL_LOSS_MULT = 2.0 ** -22
 
 FAMILIES: dict[str, Callable[..., Task]] = {
     "cnn": Classifier,

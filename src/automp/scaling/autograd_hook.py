@@ -4,9 +4,11 @@ While installed, `torch.autograd.backward` (and so `loss.backward()`) and `torch
 incoming gradient by the scale, and before returning divide the gradients they produced by it (one fused pass that
 also finds inf/nan, one host sync). Whatever runs after backward (clip_grad_norm_, the optimizer, logging) sees
 true-unit gradients. Gradient accumulation: gradients already in .grad are brought to scaled units first (exact for
-a power-of-two scale), so the one unscale pass leaves them as they were and unscales only the new part. Leaves that got an inf/nan are marked; a global optimizer
-step pre-hook turns the step of any optimizer owning a marked parameter into a no-op (all its grads set to None,
-so params and state, Adam's step counter included, stay untouched) and the dynamic scale backs off.
+a power-of-two scale), so the one unscale pass leaves them as they were and unscales only the new part. Leaves
+that got an inf/nan are marked; a global optimizer step pre-hook turns the step of any optimizer owning a marked
+parameter into a no-op (all its grads set to None, so params and state, Adam's step counter included, stay
+untouched) and the dynamic scale backs off. Under torch.distributed the overflow flag is all-reduced, so every
+rank skips the same steps; DDP's gradient all-reduce sees the scaled gradients, which is fine (it is linear).
 
 Known limits: post-accumulate-grad hooks and retain_grad() intermediates see scaled gradients (they run inside
 the backward); LBFGS-style steps whose closure calls backward inside step() are not skipped on overflow. Calls
@@ -21,8 +23,8 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp.scaling import overflow
 from automp.scaling.loss_scale import LossScaler
@@ -145,12 +147,18 @@ def _as_tuple(x: Any) -> tuple:
 
 
 def _passes_through(roots: tuple, extra: tuple) -> bool:
-    """Unscaled when not ours to scale: nested in a scaled backward, traced, or on tensor subclasses."""
+    """Unscaled when not ours to scale: nested in a scaled backward, traced, inside torch.func transforms, or on
+    tensor subclasses."""
     scaler = _scaler
-    if scaler is None or not scaler.enabled or _depth > 0 or torch.compiler.is_compiling():
+    if scaler is None or not scaler.enabled or _depth > 0 or torch.compiler.is_compiling() or _functorch_active():
         return True
     return not roots or any(type(t) is not Tensor for t in roots) or \
         any(not isinstance(t, Tensor) for t in extra)
+
+
+def _functorch_active() -> bool:
+    check = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(check and check())
 
 
 def _scaled_root_grads(roots: tuple, grads: Any, scale: float) -> list[Tensor | None] | None:
@@ -201,8 +209,9 @@ def _grad_values(p: Tensor) -> Tensor:
 
 
 def _check_and_unscale(scaler: LossScaler, owners: list[Tensor], grads: list[Tensor], create_graph: bool,
-                       ) -> tuple[bool, list[Tensor]]:
-    """The one fused pass and the one host sync of a backward; advances the scaler."""
+                       ) -> list[Tensor]:
+    """The one fused pass and the one host sync of a backward; marks the owners on overflow, advances the scaler.
+    Returns the unscaled gradients (the same tensors, unless create_graph asked for differentiable copies)."""
     inv = 1.0 / scaler.scale
     if create_graph:
         grads, found = overflow.unscaled_copies(grads, inv)
@@ -211,14 +220,14 @@ def _check_and_unscale(scaler: LossScaler, owners: list[Tensor], grads: list[Ten
     if scaler.config.sync_distributed:
         found = overflow.all_reduce_found(found)
     if found is None:
-        return False, grads
+        return grads
     overflowed = bool(found.item())
     if overflowed:
         for p in owners:
             if p.is_leaf:
                 _poisoned[id(p)] = weakref.ref(p)
     scaler.update(overflowed)
-    return overflowed, grads
+    return grads
 
 
 def _scaled_backward(*args: Any, **kwargs: Any) -> None:
@@ -245,7 +254,7 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
         _ORIG_BACKWARD(roots, root_grads, a.get("retain_graph"), create_graph, inputs=a.get("inputs"))
         owners = [p for p in _live if p.grad is not None]
         _refuse_sparse_double_backward(create_graph, [p.grad for p in owners])
-        _, grads = _check_and_unscale(scaler, owners, [_grad_values(p) for p in owners], create_graph)
+        grads = _check_and_unscale(scaler, owners, [_grad_values(p) for p in owners], create_graph)
         if create_graph:
             for p, g in zip(owners, grads):
                 p.grad = g
@@ -329,7 +338,7 @@ def _scaled_grad(*args: Any, **kwargs: Any) -> tuple[Tensor | None, ...]:
         for i in have:
             grads[i] = grads[i].coalesce() if grads[i].is_sparse else grads[i]
     dense = [grads[i]._values() if grads[i].is_sparse else grads[i] for i in have]
-    _, out = _check_and_unscale(scaler, [inputs[i] for i in have], dense, create_graph)
+    out = _check_and_unscale(scaler, [inputs[i] for i in have], dense, create_graph)
     if create_graph:
         for i, g in zip(have, out):
             grads[i] = g

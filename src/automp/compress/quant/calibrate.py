@@ -32,13 +32,14 @@ def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray]) -> dict[st
         raise ValueError(f"calibration inputs do not match the model: missing {missing}, unexpected {extra} "
                          f"(model inputs: {names})")
     out = {}
-    for name in names:
-        a = np.asarray(calib[name])
-        if not np.issubdtype(a.dtype, np.floating):
-            raise TypeError(f"calibration input {name!r} has dtype {a.dtype}; the model expects float32")
+    for vi in model_inputs(model):
+        a, elem = np.asarray(calib[vi.name]), vi.type.tensor_type.elem_type
+        want = onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else a.dtype
+        if np.issubdtype(want, np.floating) != np.issubdtype(a.dtype, np.floating):
+            raise TypeError(f"calibration input {vi.name!r} has dtype {a.dtype}; the model expects {want}")
         if a.ndim == 0 or a.shape[0] == 0:
-            raise ValueError(f"calibration input {name!r} has shape {a.shape}; expected batch-first samples")
-        out[name] = a.astype(np.float32, copy=False)
+            raise ValueError(f"calibration input {vi.name!r} has shape {a.shape}; expected batch-first samples")
+        out[vi.name] = a.astype(want, copy=False)
     sizes = {a.shape[0] for a in out.values()}
     if len(sizes) != 1:
         raise ValueError(f"calibration inputs have different batch sizes: "

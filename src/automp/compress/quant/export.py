@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from automp.compress.quant.layers import Layer, check_model, find_layers, weight_array
-from automp.compress.quant.qat import QATConv2d, QATLinear, qat_layers
+from automp.compress.quant.qat import QATLinear, qat_layers
 from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
 
 
@@ -97,7 +97,7 @@ def export_qat_onnx(model: nn.Module, example_inputs: tuple, input_names: list[s
         wscale = m.weight_fq.effective_scale().detach().cpu().numpy().astype(np.float32)
         plan.weights[layer.name] = QParams(wscale, np.zeros(wscale.shape, np.int8), layer.weight_axis)
         fq = m.input_fq
-        zdtype = np.uint8 if fq.qmin == 0 else np.int8
+        zdtype = np.uint8 if int(fq.qrange[0]) == 0 else np.int8
         act = QParams(fq.effective_scale().detach().cpu().numpy().astype(np.float32),
                       fq.zero_point.detach().cpu().numpy().astype(zdtype))
         prev = plan.activations.setdefault(layer.activations[0], act)

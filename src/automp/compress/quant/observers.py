@@ -151,7 +151,7 @@ class _HistogramObserver(Observer):
             self.top = np.where(amax > 0, amax, 1.0)
         factor = 2 ** np.ceil(np.log2(np.maximum(amax / self.top, 1.0)))  # the range grows by powers of 2
         for ch in np.nonzero(factor > 1)[0]:
-            self.counts[ch] = self._widen(self.counts[ch], int(factor[ch]))
+            self.counts[ch] = self._widen(self.counts[ch], int(min(factor[ch], bins)))  # >= bins: all in bin 0
         self.top = self.top * factor
         idx = np.minimum((a / self.top[:, None] * bins).astype(np.int64), bins - 1)
         offsets = np.arange(c.shape[0])[:, None] * bins

@@ -7,6 +7,10 @@ file, no calibration needed beyond the error report). mode="static": weights as 
 Q/DQ pairs with ranges calibrated by running the model in onnxruntime; non-negative activations (ReLU outputs)
 use asymmetric uint8 so none of the 256 levels is wasted on negatives.
 
+Graph inputs and outputs keep their names and types (int64 token ids pass through untouched); only float32
+Conv / Gemm / MatMul layers are quantized, anything else is listed in report["float"] with the reason. A model
+with nothing to quantize is an error, not a silent no-op.
+
 The returned report is a plain dict (JSON-serialisable):
   mode, calibration {samples, batches, activation_observer, weight_observer},
   quantized [{name, op, weight, weight_axis, activations}], float [{name, op, reason}],
@@ -23,7 +27,7 @@ import onnx
 
 from automp.compress.quant import calibrate
 from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
-from automp.compress.quant.layers import Layer, check_model, find_layers, weight_array
+from automp.compress.quant.layers import Layer, LayerScan, check_model, find_layers, weight_array
 from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
 from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
 
@@ -107,6 +111,19 @@ class _Quantizer:
         return write_qdq(self.model, self.layers, plan)
 
 
+def _candidates(scan: LayerScan, config: PTQConfig) -> tuple[list[Layer], list[dict]]:
+    """Split the scanned layers into those to quantize and those kept float (with the reason)."""
+    layers, floats = [], list(scan.skipped)
+    for l in scan.layers:
+        if l.name in config.exclude:
+            floats.append({"name": l.name, "op": l.op, "reason": "excluded by config"})
+        elif config.mode == "weight_only" and l.weight is None:
+            floats.append({"name": l.name, "op": l.op, "reason": "weight_only: no constant weight"})
+        else:
+            layers.append(l)
+    return layers, floats
+
+
 def quantize_onnx(model: onnx.ModelProto, calib: dict[str, np.ndarray], config: PTQConfig,
                   budget: float | None = None,
                   progress: Callable[[int, int], None] | None = None) -> tuple[onnx.ModelProto, dict]:
@@ -118,57 +135,47 @@ def quantize_onnx(model: onnx.ModelProto, calib: dict[str, np.ndarray], config: 
     check_budget(budget)
     model = check_model(model)
     calib = calibrate.check_calib(model, calib)
-    scan = find_layers(model, config.op_types)
-    floats = list(scan.skipped)
-    layers = []
-    for l in scan.layers:
-        if l.name in config.exclude:
-            floats.append({"name": l.name, "op": l.op, "reason": "excluded by config"})
-        elif config.mode == "weight_only" and l.weight is None:
-            floats.append({"name": l.name, "op": l.op, "reason": "weight_only: no constant weight"})
-        else:
-            layers.append(l)
+    layers, floats = _candidates(find_layers(model, config.op_types), config)
+    if not layers:
+        why = "; ".join(f"{f['name']} ({f['op']}): {f['reason']}" for f in floats) or "no Conv/Gemm/MatMul nodes"
+        raise ValueError(f"int8 quantization found no layer to quantize: {why}")
     q = _Quantizer(model, layers, config)
-    samples, n_batches = (q.calibrate(calib, progress) if config.mode == "static"
-                          else (0, 0))
+    samples, n_batches = q.calibrate(calib, progress) if config.mode == "static" else (0, 0)
 
     n_eval = min(config.error_samples, next(iter(calib.values())).shape[0])
     eval_data = {k: v[:n_eval] for k, v in calib.items()}
     ref = calibrate.run(model, eval_data, config.batch_size)
-    cache: dict[frozenset, tuple[onnx.ModelProto, dict[str, float]]] = {}
+    errors: dict[frozenset, dict[str, float]] = {}  # quantized subset -> per-output error (budget search)
 
     def measure(quantized: set[str]) -> float:
         key = frozenset(quantized)
-        if key not in cache:
-            m = q.build(quantized)
-            cache[key] = (m, calibrate.rel_errors(ref, calibrate.run(m, eval_data, config.batch_size)))
-        return max(cache[key][1].values())
+        if key not in errors:
+            errors[key] = calibrate.rel_errors(ref, calibrate.run(q.build(quantized), eval_data, config.batch_size))
+        return max(errors[key].values())
 
-    names = [l.name for l in layers]
-    full = measure(set(names))
+    by_name = {l.name: l for l in layers}
+    full = measure(set(by_name))
     report: dict = {"budget": budget, "sensitivity": {}, "fallback_steps": [[0, full]]}
     kept: list[str] = []
     if budget is not None:
-        res = fit_budget(measure, names, budget, config.fallback, full_error=full)
+        res = fit_budget(measure, list(by_name), budget, config.fallback, full_error=full)
         kept, report["sensitivity"], report["fallback_steps"] = res.float_layers, res.sensitivity, res.steps
-        if res.error > budget:  # cannot happen (all-float has 0 error) but never hide a miss
-            raise RuntimeError(f"fallback could not meet budget {budget}: best error {res.error}")
-    final = set(names) - set(kept)
+    final = set(by_name) - set(kept)
+    model_q = q.build(final)
     measure(final)
-    model_q, errs = cache[frozenset(final)]
+    errs = errors[frozenset(final)]
     for name in kept:
-        floats.append({"name": name, "op": next(l.op for l in layers if l.name == name),
+        floats.append({"name": name, "op": by_name[name].op,
                        "reason": f"sensitivity {report['sensitivity'][name]:.3g} ({config.fallback.method}); "
                                  f"kept float to meet budget {budget}"})
-    by_name = {l.name: l for l in layers}
     report.update({
         "mode": config.mode,
         "calibration": {"samples": samples, "batches": n_batches, "activation_observer": config.activation.method,
                         "weight_observer": config.weight_method},
-        "quantized": [{"name": n, "op": by_name[n].op, "weight": by_name[n].weight,
-                       "weight_axis": by_name[n].weight_axis if by_name[n].weight else None,
-                       "activations": by_name[n].activations if config.mode == "static" else []}
-                      for n in names if n in final],
+        "quantized": [{"name": l.name, "op": l.op, "weight": l.weight,
+                       "weight_axis": l.weight_axis if l.weight else None,
+                       "activations": l.activations if config.mode == "static" else []}
+                      for l in layers if l.name in final],
         "float": floats,
         "error": {"outputs": errs, "max_rel_error": max(errs.values()), "samples": n_eval},
         "ort_int8_kernels": {k: v for k, v in calibrate.optimized_op_counts(model_q).items() if k in INT8_KERNELS},

@@ -68,18 +68,22 @@ class FakeQuant(nn.Module):
         self.scale = nn.Parameter(torch.ones(shape), requires_grad=learn)
         self.register_buffer("zero_point", torch.zeros(shape))
         self.register_buffer("initialized", torch.tensor(False))
-        self.qmin, self.qmax = QRANGES[observer.dtype]
+        self.register_buffer("qrange", torch.tensor(QRANGES[observer.dtype]))  # buffers: survive state_dict
         self._observer = None
         self._ready = False
 
     def set_qparams(self, scale: np.ndarray, zero_point: np.ndarray) -> None:
-        self.qmin, self.qmax = QRANGES[str(zero_point.dtype)]
-        if self.narrow:
-            self.qmin = -self.qmax
+        qmin, qmax = QRANGES[str(zero_point.dtype)]
         with torch.no_grad():
             self.scale.copy_(torch.as_tensor(scale, dtype=self.scale.dtype))
             self.zero_point.copy_(torch.as_tensor(zero_point.astype(np.float32)))
+            self.qrange.copy_(torch.tensor([-qmax if self.narrow else qmin, qmax]))
         self.initialized.fill_(True)
+        self._ready = False
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._ready = False  # re-read initialized / qrange on the next forward
 
     def observe(self, x: torch.Tensor) -> None:
         if self._observer is None:
@@ -94,9 +98,10 @@ class FakeQuant(nn.Module):
         return self.scale.clamp_min(1e-12)
 
     def is_ready(self) -> bool:
-        """Cached host-side copy of the `initialized` buffer: no device sync per forward once set."""
-        if not self._ready:
-            self._ready = bool(self.initialized)
+        """Host-side copies of `initialized` and `qrange`: no device sync per forward once set."""
+        if not self._ready and bool(self.initialized):
+            self.qmin, self.qmax = (int(v) for v in self.qrange.tolist())
+            self._ready = True
         return self._ready
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

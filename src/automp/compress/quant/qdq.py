@@ -103,6 +103,11 @@ def write_qdq(model: onnx.ModelProto, layers: list[Layer], plan: QDQPlan) -> onn
 
     qdq_after: dict[str, list[onnx.NodeProto]] = {}  # producer node name ("" = graph input) -> Q/DQ nodes
     producer = {o: n.name for n in g.node for o in n.output}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in g.node:
+        if n.name not in plan.float_layers:  # float layers keep reading the original float tensors
+            for i, inp in enumerate(n.input):
+                consumers.setdefault(inp, []).append((n, i))
     for tensor, qp in plan.activations.items():
         qname, dqname = _unique(taken, f"{tensor}_quantized"), _unique(taken, f"{tensor}_dequantized")
         new_inits += [numpy_helper.from_array(np.asarray(qp.scale, np.float32), f"{qname}_scale"),
@@ -112,12 +117,8 @@ def write_qdq(model: onnx.ModelProto, layers: list[Layer], plan: QDQPlan) -> onn
         dq = helper.make_node("DequantizeLinear", [qname, f"{qname}_scale", f"{qname}_zero_point"], [dqname],
                               name=f"{tensor}_DequantizeLinear")
         qdq_after.setdefault(producer.get(tensor, ""), []).extend([qnode, dq])
-        for n in g.node:
-            if n.name in plan.float_layers:
-                continue
-            for i, inp in enumerate(n.input):
-                if inp == tensor:
-                    n.input[i] = dqname
+        for n, i in consumers.get(tensor, []):
+            n.input[i] = dqname
 
     ordered = weight_nodes + qdq_after.get("", [])
     for n in g.node:

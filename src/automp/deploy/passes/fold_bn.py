@@ -28,8 +28,10 @@ def _bn_affine(g: Graph, bn: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | 
 
 def _fold_conv(g: Graph, conv: onnx.NodeProto, s: np.ndarray, t: np.ndarray) -> bool:
     w = g.const(conv.input[1])
+    if w is None:
+        return False
     b = g.const(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0], w.dtype)
-    if w is None or b is None:
+    if b is None:
         return False
     w2 = w * s.reshape(-1, *[1] * (w.ndim - 1))
     b2 = b * s + t

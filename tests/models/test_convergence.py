@@ -1,0 +1,73 @@
+"""Tiny convergence runs on CPU: fp16 with automp's loss scaling reaches the FP32 result on every family, and the
+small-loss case stalls without scaling and recovers with it. Low precision comes from autocast (automp's cost
+model keeps these tiny shapes in FP32 on a CPU), the loss scaling from automp's autograd hook. Tolerances are
+each family's `tolerance`, in its metric's units (accuracy points, perplexity, moment error)."""
+import json
+
+import pytest
+import torch
+
+from automp.bench.suites import convergence as suite
+from automp.models.convergence import CASES, FAMILIES, make_task
+from automp.scaling import current
+
+STEPS = {"gan": 200}  # the GAN's default is long; parity already shows at 200 steps
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp16_dynamic_scaling_matches_fp32(family):
+    ref = suite.run_case(family, "fp32", STEPS.get(family))
+    fp16 = suite.run_case(family, "fp16-dynamic", STEPS.get(family))
+    assert sum(ref.losses[-5:]) < 0.8 * sum(ref.losses[:5])  # the reference does learn something
+    assert fp16.matches(ref), f"{family}: {fp16.metric_name} {fp16.metric:.4f} vs FP32 {ref.metric:.4f}"
+    assert fp16.info["loss_scale"]["steps"] >= len(fp16.losses)  # the hook did scale every backward
+    assert current() is None  # and was removed afterwards
+
+
+def test_small_loss_stalls_without_scaling_and_recovers_with_it():
+    runs = {m: suite.run_case("cnn-small-loss", m) for m in ("fp32", "fp16-noscale", "fp16-constant",
+                                                              "fp16-dynamic")}
+    ref = runs["fp32"]
+    assert ref.metric > 0.5  # 4 classes: chance is 0.25
+    assert not runs["fp16-noscale"].matches(ref) and runs["fp16-noscale"].metric < 0.35
+    assert runs["fp16-constant"].matches(ref) and runs["fp16-dynamic"].matches(ref)
+
+
+def test_bf16_matches_fp32_without_scaling():
+    ref, bf16 = suite.run_case("widedeep", "fp32"), suite.run_case("widedeep", "bf16")
+    assert bf16.matches(ref) and "loss_scale" not in bf16.info
+
+
+def test_automp_enable_backend_installs_scaling():
+    run = suite.run_case("widedeep", "fp16-dynamic", steps=8, backend="automp")
+    assert run.info["loss_scale"]["steps"] == 8 and all(map(suite._finite, run.losses))
+    assert current() is None
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="convergence case"):
+        make_task("resnet")
+    with pytest.raises(ValueError, match="precision mode"):
+        suite.run_case("cnn", "fp8")
+    assert set(FAMILIES) <= set(CASES)
+
+
+def test_suite_writes_table_json_and_plots(tmp_path):
+    rc = suite.main(["--cases", "widedeep,cnn-small-loss", "--modes", "fp32,fp16-noscale,fp16-dynamic",
+                     "--steps", "30", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "convergence.json").read_text())["results"]}
+    assert set(rows) == {f"{c}/{m}" for c in ("widedeep", "cnn-small-loss")
+                         for m in ("fp32", "fp16-noscale", "fp16-dynamic")}
+    assert rows["cnn-small-loss/fp16-noscale"]["extra"]["gap_vs_fp32"] > 0.1
+    assert "cnn-small-loss/fp16-dynamic" in (tmp_path / "convergence.md").read_text()
+    for case in ("widedeep", "cnn-small-loss"):
+        assert (tmp_path / f"convergence-{case}.png").stat().st_size > 1000
