@@ -15,8 +15,8 @@ VOCAB, STRIDES, NOISE = 128, torch.tensor([1, 2, 3, 5, 7]), 0.1
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)
-p.add_argument("--batch", type=int, default=32)
-p.add_argument("--seq", type=int, default=64)
+p.add_argument("--batch", type=int, default=16)
+p.add_argument("--seq", type=int, default=48)
 args = p.parse_args()
 torch.manual_seed(0)
 

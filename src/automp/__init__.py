@@ -7,6 +7,7 @@ modules are part of their root's graph and are not compiled on their own. Loss s
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class _State:
     report_path: str | None
     inner: str
     recorder: Recorder
+    spec: str | None = None
     scaler: Any = None
 
 
@@ -48,14 +50,17 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _config_for(device: torch.device, dtype: str) -> PrecisionConfig:
-    return PrecisionConfig(dtype=low_dtype(dtype, device), spec=cost.spec_for(device))
+def _config_for(device: torch.device, dtype: str, spec: str | None = None) -> PrecisionConfig:
+    """spec (or env AUTOMP_DEVICE_SPEC) overrides the device the cost model plans for."""
+    spec = spec or os.environ.get("AUTOMP_DEVICE_SPEC")
+    return PrecisionConfig(dtype=low_dtype(dtype, device),
+                           spec=cost.spec_named(spec) if spec else cost.spec_for(device))
 
 
 def _compile_module(module: nn.Module, state: _State):
     device = _device_of(module)
-    config = _config_for(device, state.dtype)
-    state.recorder.device = cost.spec_for(device).name if device.type == "cuda" else "cpu"
+    config = _config_for(device, state.dtype, state.spec)
+    state.recorder.device = config.spec.name if device.type == "cuda" else f"cpu (planned for {config.spec.name})"
     state.recorder.dtype = str(config.dtype).replace("torch.", "")
     backend = make_backend(config, state.recorder, inner=state.inner, label=type(module).__name__)
     ref = weakref.ref(module)
@@ -88,17 +93,20 @@ def _patched_call(self: nn.Module, *args, **kwargs):
 
 
 def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None = None,
-           inner: str = "inductor") -> None:
+           inner: str = "inductor", spec: str | None = None) -> None:
     """Turn automatic mixed precision on for every module called from now on.
 
     dtype: "auto" (bf16 where supported), "fp16" or "bf16". loss_scale: "dynamic", "off" or a constant; it only
     acts for fp16, bf16 has fp32's range. report: path of the JSON precision report, written at disable() or exit.
-    inner: "inductor" (fast) or "eager" (no code generation: quick to start, for tests and debugging)."""
+    inner: "inductor" (fast) or "eager" (no code generation: quick to start, for tests and debugging).
+    spec: plan casts for another device's costs ("h100", "cpu", ...); default: the model's own device."""
     global _state
     if _state is not None:
         disable()
     low_dtype(dtype, None)  # validate early, with a clear message
-    _state = _State(dtype, loss_scale, report, inner, Recorder())
+    if spec:
+        cost.spec_named(spec)
+    _state = _State(dtype, loss_scale, report, inner, Recorder(), spec)
     _state.scaler = _install_scaling(dtype, loss_scale)
     nn.Module.__call__ = _patched_call
 
@@ -111,9 +119,9 @@ def _install_scaling(dtype: str, loss_scale: Any):
         return None
     from automp.scaling import autograd_hook
     from automp.scaling.loss_scale import LossScaler
-    scaler = LossScaler.from_spec(loss_scale)
-    autograd_hook.install(scaler)
-    return scaler
+    if autograd_hook.current() is not None:  # a second compile() shares the one scaler (it is global anyway)
+        return autograd_hook.current()
+    return autograd_hook.install(LossScaler.from_spec(loss_scale))
 
 
 def disable() -> dict[str, Any] | None:
@@ -148,11 +156,11 @@ def is_enabled() -> bool:
 
 
 def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", report: Recorder | None = None,
-            inner: str = "inductor") -> nn.Module:
+            inner: str = "inductor", spec: str | None = None) -> nn.Module:
     """One model in mixed precision, for those who prefer a line of code to `automp run`.
 
     Loss scaling, when fp16 asks for it, is installed globally (it hooks autograd)."""
-    config = _config_for(_device_of(model), dtype)
+    config = _config_for(_device_of(model), dtype, spec)
     backend = make_backend(config, report, inner=inner, label=type(model).__name__)
     _install_scaling(dtype, loss_scale)
     return torch.compile(model, backend=backend)

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["optimize"]:  # its own parser owns every option, before or after IN (and -h)
+        from automp.deploy.cli import main as optimize_main
+        return int(optimize_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,5 +1,5 @@
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from automp.deploy.passes.fold_constants import fold_constants
 
@@ -42,3 +42,23 @@ def test_fold_constants_values_match_numpy():
     inits = {t.name: np.frombuffer(t.raw_data, np.float32) if t.raw_data else None for t in after.graph.initializer}
     w = rand(6, 4, seed=2)
     np.testing.assert_allclose(inits["w2"].reshape(4, 6), w.T * 2, rtol=1e-6)
+
+
+def test_static_entries_of_a_dynamic_shape_fold():
+    # the exporter pattern: reshape target = concat(-1, shape(x)[2]); dim 2 is declared static (6), dim 0 is not
+    i64 = lambda name, v: init(name, np.asarray(v, np.int64))  # noqa: E731
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "two"], ["d2"], axis=0),
+             helper.make_node("Unsqueeze", ["d2", "zero"], ["d2u"]),
+             helper.make_node("Concat", ["minus1", "d2u"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["flat"]),
+             helper.make_node("Gather", ["s", "zero_s"], ["batch"], axis=0),  # dynamic: must stay
+             helper.make_node("Relu", ["flat"], ["y"])]
+    before = model(nodes, [f32("x", ["n", 4, 6])],
+                   [f32("y", ["m", 6]), helper.make_tensor_value_info("batch", TensorProto.INT64, [])],
+                   [i64("two", 2), i64("zero", [0]), i64("minus1", [-1]), i64("zero_s", 0)])
+    after = fold_constants(before)
+    assert sorted(ops(after)) == ["Gather", "Relu", "Reshape", "Shape"]  # Gather(2)+Unsqueeze+Concat folded
+    target = next(t for t in after.graph.initializer if t.name == "target")
+    np.testing.assert_array_equal(np.frombuffer(target.raw_data, np.int64), [-1, 6])
+    assert_same_outputs(before, after, tol=0)

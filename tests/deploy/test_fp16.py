@@ -118,3 +118,28 @@ def test_deny_ops_get_fp32_inputs_from_an_fp16_producer(op):
     cast = producer[deny.input[0]]
     assert cast.op_type == "Cast" and cast.attribute[0].i == TensorProto.FLOAT
     assert_same_outputs(before, after, tol=1e-2)
+
+
+def test_float16_graph_output_keeps_its_type_and_gets_no_extra_cast():
+    half = helper.make_tensor_value_info
+    nodes = [helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16),
+             helper.make_node("MatMul", ["xh", "w"], ["y"], name="mm")]
+    before = model(nodes, [f32("x", ["n", 4])], [half("y", TensorProto.FLOAT16, ["n", 4])],
+                   [init("w", rand(4, 4, seed=1).astype(np.float16))])
+    after, rep = convert_fp16(before)
+    assert after.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert ops(after) == ["Cast", "MatMul"] and rep.casts["inserted"] == 0
+    assert_same_outputs(before, after, tol=0)
+
+
+def test_mixed_inputs_to_an_infer_op_run_in_fp32_and_embedding_tables_go_fp16():
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+             helper.make_node("MatMul", ["emb", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["h", "x"], ["y"], name="residual")]  # fp16 matmul + fp32 graph input
+    before = model(nodes, [ids, f32("x", ["n", 4])], [f32("y", ["n", 4])],
+                   [init("table", rand(10, 4, seed=1)), init("w", rand(4, 4, seed=2))])
+    after, rep = convert_fp16(before)
+    d = _dtypes(rep)
+    assert d == {"embed": "float16", "mm": "float16", "residual": "float32"}
+    assert_same_outputs(before, after, tol=1e-2, int_high=10)

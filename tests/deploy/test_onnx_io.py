@@ -74,7 +74,8 @@ def test_export_torch_names_io_and_keeps_batch_dynamic(exporter):
         net.bn.running_var.uniform_(0.5, 2)
     ex = (torch.randn(2, 3, 6, 6), torch.randn(2, 1))
     m = onnx_io.export_torch(net, ex, ["img", "scale"], ["logits", "feat"], exporter=exporter)
-    assert [i.name for i in m.graph.input] == ["img", "scale"] and [o.name for o in m.graph.output] == ["logits", "feat"]
+    assert [i.name for i in m.graph.input] == ["img", "scale"]
+    assert [o.name for o in m.graph.output] == ["logits", "feat"]
     assert not m.graph.input[0].type.tensor_type.shape.dim[0].HasField("dim_value")  # symbolic batch
     x = (torch.randn(5, 3, 6, 6), torch.randn(5, 1))  # another batch size than the example
     outs = runtime.run(m, {"img": x[0].numpy(), "scale": x[1].numpy()})

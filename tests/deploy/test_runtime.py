@@ -26,7 +26,8 @@ def test_compare_measures_known_errors():
 
 def test_random_feeds_follow_input_types_and_run():
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])
-    m = model([helper.make_node("Cast", ["ids"], ["f"], to=TensorProto.FLOAT), helper.make_node("Add", ["f", "x"], ["y"])],
+    m = model([helper.make_node("Cast", ["ids"], ["f"], to=TensorProto.FLOAT),
+               helper.make_node("Add", ["f", "x"], ["y"])],
               [ids, f32("x", ["b", 1])], [f32("y", ["b", "s"])])
     feeds = runtime.random_feeds(m, batch=3, dim=5, seed=1, int_high=7)
     assert feeds["ids"].shape == (3, 5) and feeds["ids"].dtype == np.int64 and feeds["ids"].max() < 7

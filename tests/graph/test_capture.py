@@ -80,3 +80,23 @@ def test_bad_dtype_is_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="unsupported dtype 'int3'"):
         automp.enable(dtype="int3")
     assert not automp.is_enabled()
+
+
+def test_device_spec_override_changes_the_plan_and_bad_names_are_refused():
+    torch.manual_seed(0)
+    small = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    x = torch.randn(512, 512)
+
+    def plan(spec):
+        torch._dynamo.reset()
+        automp.enable(dtype="bf16", inner="eager", spec=spec)
+        small(x).sum().backward()
+        rep = automp.disable()
+        return [n["reason"] for g in rep["graphs"] for n in g["nodes"] if n["op"] == "addmm"], rep["device"]
+
+    cpu, dev_cpu = plan("cpu")
+    h100, dev_h100 = plan("h100")
+    assert "CPU" in dev_cpu and "H100" in dev_h100
+    assert cpu != h100  # the estimated gains (and so possibly the decisions) come from the chosen device's figures
+    with pytest.raises(ValueError, match="unknown device spec 'tpu9'"):
+        automp.enable(spec="tpu9")

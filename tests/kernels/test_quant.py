@@ -116,3 +116,15 @@ def test_int8_gemm_rejects_bad_inputs():
         K.int8_gemm(a, b, torch.ones(4), torch.ones(6), out_dtype=torch.int32)
     with pytest.raises(TypeError, match="a_zero"):
         K.int8_gemm(a, b, torch.ones(4), torch.ones(6), a_zero=torch.ones(4))
+
+
+@pytest.mark.parametrize("m", [1, 16, 45, 300])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_quant_gemm_tuning_never_offers_a_tile_straddling_groups(m, group):
+    """Every config the GPU autotuner may pick keeps a K-tile inside one scale group (one scale per tile)."""
+    import triton
+    from automp.kernels import quant
+    full = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in quant._Q_SQUARE + quant._Q_SKINNY]
+    kept = quant._qgemm_prune(full, {"M": m, "GROUP": group})
+    assert kept and all(c.kwargs["BLOCK_K"] <= group for c in kept)

@@ -108,7 +108,7 @@ def test_double_backward_gradient_penalty_matches_fp32(via):
     model, (x, y) = HalfMLP(half=False), _data(6)
     ref = twin(model)
 
-    def penalty(m, scaled):
+    def penalty(m):
         loss = F.mse_loss(m(x), y)
         if via == "grad":
             gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
@@ -118,10 +118,10 @@ def test_double_backward_gradient_penalty_matches_fp32(via):
             m.zero_grad()
         return sum((g ** 2).sum() for g in gs)
 
-    pen_ref = penalty(ref, False)
+    pen_ref = penalty(ref)
     pen_ref.backward()
     install(LossScaler(LossScaleConfig(init_scale=2.0 ** 10)))
-    pen = penalty(model, True)
+    pen = penalty(model)
     assert rel(pen.detach(), pen_ref.detach()) < 1e-5
     pen.backward()
     for g, r in zip(grads(model), grads(ref)):

@@ -3,6 +3,8 @@ reaches the FP32 loss. The overflow is injected on rank 1 only, inside a no_sync
 all-reduce would carry it to rank 0: only the found-inf all-reduce can."""
 import os
 import socket
+import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,10 @@ def _train(rank: int, half: bool, inject: bool):
 
 def _worker(rank: int, port: int, out_dir: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # a mismatched collective fails after 30 s instead of hanging the test run
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
     try:
         fp32 = _train(rank, half=False, inject=False)

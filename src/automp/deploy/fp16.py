@@ -47,7 +47,8 @@ ONNX_TO_ATEN = {
     "Reshape": "reshape", "Transpose": "transpose", "Squeeze": "squeeze", "Unsqueeze": "unsqueeze", "Concat": "cat",
     "Split": "split", "Slice": "slice", "Expand": "expand", "Flatten": "flatten", "Identity": "alias",
     "Tile": "tile", "Pad": "pad", "MaxPool": "max_pool2d", "GlobalMaxPool": "max_pool2d", "GatherElements": "gather",
-    "GatherND": "gather", "DepthToSpace": "pixel_shuffle", "SpaceToDepth": "pixel_shuffle", "Resize": "upsample_nearest2d",
+    "GatherND": "gather", "DepthToSpace": "pixel_shuffle", "SpaceToDepth": "pixel_shuffle",
+    "Resize": "upsample_nearest2d",
 }
 GATHER_TABLE = "embedding"  # Gather whose data input is a constant table
 
@@ -111,9 +112,10 @@ class _Converter:
                 self.dtype[vi.name] = vi.type.tensor_type.elem_type
         for t in model.graph.initializer:
             self.dtype[t.name] = t.data_type
+        self.original = dict(self.dtype)
         self.native: dict[str, str] = {}  # original name -> tensor that holds it in its decided dtype
         self.cache: dict[tuple[str, int], str] = {}
-        self.pinned = self.g.graph_outputs | self.g.nested  # must stay float32 under their own name
+        self.pinned = self.g.graph_outputs | self.g.nested  # keep their name and original dtype
         self.new_nodes: list[onnx.NodeProto] = []
         self.report = Fp16Report()
         self.inserted = 0
@@ -197,7 +199,7 @@ class _Converter:
                 node.input[k] = self.read(name, None)
         self.new_nodes.append(node)
         for k, out in enumerate(node.output):
-            if out and self.dtype.get(out) == F16 and out in self.pinned:
+            if out and self.dtype.get(out) == F16 and out in self.pinned and self.original.get(out, F32) == F32:
                 half = self.g.fresh(f"{out}_fp16")
                 node.output[k] = half
                 self.dtype[half], self.dtype[out] = F16, F32
@@ -247,8 +249,8 @@ def convert_fp16(model: onnx.ModelProto, config: Fp16Config | None = None) -> tu
     rep = conv.report
     rep.casts = {"inserted": conv.inserted, "eliminated": eliminated,
                  "remaining": sum(n.op_type == "Cast" for n in out.graph.node)}
-    for vi in list(out.graph.output) + list(out.graph.input):
-        if vi.type.tensor_type.elem_type == F16:
-            raise RuntimeError(f"fp16 conversion left graph I/O {vi.name!r} in float16; this is a bug")
+    io = [(v.name, v.type.tensor_type.elem_type) for v in list(model.graph.input) + list(model.graph.output)]
+    if [(v.name, v.type.tensor_type.elem_type) for v in list(out.graph.input) + list(out.graph.output)] != io:
+        raise RuntimeError("fp16 conversion changed the graph's input/output names or types; this is a bug")
     return out, rep
 

@@ -150,16 +150,19 @@ def export_torch(module, example_inputs: Sequence, input_names: Sequence[str] | 
             if dynamic_batch:
                 batch = torch.export.Dim("batch")
                 dyn = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
-            quiet = logging.getLogger("torch.onnx")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)  # "torchvision is not installed" and similar notes are not our problem
+            # "torchvision is not installed", constant-folding notes: the exporter's chatter, not the user's problem
+            quiet = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript")]
+            levels = [q.level for q in quiet]
+            for q in quiet:
+                q.setLevel(logging.ERROR)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     prog = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dyn, opset_version=opset,
                                              verbose=False)
             finally:
-                quiet.setLevel(level)
+                for q, lvl in zip(quiet, levels):
+                    q.setLevel(lvl)
             # naming is done here, not by the exporter: its renaming can collide with an internal value of the
             # same name (seen with output "embedding" on a BERT) and produce a non-SSA graph
             model = prog.model_proto

@@ -191,7 +191,12 @@ def _qgemm_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> lis
     """Skinny/square family by M, and tiles no deeper than a group (one scale per column per tile)."""
     group = {**nargs, **kw}["GROUP"]
     by_m = prune_by_m(configs, nargs)
-    return [c for c in by_m if c.kwargs["BLOCK_K"] <= group] or by_m[:1]
+    fit = [c for c in by_m if c.kwargs["BLOCK_K"] <= group]
+    if fit:
+        return fit
+    # No tile of this family is shallow enough: the same tiles cut to the group depth (never a straddling tile).
+    return [triton.Config({**c.kwargs, "BLOCK_K": group}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in by_m]
 
 
 @triton.jit

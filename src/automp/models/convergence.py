@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class Size:
     width: int
     batch: int
@@ -48,6 +48,9 @@ class Task:
         torch.manual_seed(seed)
         self.setup(self.size.width)
         self.model.to(self.device)
+        self.build_optimizers()
+
+    def build_optimizers(self) -> None:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
 
     @property
@@ -237,8 +240,7 @@ class GAN(Task):
         self.disc = nn.Sequential(self.features, nn.Linear(2 * w, 1))
         self.model = nn.ModuleDict({"g": self.gen_net, "d": self.disc})
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def build_optimizers(self) -> None:
         self.opt = torch.optim.Adam(self.gen_net.parameters(), lr=self.lr, betas=(0.5, 0.999))
         self.opt_d = torch.optim.Adam(self.disc.parameters(), lr=self.lr, betas=(0.5, 0.999))
 

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from automp.precision import cost
-from automp.precision.paint import Decision, Plan, float_inputs
+from automp.precision.paint import VIEW_OPS, Decision, Plan, float_inputs
 from automp.precision.lists import Category
 
 _CONVERT = torch.ops.prims.convert_element_type.default
@@ -237,13 +237,10 @@ def eliminate_casts(gm: fx.GraphModule) -> int:
     return removed
 
 
-_VIEWS = {"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand"}
-
-
 def _hoistable(view: fx.Node, dst: torch.dtype) -> bool:
     """A view (same or more elements) of a graph input: casting the input instead costs no more and is shared."""
     node = view
-    while node.op == "call_function" and _op(node) in _VIEWS and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and _op(node) in VIEW_OPS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node is not view and node.op == "placeholder" and dtype_of(node) is not None and dtype_of(
         node).is_floating_point

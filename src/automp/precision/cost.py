@@ -35,6 +35,17 @@ A100 = DeviceSpec("A100", bandwidth_gbps=2039, fp32_tflops=19.5, fp16_tflops=312
 CPU = DeviceSpec("CPU", bandwidth_gbps=100, fp32_tflops=1.5, fp16_tflops=1.0, bf16_tflops=3.0, launch_us=1.0)
 
 
+SPECS = {s.name.split("-")[0].lower(): s for s in (H100, H200, A100, CPU)}
+
+
+def spec_named(name: str) -> DeviceSpec:
+    """'h100', 'h200', 'a100' or 'cpu': plan for that device, e.g. to preview on a laptop what an H100 would get."""
+    try:
+        return SPECS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown device spec {name!r}: expected one of {sorted(SPECS)}") from None
+
+
 def spec_for(device: torch.device | str | None = None) -> DeviceSpec:
     """The DeviceSpec of a device, by name; unknown GPUs get H100 figures (the ratios, not the absolutes, matter)."""
     dev = torch.device(device) if device is not None else None

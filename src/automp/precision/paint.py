@@ -91,6 +91,7 @@ def paint(gm: fx.GraphModule, config: PrecisionConfig) -> Plan:
     is_joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     bwd = backward_nodes(gm.graph) if is_joint else set()
     after_unscale: set[fx.Node] = set()
+    shared = _SharedCasts()
 
     def part(n: fx.Node) -> str:
         return ("backward" if n in bwd else "forward") if is_joint else "inference"
@@ -135,7 +136,7 @@ def paint(gm: fx.GraphModule, config: PrecisionConfig) -> Plan:
             decide(torch.float32, "kept FP32 by user configuration (fp32_ops)")
             continue
         if cat is Category.ALLOW:
-            fp32_ins = [cost.numel(a) for a in ins if a not in low_ins]
+            fp32_ins = [cost.numel(a) / shared.uses(a) for a in ins if a not in low_ins]
             v = cost.matmul_verdict(n, low, fp32_ins, config.spec)
             decide(low if v.low else torch.float32, v.reason)
         elif cat is Category.GATHER:
@@ -152,6 +153,40 @@ def paint(gm: fx.GraphModule, config: PrecisionConfig) -> Plan:
         else:
             decide(torch.float32, lists.reason(n.target))
     return plan
+
+
+VIEW_OPS = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze",
+                    "expand"})
+
+
+class _SharedCasts:
+    """A weight's cast is made once and shared by every Tensor Core op that reads it (forward matmul, backward
+    grad-input matmul, ...; casts.py hoists it through views), so each op pays only its share of that cast."""
+
+    def __init__(self) -> None:
+        self._count: dict[fx.Node, int] = {}
+
+    def uses(self, a: fx.Node) -> int:
+        root = a
+        while root.op == "call_function" and lists.op_name(root.target) in VIEW_OPS:
+            root = root.args[0]
+        if root.op != "placeholder":
+            return 1
+        if root not in self._count:
+            self._count[root] = max(1, self._allow_users(root))
+        return self._count[root]
+
+    def _allow_users(self, node: fx.Node) -> int:
+        n = 0
+        for u in node.users:
+            if u.op != "call_function":
+                continue
+            name = lists.op_name(u.target)
+            if name in VIEW_OPS:
+                n += self._allow_users(u)
+            elif lists.classify(u.target) is Category.ALLOW:
+                n += 1
+        return n
 
 
 def _follow(n: fx.Node, ins: list[fx.Node], low_ins: list[fx.Node], config: PrecisionConfig, decide) -> None:

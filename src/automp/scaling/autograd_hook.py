@@ -11,7 +11,9 @@ untouched) and the dynamic scale backs off. Under torch.distributed the overflow
 rank skips the same steps; DDP's gradient all-reduce sees the scaled gradients, which is fine (it is linear).
 
 Known limits: post-accumulate-grad hooks and retain_grad() intermediates see scaled gradients (they run inside
-the backward); LBFGS-style steps whose closure calls backward inside step() are not skipped on overflow. Calls
+the backward); LBFGS-style steps whose closure calls backward inside step() are not skipped on overflow; a mark
+is cleared by the skipped step or by the grad becoming None, so zero_grad(set_to_none=False) after an overflow
+without a step costs one extra skipped step. Calls
 made while a scaled backward runs (reentrant checkpointing) and calls on tensor subclasses (tracing, FakeTensor)
 pass through untouched.
 """
@@ -136,6 +138,11 @@ def _skip_poisoned_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
 
 # ---- the scaled backward ----------------------------------------------------------------------------------------
 
+def _inner(name: str) -> Callable[..., Any]:
+    """What torch.autograd.<name> was when we installed (someone else's wrapper, if any, keeps working)."""
+    return _patched.get(name) or (_ORIG_BACKWARD if name == "backward" else _ORIG_GRAD)
+
+
 def _as_tuple(x: Any) -> tuple:
     if x is None:
         return ()
@@ -240,10 +247,10 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
     if _depth > 0 and scaler is not None and roots and all(type(t) is Tensor for t in roots):
         _adopt_nested(list(inputs) if inputs else _leaves(roots), scaler.scale, bool(a.get("create_graph")))
     if _passes_through(roots, inputs) or a.get("grad_variables") is not None:
-        return _ORIG_BACKWARD(*args, **kwargs)
+        return _inner("backward")(*args, **kwargs)
     root_grads = _scaled_root_grads(roots, a.get("grad_tensors"), scaler.scale)
     if root_grads is None:
-        return _ORIG_BACKWARD(*args, **kwargs)
+        return _inner("backward")(*args, **kwargs)
     create_graph = bool(a.get("create_graph", False))
     live = _live_targets(list(inputs) if inputs else _leaves(roots))
     _rescale_existing(live, scaler.scale, create_graph)
@@ -251,7 +258,7 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
     _depth += 1
     done = False
     try:
-        _ORIG_BACKWARD(roots, root_grads, a.get("retain_graph"), create_graph, inputs=a.get("inputs"))
+        _inner("backward")(roots, root_grads, a.get("retain_graph"), create_graph, inputs=a.get("inputs"))
         owners = [p for p in _live if p.grad is not None]
         _refuse_sparse_double_backward(create_graph, [p.grad for p in owners])
         grads = _check_and_unscale(scaler, owners, [_grad_values(p) for p in owners], create_graph)
@@ -320,16 +327,16 @@ def _scaled_grad(*args: Any, **kwargs: Any) -> tuple[Tensor | None, ...]:
     inputs = _as_tuple(a["inputs"])
     scaler = _scaler
     if _passes_through(roots, inputs) or a.get("is_grads_batched", False):
-        return _ORIG_GRAD(*args, **kwargs)
+        return _inner("grad")(*args, **kwargs)
     root_grads = _scaled_root_grads(roots, a.get("grad_outputs"), scaler.scale)
     if root_grads is None:
-        return _ORIG_GRAD(*args, **kwargs)
+        return _inner("grad")(*args, **kwargs)
     call = dict(a)
     call["outputs"], call["grad_outputs"] = roots, root_grads
     create_graph = bool(a.get("create_graph", False))
     _depth += 1
     try:
-        grads = list(_ORIG_GRAD(**call))
+        grads = list(_inner("grad")(**call))
     finally:
         _depth -= 1
     have = [i for i, g in enumerate(grads) if g is not None]

@@ -9,7 +9,7 @@ seq 128), at batch 1 and 64. Cases, all timed in this process:
                      has it, with inputs/outputs bound to GPU memory; CPU otherwise)
 Each row reports ms, speedup vs the anchor, and the output's relative error vs fp32-eager.
 
-    automp bench deploy [--out bench-results] [--quick]
+    automp bench deploy [--out bench-results] [--quick] [--models resnet,minilm] [--batches 1,64]
 
 --quick: tiny models and batches, no torch.compile on CPU (a smoke check that runs in about a minute).
 """
@@ -97,7 +97,7 @@ def _randomize_bn(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_models(quick: bool, device: str) -> list[tuple[str, nn.Module, Callable[[int], tuple]]]:
+def build_models(quick: bool, device: str, which: set[str]) -> list[tuple[str, nn.Module, Callable[[int], tuple]]]:
     torch.manual_seed(0)
     models = []
     try:
@@ -106,16 +106,19 @@ def build_models(quick: bool, device: str) -> list[tuple[str, nn.Module, Callabl
             (torchvision.models.resnet50(), "resnet50", 224)
     except ImportError:
         cnn, name, res = small_resnet(), "small-resnet (no torchvision)", 32 if quick else 224
-    models.append((name, _randomize_bn(cnn), lambda b: (torch.randn(b, 3, res, res, device=device),)))
+    if "resnet" in which:
+        models.append((name, _randomize_bn(cnn), lambda b: (torch.randn(b, 3, res, res, device=device),)))
     enc = MiniLMEncoder(vocab=1000, hidden=64, layers=2, heads=4, inter=128) if quick else MiniLMEncoder()
     seq = 16 if quick else 128
 
     def enc_inputs(b: int) -> tuple:
         ids = torch.randint(0, enc.tok.num_embeddings, (b, seq), device=device)
         mask = torch.ones(b, seq, dtype=torch.long, device=device)
-        mask[:, seq * 3 // 4:] = 0 if b > 1 else 1  # some padding at batch > 1
+        if b > 1:
+            mask[1:, seq * 3 // 4:] = 0  # padded sentences, as in a real batch
         return ids, mask
-    models.append((f"minilm-shaped (h{enc.ln.normalized_shape[0]}, seq {seq})", enc, enc_inputs))
+    if "minilm" in which:
+        models.append((f"minilm-shaped (h{enc.ln.normalized_shape[0]}, seq {seq})", enc, enc_inputs))
     return [(n, m.eval().to(device), f) for n, m, f in models]
 
 
@@ -137,32 +140,43 @@ def fold_bn_torch(model: nn.Module) -> nn.Module:
     return model
 
 
-def _ort_runner(model: nn.Module, args: tuple, device: str):
-    """Export once (fp32, dynamic batch), optimize to fp16 with automp, and return (label, run) for `args`."""
+def ort_session(model: nn.Module, args: tuple, device: str, allow_cpu: bool):
+    """Export once (fp32, dynamic batch), optimize to fp16 with automp, open an onnxruntime session.
+    Returns (label, session, input names) or None when only a CPU provider exists and allow_cpu is False
+    (a CPU run of full-size models at batch 64 would take minutes and compare nothing useful)."""
     import onnxruntime as ort
 
     from automp.deploy import onnx_io, optimize, runtime
 
+    cuda = device == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
+    if not cuda and not allow_cpu:
+        print(f"[deploy] onnxruntime has no CUDAExecutionProvider ({ort.get_available_providers()}): "
+              "skipping the automp-ort case", file=sys.stderr)
+        return None
     names = [f"in{k}" for k in range(len(args))]
-    cpu_args = tuple(a[:2].cpu() for a in args)
-    onnx_model = onnx_io.export_torch(model.cpu(), cpu_args, names, ["out"])
+    onnx_model = onnx_io.export_torch(model.cpu(), tuple(a[:2].cpu() for a in args), names, ["out"])
     model.to(device)
     fp16, _ = optimize(onnx_model, precision="fp16")
-    cuda = device == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
-    sess = runtime.session(fp16, "cuda" if cuda else "cpu")
-    if not cuda:
-        feeds = {n: a.cpu().numpy() for n, a in zip(names, args)}
-        return "automp-ort-cpu", lambda: sess.run(None, feeds)[0]
-    binding = sess.io_binding()
-    for n, a in zip(names, args):
-        a = a.contiguous()
-        binding.bind_input(n, "cuda", 0, np.float32 if a.is_floating_point() else np.int64, list(a.shape), a.data_ptr())
-    binding.bind_output("out", "cuda")
+    return ("automp-ort-cuda" if cuda else "automp-ort-cpu"), runtime.session(fp16, "cuda" if cuda else "cpu"), names
 
-    def run():
+
+def _ort_runner(prepared, args: tuple):
+    label, sess, names = prepared
+    if label.endswith("cpu"):
+        feeds = {n: a.cpu().numpy() for n, a in zip(names, args)}
+        return label, lambda: sess.run(None, feeds)[0]
+    binding = sess.io_binding()
+    args = tuple(a.contiguous() for a in args)
+    for n, a in zip(names, args):
+        binding.bind_input(n, "cuda", 0, np.float32 if a.is_floating_point() else np.int64, list(a.shape),
+                           a.data_ptr())
+    binding.bind_output("out", "cuda")
+    torch.cuda.synchronize()  # onnxruntime reads the inputs on its own stream
+
+    def run(_keep_alive=args):  # the binding holds raw pointers into these tensors
         sess.run_with_iobinding(binding)
         return binding.get_outputs()[0]
-    return "automp-ort-cuda", run
+    return label, run
 
 
 def _to_numpy(out) -> np.ndarray:
@@ -178,11 +192,11 @@ def _rel(out, ref: np.ndarray) -> float:
     return float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
 
 
-def bench_model(name: str, model: nn.Module, make_inputs, batch: int, device: str, compile_ok: bool,
+def bench_model(name: str, model: nn.Module, args: tuple, ort_prepared, device: str, compile_ok: bool,
                 iters: int) -> list[Result]:
     import copy
 
-    args = make_inputs(batch)
+    batch = args[0].shape[0]
     with torch.no_grad():
         ref_out = model(*args)
         ref = _to_numpy(ref_out).astype(np.float64)
@@ -200,10 +214,8 @@ def bench_model(name: str, model: nn.Module, make_inputs, batch: int, device: st
         cases.append((anchor_label, lambda: anchor_fn(*half_args)))
         cases.append(("automp-torch (fold BN + fp16" + (" + compile)" if compile_ok else ")"),
                       lambda: ours_fn(*half_args)))
-        try:
-            cases.append(_ort_runner(model, args, device))
-        except Exception as e:  # noqa: BLE001 — report the failure as a row note, keep the other cases
-            print(f"[deploy] {name}: onnxruntime case failed: {type(e).__name__}: {e}", file=sys.stderr)
+        if ort_prepared is not None:
+            cases.append(_ort_runner(ort_prepared, args))
         results: list[Result] = []
         anchor_ms = None
         for label, fn in cases:
@@ -224,15 +236,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny models, CPU-friendly smoke run")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; quick 1,4)")
     p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--models", default="resnet,minilm", help="comma-separated subset of resnet,minilm")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,64")).split(",")]
     iters = args.iters or (5 if args.quick else 50)
     compile_ok = device == "cuda"  # reduce-overhead is CUDA graphs; on CPU the anchor is fp16 eager
     results: list[Result] = []
-    for name, model, make_inputs in build_models(args.quick, device):
+    which = set(args.models.split(","))
+    if not which <= {"resnet", "minilm"}:
+        p.error(f"--models: unknown {sorted(which - {'resnet', 'minilm'})}; choose from resnet, minilm")
+    for name, model, make_inputs in build_models(args.quick, device, which):
+        try:
+            prepared = ort_session(model, make_inputs(2), device, allow_cpu=args.quick)
+        except Exception as e:  # noqa: BLE001 — keep the torch cases; the failure is printed, not hidden
+            print(f"[deploy] {name}: automp-ort case failed: {type(e).__name__}: {e}", file=sys.stderr)
+            prepared = None
         for b in batches:
-            rows = bench_model(name, model, make_inputs, b, device, compile_ok, iters)
+            inputs = make_inputs(b)
+            rows = bench_model(name, model, inputs, prepared, device, compile_ok, iters)
             for r in rows:
                 sp = f"{r.speedup:.2f}x" if r.speedup else ""
                 print(f"{r.name:70s} {r.ms:9.3f} ms  {sp:>7s}  rel err {r.extra['rel_err_vs_fp32']:.2e}", flush=True)

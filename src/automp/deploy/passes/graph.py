@@ -142,14 +142,6 @@ def remove_nodes(model: onnx.ModelProto, dead: Iterable[onnx.NodeProto]) -> None
     model.graph.node.extend(keep)
 
 
-def replace_node(model: onnx.ModelProto, old: onnx.NodeProto, new: list[onnx.NodeProto]) -> None:
-    """Put `new` where `old` was, keeping topological order."""
-    nodes = list(model.graph.node)
-    k = next(i for i, n in enumerate(nodes) if n is old)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes[:k] + new + nodes[k + 1:])
-
-
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Shape inference that never raises: a pass that needs ranks simply skips what stays unknown."""
     try:

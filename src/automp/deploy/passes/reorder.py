@@ -22,7 +22,8 @@ UNARY = {"Relu", "Sigmoid", "Tanh", "Exp", "Log", "Neg", "Abs", "Erf", "Sqrt", "
 
 def _slice_first(g: Graph, sl: onnx.NodeProto, dead: set[int], moves: list) -> bool:
     un = g.producer.get(sl.input[0])
-    if un is None or un.op_type not in UNARY or un.domain not in ("", "ai.onnx") or g.only_consumer(un.output[0]) is not sl:
+    if un is None or un.op_type not in UNARY or un.domain not in ("", "ai.onnx") or \
+            g.only_consumer(un.output[0]) is not sl:
         return False
     # Slice now reads the pre-unary tensor and the unary op writes the Slice's old output; the unary node moves to
     # just after the Slice (the Slice's starts/ends may be computed between the two).

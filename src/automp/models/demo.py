@@ -1,0 +1,171 @@
+"""`automp demo`: train a small GPT and a small CNN in FP32 and with automp, side by side, and show what changed.
+
+Both modes of a model start from the same weights and see the same batches, so the final losses differ only by
+precision. The FP32 run is plain eager PyTorch (what a user has before automp); the automp run is that same loop
+under automp.enable(), exactly what `automp run` does to a script. Its speedup therefore includes Inductor's
+fusion as well as the lower precision; `automp bench train` separates the two against hand-written autocast.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import automp
+from automp.models.cnn import CNN, CNNConfig
+from automp.models.data import MarkovCorpus, PatternImages
+from automp.models.gpt import GPT, GPTConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """One model with its data: built once, copied for each mode so both start from the same weights."""
+
+    name: str
+    model: nn.Module
+    train: list[Batch]
+    eval: Batch
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    lr: float
+
+
+@dataclass
+class RunResult:
+    model: str
+    mode: str
+    final_loss: float
+    step_ms: float
+    losses: list[float] = field(repr=False)
+
+
+def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    idx, targets = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _cls_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def gpt_workload(steps: int, device: torch.device, seed: int = 0) -> Workload:
+    big = device.type == "cuda"
+    cfg = GPTConfig(vocab=256, ctx=256, d=512, layers=6, heads=8) if big else GPTConfig()
+    batch = 32 if big else 16
+    corpus = MarkovCorpus(vocab=cfg.vocab, successors=4, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def split(tokens: torch.Tensor) -> Batch:
+        tokens = tokens.to(device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    train = [split(corpus.batch(batch, cfg.ctx, gen)) for _ in range(steps)]
+    held_out = split(corpus.batch(4 * batch, cfg.ctx, torch.Generator().manual_seed(seed + 2)))
+    torch.manual_seed(seed)
+    return Workload("gpt", GPT(cfg).to(device), train, held_out, _lm_loss, lr=3e-3)
+
+
+def cnn_workload(steps: int, device: torch.device, seed: int = 0) -> Workload:
+    big = device.type == "cuda"
+    cfg = CNNConfig(widths=(64, 128, 256, 512)) if big else CNNConfig()
+    data = PatternImages(size=32 if big else 16, seed=seed)
+    batch = 256 if big else 64
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def move(b: Batch) -> Batch:
+        return b[0].to(device), b[1].to(device)
+
+    train = [move(data.batch(batch, gen)) for _ in range(steps)]
+    held_out = move(data.batch(4 * batch, torch.Generator().manual_seed(seed + 2)))
+    torch.manual_seed(seed)
+    return Workload("cnn", CNN(cfg).to(device), train, held_out, _cls_loss, lr=2e-3)
+
+
+def train(work: Workload, mode: str) -> RunResult:
+    """The plain training loop a user writes; the held-out loss is taken in eval mode under no_grad."""
+    model = copy.deepcopy(work.model)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=work.lr, weight_decay=0.01)
+    cuda = next(model.parameters()).is_cuda
+    losses, times = [], []
+    for batch in work.train:
+        t0 = time.perf_counter()
+        loss = work.loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.detach())
+    model.eval()
+    with torch.no_grad():
+        final = work.loss(model, work.eval).item()
+    return RunResult(work.name, mode, final, statistics.median(times) if times else float("nan"),
+                     [float(x) for x in losses])
+
+
+def run_demo(steps: int, device: torch.device, dtype: str = "auto",
+             inner: str = "inductor") -> tuple[list[RunResult], dict[str, Any]]:
+    """FP32 runs first, then every automp run under one enable(), so one report covers both models."""
+    if steps < 1:
+        raise ValueError(f"automp demo: --steps must be at least 1, got {steps}")
+    works = [gpt_workload(steps, device), cnn_workload(steps, device)]
+    results = [train(w, "fp32") for w in works]
+    automp.enable(dtype=dtype, loss_scale="dynamic", inner=inner)
+    try:
+        results += [train(w, "automp") for w in works]
+    finally:
+        report = automp.disable() or {}
+    for r in results:
+        if r.mode == "automp":
+            r.mode = f"automp ({report.get('dtype', dtype)})"
+    return results, report
+
+
+def print_results(results: list[RunResult], device: torch.device) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    fp32 = {r.model: r for r in results if r.mode == "fp32"}
+    t = Table(title=f"automp demo on {device.type}: same weights, same batches",
+              caption="step time: median over the training steps; speedup vs FP32 eager")
+    for col in ("model", "mode", "final loss", "vs FP32", "step ms", "speedup"):
+        t.add_column(col, justify="left" if col in ("model", "mode") else "right")
+    for r in sorted(results, key=lambda r: r.model):
+        ref = fp32[r.model]
+        rel = (r.final_loss - ref.final_loss) / abs(ref.final_loss) if ref.final_loss else float("nan")
+        t.add_row(r.model, r.mode, f"{r.final_loss:.4f}", f"{100 * rel:+.2f}%", f"{r.step_ms:.1f}",
+                  f"{ref.step_ms / r.step_ms:.2f}x")
+    Console().print(t)
+
+
+def main(steps: int = 60, device: str | None = None, dtype: str = "auto",
+         report: str | None = "automp-demo-report.json") -> int:
+    """Entry point of `automp demo`. The report JSON also carries the demo's results under "demo"."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("automp demo: --device cuda asked for, but torch sees no CUDA device")
+    inner = os.environ.get("AUTOMP_INNER", "inductor")
+    results, rep = run_demo(steps, dev, dtype, inner)
+    print_results(results, dev)
+    from automp.precision.report import print_report
+    if rep.get("graphs") is not None:
+        print_report(rep)
+    if report:
+        rep["demo"] = [{k: v for k, v in asdict(r).items() if k != "losses"} for r in results]
+        with open(report, "w") as f:
+            json.dump(rep, f, indent=1)
+        print(f"precision report written to {report} (view it with `automp report {report}`)")
+    return 0
