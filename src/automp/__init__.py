@@ -7,11 +7,13 @@ modules are part of their root's graph and are not compiled on their own. Loss s
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import threading
+import types
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -42,6 +44,7 @@ _state: _State | None = None
 _local = threading.local()
 _compiled: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 _failed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_entry_ids = itertools.count()
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -63,12 +66,20 @@ def _compile_module(module: nn.Module, state: _State):
     state.recorder.device = config.spec.name if device.type == "cuda" else f"cpu (planned for {config.spec.name})"
     state.recorder.dtype = str(config.dtype).replace("torch.", "")
     backend = make_backend(config, state.recorder, inner=state.inner, label=type(module).__name__)
+    return torch.compile(_entry_point(module), backend=backend)
+
+
+def _entry_point(module: nn.Module) -> Callable[..., Any]:
+    """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
+    recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
+    evict the others' and, past the limit, silently run them uncompiled in FP32."""
     ref = weakref.ref(module)
 
     def call(*args, **kwargs):
         return _ORIG_CALL(ref(), *args, **kwargs)
 
-    return torch.compile(call, backend=backend)
+    code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
+    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
 
 
 def _patched_call(self: nn.Module, *args, **kwargs):

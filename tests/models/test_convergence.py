@@ -1,6 +1,7 @@
 """Tiny convergence runs on CPU: fp16 with automp's loss scaling reaches the FP32 result on every family, and the
-small-loss case stalls without scaling and recovers with it. Low precision comes from autocast (automp's cost
-model keeps these tiny shapes in FP32 on a CPU), the loss scaling from automp's autograd hook. Tolerances are
+small-loss case stalls without scaling and recovers with it. Everything runs through automp.enable() (graph pass,
+planned as for an H100 since a CPU's own costs keep these tiny shapes in FP32, and the autograd loss-scaling hook);
+one test also checks the autocast backend. Tolerances are
 each family's `tolerance`, in its metric's units (accuracy points, perplexity, moment error)."""
 import json
 
@@ -44,6 +45,13 @@ def test_small_loss_stalls_without_scaling_and_recovers_with_it():
 def test_bf16_matches_fp32_without_scaling():
     ref, bf16 = suite.run_case("widedeep", "fp32"), suite.run_case("widedeep", "bf16")
     assert bf16.matches(ref) and "loss_scale" not in bf16.info
+    assert bf16.info["low_precision_nodes"] > 0.1  # the pass really did put part of the model in bf16
+
+
+def test_autocast_backend_with_the_hook_matches_fp32():
+    ref = suite.run_case("cnn", "fp32")
+    run = suite.run_case("cnn", "fp16-dynamic", backend="autocast")
+    assert run.matches(ref) and run.info["loss_scale"]["steps"] >= len(run.losses)
 
 
 def test_automp_enable_backend_installs_scaling():
