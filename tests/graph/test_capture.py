@@ -100,3 +100,15 @@ def test_device_spec_override_changes_the_plan_and_bad_names_are_refused():
     assert cpu != h100  # the estimated gains (and so possibly the decisions) come from the chosen device's figures
     with pytest.raises(ValueError, match="unknown device spec 'tpu9'"):
         automp.enable(spec="tpu9")
+
+
+def test_many_modules_each_get_compiled_not_evicted_past_dynamos_recompile_limit():
+    # Dynamo counts recompiles per code object; a shared wrapper would silently leave modules 9+ uncompiled (FP32)
+    automp.enable(dtype="bf16", inner="eager", spec="h100")
+    for _ in range(12):
+        net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+        net(torch.randn(256, 256)).sum().backward()
+    rep = automp.disable()
+    forwards = [g for g in rep["graphs"] if g["kind"] == "forward"]
+    assert len(forwards) == 12
+    assert all(any(n["dtype"] == "bfloat16" for n in g["nodes"]) for g in forwards)

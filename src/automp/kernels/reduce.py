@@ -45,8 +45,13 @@ def _chunk_table(tensors: list[torch.Tensor]) -> torch.Tensor:
     if table is not None:
         _TABLES.move_to_end(key)
         return table
-    rows = [(addr, start, numel) for addr, numel in key for start in range(0, numel, CHUNK)]
-    table = torch.tensor(rows, dtype=torch.int64).to(tensors[0].device)
+    # vectorised: a 124M-parameter model has ~30K chunks, a Python loop over them costs milliseconds per step
+    addr, numel = torch.tensor(key, dtype=torch.int64).unbind(1)
+    chunks = (numel + CHUNK - 1) // CHUNK
+    first = torch.cumsum(chunks, 0) - chunks
+    owner = torch.repeat_interleave(torch.arange(len(key)), chunks)
+    start = (torch.arange(int(chunks.sum())) - first[owner]) * CHUNK
+    table = torch.stack([addr[owner], start, numel[owner]], 1).to(tensors[0].device)
     _TABLES[key] = table
     if len(_TABLES) > _TABLE_CACHE:
         _TABLES.popitem(last=False)

@@ -89,7 +89,9 @@ def cnn_workload(steps: int, device: torch.device, seed: int = 0) -> Workload:
     train = [move(data.batch(batch, gen)) for _ in range(steps)]
     held_out = move(data.batch(4 * batch, torch.Generator().manual_seed(seed + 2)))
     torch.manual_seed(seed)
-    return Workload("cnn", CNN(cfg).to(device), train, held_out, _cls_loss, lr=2e-3)
+    # A gentle lr: BatchNorm's running statistics lag fast-moving weights, and the held-out loss (eval mode) then
+    # measures that lag, which swings by several percent with any perturbation, precision or otherwise.
+    return Workload("cnn", CNN(cfg).to(device), train, held_out, _cls_loss, lr=1e-3)
 
 
 def train(work: Workload, mode: str) -> RunResult:
