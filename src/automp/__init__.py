@@ -38,6 +38,7 @@ class _State:
     recorder: Recorder
     spec: str | None = None
     scaler: Any = None
+    saved_flags: dict[str, Any] | None = None
 
 
 _state: _State | None = None
@@ -119,7 +120,26 @@ def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None 
         cost.spec_named(spec)
     _state = _State(dtype, loss_scale, report, inner, Recorder(), spec)
     _state.scaler = _install_scaling(dtype, loss_scale)
+    _state.saved_flags = _set_capture_flags()
     nn.Module.__call__ = _patched_call
+
+
+def _set_capture_flags() -> dict[str, Any]:
+    """Let Dynamo capture what it skips by default, so those parts get the pass instead of silently staying FP32:
+    nn.LSTM/GRU (allow_rnn) and nn.TransformerEncoder's inference fast path (one opaque fused op)."""
+    saved = {"allow_rnn": torch._dynamo.config.allow_rnn}
+    torch._dynamo.config.allow_rnn = True
+    mha = getattr(torch.backends, "mha", None)
+    if mha is not None and hasattr(mha, "set_fastpath_enabled"):
+        saved["fastpath"] = mha.get_fastpath_enabled()
+        mha.set_fastpath_enabled(False)
+    return saved
+
+
+def _restore_capture_flags(saved: dict[str, Any]) -> None:
+    torch._dynamo.config.allow_rnn = saved["allow_rnn"]
+    if "fastpath" in saved:
+        torch.backends.mha.set_fastpath_enabled(saved["fastpath"])
 
 
 def _install_scaling(dtype: str, loss_scale: Any):
@@ -142,6 +162,7 @@ def disable() -> dict[str, Any] | None:
     if state is None:
         return None
     nn.Module.__call__ = _ORIG_CALL
+    _restore_capture_flags(state.saved_flags)
     if state.scaler is not None:
         from automp.scaling import autograd_hook
         state.recorder.loss_scale = state.scaler.summary()

@@ -65,7 +65,7 @@ _put(Category.DENY, "normalisation: mean/variance statistics need fp32", "native
 _put(Category.DENY, "exponential/log/power: range and precision loss", "exp", "exp2", "expm1", "log", "log2", "log10",
      "log1p", "pow", "reciprocal", "rsqrt", "sqrt", "erfinv", "lgamma", "digamma", "xlogy")
 _put(Category.DENY, "sum-type reduction: accumulating many terms in fp16 loses the small ones", "sum", "mean",
-     "cumsum", "cumprod", "prod", "_foreach_norm", "embedding_dense_backward", "index_add", "scatter_add",
+     "cumsum", "cumprod", "prod", "_foreach_norm", "embedding_dense_backward", "index_add", "_unsafe_masked_index_put_accumulate", "scatter_add",
      "index_put", "_index_put_impl", "scatter_reduce", "nansum", "dist", "cdist", "cosine_similarity", "renorm")
 _put(Category.DENY, "unscale marker: everything after gradient unscaling (optimizer math) stays FP32", "unscale_marker")
 
@@ -85,7 +85,8 @@ _put(Category.CLEAR, "data movement: no arithmetic, no cast needed", "view", "_u
      "t", "permute", "expand", "squeeze", "unsqueeze", "slice", "select", "slice_scatter", "select_scatter",
      "cat", "stack", "split", "split_with_sizes", "chunk", "unbind", "clone", "contiguous", "alias",
      "as_strided", "flatten", "unflatten", "narrow", "index_select", "gather", "repeat", "tile", "roll", "flip",
-     "max_pool2d_with_indices", "max_pool2d", "max_pool1d", "max_pool3d_with_indices", "pixel_shuffle",
+     "max_pool2d_with_indices", "max_pool2d", "max_pool1d", "_low_memory_max_pool_with_offsets",
+     "_low_memory_max_pool_offsets_to_indices", "_unsafe_masked_index", "max_pool3d_with_indices", "pixel_shuffle",
      "detach", "diagonal", "view_as", "expand_as", "_reshape_alias", "new_zeros", "new_empty", "zeros_like",
      "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "split_copy", "diagonal_backward",
      "index", "masked_select", "view_copy", "permute_copy", "squeeze_copy", "unsqueeze_copy", "t_copy",
