@@ -2,7 +2,6 @@
 
 An inf is injected on the last rank only, inside a no_sync micro-batch (no gradient all-reduce carries it); every
 rank must skip exactly that optimizer step, keep the same loss scale, and end with identical parameters."""
-import os
 from datetime import timedelta
 
 import torch

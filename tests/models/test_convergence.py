@@ -6,21 +6,12 @@ each family's `tolerance`, in its metric's units (accuracy points, perplexity, m
 import json
 
 import pytest
-import torch
 
 from automp.bench.suites import convergence as suite
 from automp.models.convergence import CASES, FAMILIES, make_task
 from automp.scaling import current
 
 STEPS = {"gan": 200}  # the GAN's default is long; parity already shows at 200 steps
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -16,14 +16,6 @@ from automp.models.gpt import GPT, GPTConfig
 RTOL = {"gpt": 0.02, "cnn": 0.03}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_demo_matches_fp32_and_writes_report(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOMP_INNER", "eager")
     path = tmp_path / "demo.json"

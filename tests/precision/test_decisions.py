@@ -144,20 +144,21 @@ def _(x):
     return torch.empty_like(x)
 
 
+class LinearThenFp32Only(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return fp32_only(self.l(x)).sum()
+
+
 def test_op_without_low_precision_kernel_runs_fp32_and_is_reported(monkeypatch):
     # pretend the op is elementwise so the pass tries low precision; its kernel refuses, so it must fall back
     monkeypatch.setitem(lists._WHY, "fp32_only", (lists.Category.INFER, "test"))
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l = nn.Linear(256, 256)
-
-        def forward(self, x):
-            return fp32_only(self.l(x)).sum()
-
     torch.manual_seed(0)
-    m, x = M(), torch.randn(512, 256)
+    m, x = LinearThenFp32Only(), torch.randn(512, 256)
     with torch.no_grad():  # the test op has no autograd formula: an inference graph
         out, rec, _ = traced(m, x, backward=False)
     node = nodes_by_op(rec, "fp32_only")[0]
@@ -167,16 +168,8 @@ def test_op_without_low_precision_kernel_runs_fp32_and_is_reported(monkeypatch):
 
 
 def test_unknown_op_is_fp32_and_named():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l = nn.Linear(256, 256)
-
-        def forward(self, x):
-            return fp32_only(self.l(x)).sum()
-
     with torch.no_grad():
-        _, rec, _ = traced(M(), torch.randn(512, 256), backward=False)
+        _, rec, _ = traced(LinearThenFp32Only(), torch.randn(512, 256), backward=False)
     node = nodes_by_op(rec, "fp32_only")[0]
     assert node["dtype"] == "float32" and "unknown op 'fp32_only'" in node["reason"]
 

@@ -89,7 +89,7 @@ def test_autograd_grad_returns_unscaled_and_leaves_dot_grad_alone():
 
 def test_backward_with_inputs_and_explicit_gradient():
     torch.manual_seed(5)
-    model, (x, y) = HalfMLP(), _data(5)
+    model, (x, _) = HalfMLP(), _data(5)
     ref_model = twin(model)
     out_ref = ref_model(x)
     seed = torch.randn_like(out_ref) * TINY

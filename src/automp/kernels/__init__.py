@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from automp.kernels import ops
+from automp.kernels import ops  # noqa: F401 - registers the torch.library ops
 from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quantize_weight_int4,
                                   quantize_weight_int8)
 

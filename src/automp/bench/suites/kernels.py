@@ -312,7 +312,7 @@ def main(argv: list[str]) -> int:
         print(f"  check {name:<40} rel_err {err:.2e} (tol {tol:.0e}) {'FAIL' if (name, err, tol) in bad else 'ok'}")
     copy_gbps = copy_bandwidth_gbps()
     a, bb = _rand(8192, 8192), _rand(8192, 8192)
-    peak = 2 * 8192**3 / time_fn(lambda: torch.mm(a, bb), warmup=5, iters=20) / 1e9
+    peak = 2 * 8192**3 / time_fn(lambda: torch.mm(a, bb), warmup=5, iters=20) / 1e9  # noqa: F821
     del a, bb
     print(f"ceilings: copy {copy_gbps:.0f} GB/s (read+write), cuBLAS fp16 GEMM 8192^3 {peak:.0f} TF/s", flush=True)
     b = Bench(copy_gbps, peak)

@@ -89,7 +89,7 @@ def _skip_layernorm(g: Graph, types, add: onnx.NodeProto, dead: set[int]) -> Non
         return
     ln = cons[0]
     a, b = add.input
-    shape_a, shape_b = static_shape(types, a), static_shape(types, b)
+    shape_a = static_shape(types, a)
     if rank_of(types, a) != 3 or rank_of(types, b) != 3 or shape_a[-1] is None:
         return
     if [d.dim_param or d.dim_value for d in types[a].tensor_type.shape.dim] != \
