@@ -39,6 +39,7 @@ class _State:
     spec: str | None = None
     scaler: Any = None
     saved_flags: dict[str, Any] | None = None
+    breaks_before: dict[str, int] | None = None
 
 
 _state: _State | None = None
@@ -121,7 +122,25 @@ def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None 
     _state = _State(dtype, loss_scale, report, inner, Recorder(), spec)
     _state.scaler = _install_scaling(dtype, loss_scale)
     _state.saved_flags = _set_capture_flags()
+    _state.breaks_before = _graph_breaks()
     nn.Module.__call__ = _patched_call
+
+
+def _graph_breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
+def _report_graph_breaks(state: _State) -> None:
+    """Graph breaks seen while enabled: the construct at the break runs eagerly in FP32 (the code before and after it
+    is compiled as separate graphs, each through the pass); the user should know where and why."""
+    for reason, n in _graph_breaks().items():
+        new = n - state.breaks_before.get(reason, 0)
+        short = " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:300]
+        if new > 0 and not any(fb["where"] == "graph break" and fb["reason"].startswith(short)
+                               for fb in state.recorder.fallbacks):
+            state.recorder.add_fallback("graph break", f"{short} (x{new}): runs eagerly in FP32 between compiled "
+                                                       f"graphs")
 
 
 def _set_capture_flags() -> dict[str, Any]:
@@ -163,6 +182,7 @@ def disable() -> dict[str, Any] | None:
         return None
     nn.Module.__call__ = _ORIG_CALL
     _restore_capture_flags(state.saved_flags)
+    _report_graph_breaks(state)
     if state.scaler is not None:
         from automp.scaling import autograd_hook
         state.recorder.loss_scale = state.scaler.summary()
@@ -180,6 +200,7 @@ def report() -> dict[str, Any] | None:
         return None
     if _state.scaler is not None:
         _state.recorder.loss_scale = _state.scaler.summary()
+    _report_graph_breaks(_state)
     return _state.recorder.as_dict()
 
 

@@ -112,3 +112,24 @@ def test_many_modules_each_get_compiled_not_evicted_past_dynamos_recompile_limit
     forwards = [g for g in rep["graphs"] if g["kind"] == "forward"]
     assert len(forwards) == 12
     assert all(any(n["dtype"] == "bfloat16" for n in g["nodes"]) for g in forwards)
+
+
+def test_graph_break_is_reported_and_both_sides_still_get_the_pass():
+    class Chatty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = self.a(x)
+            print("between the layers")  # Dynamo cannot trace print: a graph break
+            return self.b(h)
+
+    automp.enable(dtype="bf16", inner="eager", spec="h100")
+    net = Chatty()
+    net(torch.randn(256, 256)).sum().backward()
+    rep = automp.disable()
+    breaks = [fb for fb in rep["fallbacks"] if fb["where"] == "graph break"]
+    assert breaks and "print" in breaks[0]["reason"]
+    forwards = [g for g in rep["graphs"] if g["kind"] == "forward"]
+    assert len(forwards) >= 2 and all(any(n["dtype"] == "bfloat16" for n in g["nodes"]) for g in forwards)
