@@ -123,7 +123,7 @@ def insert_casts(gm: fx.GraphModule, plan: Plan, low: torch.dtype) -> CastStats:
         if n.op == "output":
             _restore_outputs(n, caster, dirty)
             continue
-        if n.op != "call_function" or (is_cast(n) and n in caster.cache.values()):
+        if n.op != "call_function":  # (casts inserted below are not in this snapshot of the node list)
             continue
         d = plan.decisions.get(n)
         if d is not None and n.target is not operator.getitem and d.dtype in (low, torch.float32):
