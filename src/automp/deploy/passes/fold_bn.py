@@ -36,12 +36,16 @@ def _fold_conv(g: Graph, conv: onnx.NodeProto, s: np.ndarray, t: np.ndarray) -> 
     w2 = w * s.reshape(-1, *[1] * (w.ndim - 1))
     b2 = b * s + t
     conv.input[1] = g.add_initializer(conv.input[1] + "_bn", w2.astype(w.dtype))
-    bias = g.add_initializer((conv.name or "conv") + "_bias_bn", b2.astype(w.dtype))
-    if len(conv.input) > 2:
-        conv.input[2] = bias
-    else:
-        conv.input.append(bias)
+    _set_bias(conv, g.add_initializer((conv.name or "conv") + "_bias_bn", b2.astype(w.dtype)))
     return True
+
+
+def _set_bias(node: onnx.NodeProto, name: str) -> None:
+    """Conv and Gemm take their bias as the optional third input."""
+    if len(node.input) > 2:
+        node.input[2] = name
+    else:
+        node.input.append(name)
 
 
 def _fold_gemm(g: Graph, gemm: onnx.NodeProto, s: np.ndarray, t: np.ndarray) -> bool:
@@ -53,11 +57,7 @@ def _fold_gemm(g: Graph, gemm: onnx.NodeProto, s: np.ndarray, t: np.ndarray) -> 
     w2 = alpha * (w * s[:, None] if trans_b else w * s[None, :])
     c2 = (beta * c.reshape(-1) * np.ones(len(s))) * s + t
     gemm.input[1] = g.add_initializer(gemm.input[1] + "_bn", w2.astype(w.dtype))
-    name = g.add_initializer((gemm.name or "gemm") + "_bias_bn", c2.astype(w.dtype))
-    if len(gemm.input) > 2:
-        gemm.input[2] = name
-    else:
-        gemm.input.append(name)
+    _set_bias(gemm, g.add_initializer((gemm.name or "gemm") + "_bias_bn", c2.astype(w.dtype)))
     for a in list(gemm.attribute):
         if a.name in ("alpha", "beta"):
             gemm.attribute.remove(a)
