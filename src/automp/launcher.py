@@ -19,11 +19,20 @@ def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale
     if not os.path.isfile(script):
         print(f"automp run: cannot open file {script!r}: no such file", file=sys.stderr)
         return 2
+    problem = _report_problem(report, script)
+    if problem:
+        print(f"automp run: {problem}", file=sys.stderr)
+        return 2
+    try:
+        automp.enable(dtype=dtype, loss_scale=_parse_loss_scale(loss_scale), report=report,
+                      inner=inner or os.environ.get("AUTOMP_INNER", "inductor"),
+                      path=os.environ.get("AUTOMP_PATH", "auto"))
+    except (ValueError, TypeError) as e:
+        print(f"automp run: {e}", file=sys.stderr)
+        return 2
     argv, path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    automp.enable(dtype=dtype, loss_scale=_parse_loss_scale(loss_scale), report=report,
-                  inner=inner or os.environ.get("AUTOMP_INNER", "inductor"))
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -46,6 +55,24 @@ def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale
         print(f"automp: precision report written to {report} (view it with `automp report {report}`)",
               file=sys.stderr)
     return code
+
+
+def _report_problem(report: str | None, script: str) -> str | None:
+    """Where the report goes is checked before the script runs: a report that cannot be written must not cost a
+    finished training run its exit code, and a report path that names the script must not overwrite it."""
+    if not report:
+        return None
+    path = os.path.abspath(report)
+    if os.path.exists(path) and os.path.samefile(path, script):
+        return f"--report {report!r} is the script itself: refusing to overwrite it"
+    if os.path.isdir(path):
+        return f"--report {report!r} is a directory: give a file path"
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        return f"--report {report!r}: directory {parent!r} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"--report {report!r}: not writable"
+    return None
 
 
 def _parse_loss_scale(spec: Any) -> Any:

@@ -18,6 +18,7 @@ RTOL = {"gpt": 0.02, "cnn": 0.03}
 
 def test_demo_matches_fp32_and_writes_report(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOMP_INNER", "eager")
+    monkeypatch.setenv("AUTOMP_PATH", "compile")  # the graph pass itself, whatever a trial would choose
     path = tmp_path / "demo.json"
     assert demo.main(steps=8, device="cpu", dtype="auto", report=str(path)) == 0
     assert not automp.is_enabled()
@@ -52,3 +53,17 @@ def test_gpt_rejects_sequence_longer_than_context():
     model = GPT(GPTConfig(vocab=16, ctx=8, d=16, layers=1, heads=2))
     with pytest.raises(ValueError, match="context of 8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_demo_on_cpu_keeps_the_path_it_measured_fastest(tmp_path, monkeypatch):
+    """With the default path="auto" automp times its candidates on this CPU and keeps the fastest; it never
+    compiles here (Inductor's CPU compile costs more than a short script can win back) and says why."""
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOMP_PATH", raising=False)
+    results, rep = demo.run_demo(12, torch.device("cpu"))
+    assert {c["module"] for c in rep["choices"]} == {"GPT", "CNN"}
+    for c in rep["choices"]:
+        assert c["path"] in ("fp32-eager", "low-precision-eager") and c["reason"]
+        if len(c["timings_ms"]) > 1:  # a trial ran: the kept path is the fastest one measured
+            assert c["timings_ms"][c["path"]] == min(c["timings_ms"].values())
+    assert rep["graphs"] == [] and rep["compiles"] == {}

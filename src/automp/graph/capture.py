@@ -61,9 +61,11 @@ def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inne
             if config.dtype != torch.float32:
                 lower_attention_inputs(gm, config.dtype)
             return compile_graph(gm, example_inputs)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # Dynamo's own signal to trace again (not a failure): it must reach Dynamo
         except Exception as e:  # noqa: BLE001 - reported FP32 fallback, see docstring
             if recorder is not None:
-                recorder.add_fallback(label, f"{type(e).__name__}: {e}".splitlines()[0][:300])
+                recorder.add_fallback(label, f"{type(e).__name__}: {e}".strip().splitlines()[0][:300])
             if config_debug():
                 traceback.print_exc()
             return gm.forward

@@ -30,6 +30,8 @@ class Recorder:
     graphs: list[dict[str, Any]] = field(default_factory=list)
     fallbacks: list[dict[str, str]] = field(default_factory=list)
     loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "overflow_steps": 0, "steps": 0})
+    choices: list[dict[str, Any]] = field(default_factory=list)  # per root module: the path it runs and why
+    compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         parts: dict[str, list[dict[str, str]]] = {}
@@ -42,20 +44,65 @@ class Recorder:
                                     "casts": casts_by_part.get(kind, {"inserted": 0, "eliminated": 0,
                                                                       "remaining": 0})})
 
+    def add_choice(self, module: str, verdict: dict[str, Any] | None, why: str) -> None:
+        """How a root module runs: a verdict (path, timings, cached or not), or None when automp stepped aside and
+        the module runs as the script wrote it. A later choice for the same module replaces the earlier one."""
+        self.choices = [c for c in self.choices if c["module"] != module]
+        entry = dict(verdict) if verdict else {"path": "as-written", "timings_ms": {}, "cached": False}
+        self.choices.append({"module": module, **entry, "reason": why})
+
     def add_fallback(self, where: str, why: str) -> None:
         self.fallbacks.append({"where": where, "reason": why})
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
-                "fallbacks": self.fallbacks}
+                "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles}
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.as_dict(), f, indent=1)
 
 
+_GRAPH_KEYS = ("name", "kind", "nodes", "casts")
+_NODE_KEYS = ("name", "op", "dtype", "reason")
+_CAST_KEYS = ("inserted", "eliminated", "remaining")
+
+
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(problem)
+
+
+def _check_entries(items: Any, where: str, keys: tuple[str, ...], strings: tuple[str, ...] = ()) -> None:
+    """items is a list of objects that have every one of keys, those in strings with string values (the table
+    renders them as text)."""
+    _require(isinstance(items, list), f"{where} is not a list")
+    for i, item in enumerate(items):
+        ok = isinstance(item, dict) and all(k in item for k in keys) and all(isinstance(item[k], str) for k in strings)
+        _require(ok, f"{where}[{i}] is not an object with keys {', '.join(keys)}"
+                     + (f" ({', '.join(strings)} strings)" if strings else ""))
+
+
+def check_report(report: Any) -> None:
+    """Raise ValueError naming the first part of `report` that is not what summarize and print_report read. A saved
+    file can hold anything (another tool's JSON, a hand-edited or truncated report), and a KeyError from deep in the
+    printing would not say which part is wrong."""
+    _require(isinstance(report, dict), f"its top level is a JSON {type(report).__name__}, not an object")
+    for key in ("device", "dtype", "graphs"):
+        _require(key in report, f"no {key!r} key")
+    _check_entries(report["graphs"], "graphs", _GRAPH_KEYS, strings=("name", "kind"))
+    for i, g in enumerate(report["graphs"]):
+        _check_entries(g["nodes"], f"graphs[{i}].nodes", _NODE_KEYS, strings=_NODE_KEYS)
+        _require(isinstance(g["casts"], dict) and all(k in g["casts"] for k in _CAST_KEYS),
+                 f"graphs[{i}].casts is not an object with keys {', '.join(_CAST_KEYS)}")
+    _require(isinstance(report.get("loss_scale", {}), dict), "loss_scale is not an object")
+    _check_entries(report.get("fallbacks", []), "fallbacks", ("where", "reason"))
+
+
 def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per graph: node counts by dtype, cast counts, and the unknown ops that were kept FP32."""
+    """Per graph: node counts by dtype, cast counts, and the unknown ops that were kept FP32. A malformed report is
+    a ValueError naming the part at fault (check_report)."""
+    check_report(report)
     rows = []
     for g in report["graphs"]:
         by_dtype = Counter(n["dtype"] for n in g["nodes"])
@@ -95,11 +142,14 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
 
 
 def print_saved_report(path: str, show_nodes: bool = False) -> None:
+    """Print a report saved as JSON; an unreadable or malformed file is a one-line SystemExit, not a traceback."""
     try:
         with open(path) as f:
             report = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"automp report: cannot read {path}: {e}") from None
-    if "graphs" not in report:
-        raise SystemExit(f"automp report: {path} is not an automp precision report (no 'graphs' key)")
+    try:
+        check_report(report)
+    except ValueError as e:
+        raise SystemExit(f"automp report: {path} is not an automp precision report: {e}") from None
     print_report(report, show_nodes=show_nodes)

@@ -72,7 +72,7 @@ def precision(mode: str, backend: str, device: torch.device) -> Iterator[dict[st
         # training quality, not speed (Inductor's fusions would only keep more intermediates in FP32)
         # on a CPU, plan as for an H100: the CPU's own cost model keeps these tiny shapes in FP32, and this suite is
         # about what low precision does to training, so the low-precision decisions must actually be taken
-        automp.enable(dtype=dtype, loss_scale=loss_scale, inner="eager",
+        automp.enable(dtype=dtype, loss_scale=loss_scale, inner="eager", path="compile",
                       spec="h100" if device.type == "cpu" else None)
         try:
             yield info

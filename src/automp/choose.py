@@ -1,0 +1,186 @@
+"""Never slower: time the ways a model can run during its first training iterations and keep the fastest.
+
+A cost model predicts; only the device knows. Small scripts are launch- or host-bound, where casts and compiled
+graphs buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like
+PAI's online feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate
+path (FP32 eager as written, low precision eager, automp's compiled graph pass), timed from one call of the
+module to its next call — forward, backward, optimizer step and the data loading in between, everything the user
+waits for. The fastest path is kept for the rest of the run and the verdict is cached on disk per module shape,
+dtype and device, so the next run of the same script starts on the winner and pays nothing.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path as FsPath
+from typing import Any, Callable, Iterable
+
+
+class Path(enum.Enum):
+    """How a root module runs. The values are what reports and the verdict cache store."""
+
+    FP32 = "fp32-eager"  # the user's code as written
+    EAGER_LOW = "low-precision-eager"  # torch.autocast with automp's dtype: cuDNN/cuBLAS low-precision kernels
+    COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
+
+
+@dataclass
+class TrialConfig:
+    """warmup: iterations of a candidate that are not timed (compilation, allocator and autotuning warm-up);
+    measure: rounds of timed iterations (one per candidate per round); give_up: after a round, a candidate this much
+    slower than the best median is dropped — a clear loser needs no more evidence, and every trial iteration of a
+    slow path is time the user loses."""
+
+    warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2})
+    measure: int = 6  # even: alternating rounds then cancel a linear drift exactly
+    give_up: float = 1.3
+    switch_after: int = 4  # another module called this often between two calls of the timed one: time that one
+
+
+@dataclass
+class Verdict:
+    path: Path
+    reason: str
+    timings_ms: dict[str, float]
+    cached: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached}
+
+
+class Trial:
+    """The state machine of one trial over a group of root modules that are new at the same time (a GAN's
+    generator and discriminator): all of them run the current candidate, so the timed interval measures that
+    candidate for the whole iteration. `tick()` is called at every call of any member; the interval is taken
+    between two calls of the "clock" member — the first one called, or whichever another member outnumbers.
+
+    First each candidate warms up (untimed), then the candidates take turns, one timed iteration each per round:
+    interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that
+    would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped."""
+
+    def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
+                 sync: Callable[[], None], note: str = ""):
+        if not candidates:
+            raise ValueError("a trial needs at least one candidate path")
+        self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
+        self.note = note  # why these candidates: goes into the verdict's reason
+        self.samples: dict[Path, list[float]] = {c: [] for c in candidates}
+        self.alive = list(candidates)
+        self.abandoned: set[Path] = set()
+        self._queue: list[tuple[Path, bool]] = [(c, False) for c in candidates
+                                                for _ in range(config.warmup.get(c, 1))]
+        self._rounds = 0
+        self._clock_member: int | None = None
+        self._others: dict[int, int] = {}
+        self._last: float | None = None
+        self.verdict: Verdict | None = None
+        self._refill()
+
+    @property
+    def current(self) -> Path:
+        return self.verdict.path if self.verdict else self._queue[0][0]
+
+    def tick(self, member: int) -> None:
+        if self.verdict is not None:
+            return
+        if self._clock_member is None:
+            self._clock_member = member
+        if member != self._clock_member:
+            self._others[member] = self._others.get(member, 0) + 1
+            if self._others[member] > self.config.switch_after:  # the first module was a one-off call
+                self._clock_member, self._others, self._last = member, {}, None
+            else:
+                return
+        self._others = {}
+        self.sync()
+        now = self.clock()
+        if self._last is not None:
+            self._record(now - self._last)
+        self._last = self.clock()  # bookkeeping above is not charged to the next candidate
+
+    def _record(self, seconds: float) -> None:
+        path, timed = self._queue.pop(0)
+        if timed:
+            self.samples[path].append(seconds)
+        if not self._queue:
+            self._refill()
+
+    def _refill(self) -> None:
+        """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
+        if self._queue:
+            return
+        if self._rounds:
+            meds = {p: statistics.median(self.samples[p]) for p in self.alive}
+            best = min(meds.values())
+            for p in list(self.alive):
+                if meds[p] > self.config.give_up * best:
+                    self.alive.remove(p)
+                    self.abandoned.add(p)
+        if self._rounds >= self.config.measure or len(self.alive) == 1:
+            self._decide()
+            return
+        self._rounds += 1
+        order = self.alive if self._rounds % 2 else self.alive[::-1]  # A B, B A, ...: linear drift cancels
+        self._queue = [(c, True) for c in order]
+
+    def _decide(self) -> None:
+        timings = {p.value: 1e3 * statistics.median(s) for p, s in self.samples.items() if s}
+        winner = min(self.alive, key=lambda p: statistics.median(self.samples[p]) if self.samples[p] else 0.0)
+        parts = ", ".join(f"{k} {v:.2f} ms" + (" (dropped early)" if Path(k) in self.abandoned else "")
+                          for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
+        why = f"{self.note}; " if self.note else ""
+        self.verdict = Verdict(winner, f"{why}measured per iteration: {parts}", timings)
+
+
+class VerdictCache:
+    """Verdicts on disk, keyed by what decides the outcome: the module's structure and shapes, dtype, device and
+    the torch/automp versions. A corrupt file is ignored (and replaced at the next write), never fatal."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        root = directory or os.environ.get("AUTOMP_CACHE_DIR") or FsPath.home() / ".cache" / "automp"
+        self.path = FsPath(root) / "verdicts.json"
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> Verdict | None:
+        entry = self._load().get(key)
+        try:
+            return Verdict(Path(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True)
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def put(self, key: str, verdict: Verdict) -> None:
+        data = self._load()
+        data[key] = {**verdict.as_dict(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix="verdicts.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # an unwritable cache costs a new trial next run, nothing else
+
+
+def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra: str = "") -> str:
+    """What makes two runs the same for the verdict: module classes and parameter shapes (not values), the shapes
+    and dtypes of the first call's tensor arguments, dtype, device and versions."""
+    import torch
+
+    import automp
+
+    parts = [type(module).__qualname__, dtype, device, torch.__version__, automp.__version__, extra]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
+    parts += [f"{tuple(a.shape)}:{a.dtype}" for a in args if isinstance(a, torch.Tensor)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]

@@ -1,0 +1,74 @@
+"""One configuration for a session, validated completely before anything is installed.
+
+A bad argument must leave automp exactly as it was: no half-patched nn.Module, no scaler hooked into autograd.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from automp.choose import Path
+
+DTYPES = ("auto", "fp16", "float16", "half", "bf16", "bfloat16")
+INNERS = ("inductor", "eager")
+PATHS = {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32}
+
+
+@dataclass(frozen=True)
+class AutoMPConfig:
+    """dtype: "auto" (bf16 where supported, else fp16), "fp16" or "bf16".
+    loss_scale: "dynamic", "off" (or None/0) or a positive constant; only fp16 uses it.
+    report: path of the JSON precision report (made absolute now: the script may chdir).
+    inner: "inductor" or "eager" (rewritten graphs run op by op: fast start, for tests and debugging).
+    spec: plan casts for another device's costs ("h100", "cpu", ...).
+    path: "auto" measures the candidate paths in the first iterations and keeps the fastest; "compile", "eager"
+    or "fp32" force automp's compiled pass, low-precision eager, or the script as written.
+    cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp)."""
+
+    dtype: str = "auto"
+    loss_scale: Any = "dynamic"
+    report: str | None = None
+    inner: str = "inductor"
+    spec: str | None = None
+    path: str = "auto"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}: expected 'auto', 'fp16' or 'bf16'")
+        _check_loss_scale(self.loss_scale)
+        if self.inner not in INNERS:
+            raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
+        if self.path not in PATHS:
+            raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
+        if self.spec:
+            from automp.precision import cost
+            cost.spec_named(self.spec)
+        if self.report is not None:
+            if not isinstance(self.report, (str, os.PathLike)):
+                raise TypeError(f"report must be a file path, got {type(self.report).__name__}")
+            object.__setattr__(self, "report", os.path.abspath(os.fspath(self.report)))
+
+    @property
+    def forced_path(self) -> Path | None:
+        return PATHS[self.path]
+
+    @property
+    def wants_fp16(self) -> bool:
+        return self.dtype in ("fp16", "float16", "half")
+
+
+def _check_loss_scale(spec: Any) -> None:
+    if spec in ("dynamic", "off", None) or (isinstance(spec, (int, float)) and not isinstance(spec, bool)
+                                            and spec == 0):
+        return
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}")
+    try:
+        value = float(spec)
+    except ValueError:
+        raise ValueError(f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"loss_scale must be a positive finite number, got {spec!r}")

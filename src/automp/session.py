@@ -1,0 +1,331 @@
+"""An enabled automp: what it installed, the root modules it has seen, and how each of them runs.
+
+Every top-level call of a module with parameters (a "root": the model, a GAN's generator or discriminator) goes
+through `Session.call`. Nested modules are part of their root's graph and are never roots themselves. A root runs
+on one `Path` (choose.py): chosen by a short timed trial, read from the verdict cache, forced by the config, or
+the script as written when automp has to step aside (the script manages precision itself with torch.autocast, or
+the model is already half precision). Every such choice lands in the report with its reason.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import types
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
+from automp.config import AutoMPConfig
+from automp.graph.capture import low_dtype, make_backend
+from automp.precision import cost
+from automp.precision.paint import PrecisionConfig
+from automp.precision.report import Recorder
+
+ORIG_CALL = nn.Module.__call__
+_local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
+_entry_ids = itertools.count()
+# A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
+MIN_GAIN = 1.2
+
+
+@dataclass
+class _Root:
+    label: str
+    device: torch.device
+    low: torch.dtype
+    key: str = ""
+    path: Path | None = None  # None while its trial runs
+    trial: Trial | None = None
+    compiled: Callable[..., Any] | None = None
+    graphs: int = 0  # graphs compiled for this root (recompiles included)
+    aside: str | None = None  # why automp leaves this module as written
+
+
+@dataclass
+class Session:
+    config: AutoMPConfig
+    recorder: Recorder = field(default_factory=Recorder)
+    trial_config: TrialConfig = field(default_factory=TrialConfig)
+    clock: Callable[[], float] = time.perf_counter
+    scaler: Any = None
+    roots: "weakref.WeakKeyDictionary[nn.Module, _Root]" = field(default_factory=weakref.WeakKeyDictionary)
+    trial: Trial | None = None  # the trial new roots join while it runs
+    saved_flags: dict[str, Any] = field(default_factory=dict)
+    breaks_before: dict[str, int] = field(default_factory=dict)
+    labels: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cache = VerdictCache(self.config.cache_dir)
+
+    # -- install / uninstall --------------------------------------------------------------------------------------
+    def install(self) -> None:
+        self.scaler = _install_scaling(self.config)
+        self.saved_flags = _set_capture_flags()
+        self.breaks_before = _graph_breaks()
+        session = self
+
+        def patched_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return session.call(module, args, kwargs)
+
+        nn.Module.__call__ = patched_call
+        nn.RNNBase.__call__ = _rnn_call
+
+    def uninstall(self) -> dict[str, Any]:
+        nn.Module.__call__ = ORIG_CALL
+        if "__call__" in vars(nn.RNNBase):
+            del nn.RNNBase.__call__
+        _restore_capture_flags(self.saved_flags)
+        self.update_report()
+        if self.scaler is not None:
+            from automp.scaling import autograd_hook
+            autograd_hook.uninstall()
+            self.scaler = None
+        self.roots.clear()
+        return self.recorder.as_dict()
+
+    def update_report(self) -> None:
+        if self.scaler is not None:
+            self.recorder.loss_scale = self.scaler.summary()
+        _report_graph_breaks(self)
+        self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
+
+    def settled(self) -> bool:
+        return all(r.path is not None or r.aside is not None for r in self.roots.values())
+
+    # -- the call of every module ---------------------------------------------------------------------------------
+    def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling():
+            return ORIG_CALL(module, *args, **kwargs)
+        root = self.roots.get(module)
+        if root is None:
+            if not any(True for _ in module.parameters()):
+                return ORIG_CALL(module, *args, **kwargs)
+            root = self.roots[module] = self._new_root(module, args)
+        if root.aside is None and torch.is_autocast_enabled(root.device.type):
+            self._step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
+                                   "(and loss scaling) to the script", user_precision=True)
+        if root.aside is not None:
+            return self._run(module, root, Path.FP32, args, kwargs)  # as written, nested modules included
+        if root.path is None:
+            root.trial.tick(id(module))
+            if root.trial.verdict is not None:
+                self._settle(root.trial)
+        return self._run(module, root, root.path or root.trial.current, args, kwargs)
+
+    def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
+        _local.depth, _local.path, _local.low = 1, path, root.low
+        try:
+            if path is Path.FP32:
+                return ORIG_CALL(module, *args, **kwargs)
+            if path is Path.EAGER_LOW:
+                with torch.autocast(root.device.type, dtype=root.low):
+                    out = ORIG_CALL(module, *args, **kwargs)
+                return _restore_float32(out, root.low)
+            if root.compiled is None:
+                root.compiled = self._compile(module, root)
+            try:
+                return root.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
+                # traces it): run this module as written from now on and say why. Anything else is the user's
+                # own error and propagates once, untouched.
+                self._step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
+                                       f"{(str(e).strip().splitlines() or [''])[0][:200]}")
+        finally:
+            _local.depth, _local.path = 0, None
+        return ORIG_CALL(module, *args, **kwargs)
+
+    # -- roots, trials, verdicts ----------------------------------------------------------------------------------
+    def _new_root(self, module: nn.Module, args: tuple) -> _Root:
+        device = _device_of(module)
+        root = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
+        floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+        if floats and torch.float32 not in floats:
+            root.aside = f"its parameters are already {floats[0]}: the model runs in the precision it was given"
+            self.recorder.add_choice(root.label, None, root.aside)
+            return root
+        spec = self.config.spec or ("h100" if device.type == "cuda" else "cpu")
+        root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}",
+                              extra=f"{self.config.inner}:{spec}")
+        forced = self.config.forced_path
+        if forced is not None:
+            self._decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
+            return root
+        cached = self.cache.get(root.key)
+        if cached is not None:
+            self._decide(root, cached)
+            return root
+        candidates, why = self._candidates(device, root.low)
+        if len(candidates) == 1:
+            self._decide(root, Verdict(candidates[0], why, {}))
+            self.cache.put(root.key, Verdict(candidates[0], why, {}))
+            return root
+        if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            self.trial = Trial(candidates, self.trial_config, self.clock, sync, note=why)
+        root.trial = self.trial
+        return root
+
+    def _candidates(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
+        """Which paths can win here. A device whose low-precision GEMMs (measured once, cached) are not clearly
+        faster than FP32 gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
+        compiled graphs can save, so only the eager paths are timed."""
+        from automp.precision import calibrate
+        try:
+            gain = calibrate.low_precision_gain(calibrate.load_or_measure(device, self.config.cache_dir), low)
+        except (RuntimeError, ValueError) as e:
+            return [Path.FP32], f"could not measure this device ({e}): kept FP32"
+        name = str(low).replace("torch.", "")
+        if gain < MIN_GAIN:
+            return [Path.FP32], (f"{name} GEMMs measured {gain:.2f}x FP32's rate on this {device.type}: low "
+                                 f"precision does not pay here, kept FP32")
+        if device.type != "cuda":
+            return [Path.FP32, Path.EAGER_LOW], (f"{name} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled "
+                                                 f"graphs not tried on a CPU (compile time)")
+        return [Path.EAGER_LOW, Path.COMPILED, Path.FP32], f"{name} GEMMs measured {gain:.1f}x FP32"
+
+    def _settle(self, trial: Trial) -> None:
+        verdict = trial.verdict
+        for root in self.roots.values():
+            if root.trial is trial and root.path is None:
+                self._decide(root, verdict)
+                self.cache.put(root.key, verdict)
+
+    def _decide(self, root: _Root, verdict: Verdict) -> None:
+        root.path, root.trial = verdict.path, None
+        self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
+
+    def _step_aside(self, root: _Root, why: str, user_precision: bool = False) -> None:
+        root.aside, root.path, root.trial = why, None, None
+        self.recorder.add_choice(root.label, None, why)
+        if user_precision and self.scaler is not None:
+            from automp.scaling import autograd_hook
+            autograd_hook.uninstall()
+            self.scaler = None
+
+    def _label(self, module: nn.Module) -> str:
+        name = type(module).__name__
+        n = self.labels[name] = self.labels.get(name, 0) + 1
+        return name if n == 1 else f"{name}#{n}"
+
+    def _compile(self, module: nn.Module, root: _Root) -> Callable[..., Any]:
+        spec = self.config.spec
+        config = PrecisionConfig(dtype=root.low, spec=cost.spec_named(spec) if spec else cost.spec_for(root.device))
+        self.recorder.device = config.spec.name if root.device.type == "cuda" else f"cpu (planned for {config.spec.name})"
+        self.recorder.dtype = str(root.low).replace("torch.", "")
+        backend = make_backend(config, self.recorder, inner=self.config.inner, label=root.label)
+
+        def counted(gm: Any, example_inputs: Any) -> Any:
+            root.graphs += 1
+            return backend(gm, example_inputs)
+
+        return torch.compile(_entry_point(module), backend=counted)
+
+
+def _entry_point(module: nn.Module) -> Callable[..., Any]:
+    """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
+    recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
+    evict the others' and, past the limit, silently run them uncompiled in FP32."""
+    ref = weakref.ref(module)
+
+    def call(*args, **kwargs):
+        return ORIG_CALL(ref(), *args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
+    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
+
+
+@torch._dynamo.disable
+def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
+    """nn.LSTM/GRU/RNN calls while a session is open. Traced inside a compiled root, the RNN would be unrolled into
+    thousands of small ops and casts (or, by Dynamo's default, break the graph inside our call wrapper, which
+    leaves the rest of the forward uncompiled). As a Dynamo-disabled function called straight from the user's
+    forward, it makes a clean graph break at the call: the code before and after is compiled through the pass,
+    and the RNN runs here as ONE fused cuDNN op in low precision, returning FP32 as the graph expects."""
+    if getattr(_local, "depth", 0) > 0 and getattr(_local, "path", None) is Path.COMPILED:
+        low = _local.low
+        device = next(module.parameters()).device
+        with torch.autocast(device.type, dtype=low):
+            out = ORIG_CALL(module, *args, **kwargs)
+        return _restore_float32(out, low)
+    return nn.Module.__call__(module, *args, **kwargs)  # a root RNN, or another path: the session decides
+
+
+def _restore_float32(out: Any, low: torch.dtype) -> Any:
+    """Low-precision eager results go back to FP32 at the root's boundary: the user's code after the call (a loss
+    outside the model, a .numpy()) sees the dtypes it was written for."""
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == low else t, out)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _install_scaling(config: AutoMPConfig):
+    """fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not."""
+    wants = config.wants_fp16 or (config.dtype == "auto" and torch.cuda.is_available()
+                                  and not torch.cuda.is_bf16_supported())
+    if not wants or config.loss_scale in ("off", None, 0):
+        return None
+    from automp.scaling import autograd_hook
+    from automp.scaling.loss_scale import LossScaler
+    return autograd_hook.install(LossScaler.from_spec(config.loss_scale))
+
+
+def _graph_breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
+_RNN_BREAK = ("_rnn_call", "allow_rnn", "RNN, GRU, or LSTM")
+
+
+def _report_graph_breaks(session: Session) -> None:
+    """Graph breaks seen while enabled: the construct at the break runs eagerly in FP32 (the code before and after it
+    is compiled as separate graphs, each through the pass); the user should know where and why. The break at an
+    nn.LSTM/GRU is ours: it keeps the RNN one fused op (see _rnn_call)."""
+    rec = session.recorder
+    for reason, n in _graph_breaks().items():
+        new = n - session.breaks_before.get(reason, 0)
+        short = " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:300]
+        if new <= 0 or any(fb["reason"].startswith(short) for fb in rec.fallbacks):
+            continue
+        if any(k in reason for k in _RNN_BREAK):
+            rec.add_fallback("rnn", f"{short} (x{new}): by design, the RNN runs as one fused op in low precision")
+        else:
+            rec.add_fallback("graph break", f"{short} (x{new}): runs eagerly in FP32 between compiled graphs")
+
+
+def _set_capture_flags() -> dict[str, Any]:
+    """nn.TransformerEncoder's inference fast path is one opaque fused op the pass cannot see into: turn it off so
+    the layers are traced. RNNs run fused, see _rnn_call."""
+    saved: dict[str, Any] = {}
+    mha = getattr(torch.backends, "mha", None)
+    if mha is not None and hasattr(mha, "set_fastpath_enabled"):
+        saved["fastpath"] = mha.get_fastpath_enabled()
+        mha.set_fastpath_enabled(False)
+    return saved
+
+
+def _restore_capture_flags(saved: dict[str, Any]) -> None:
+    if "fastpath" in saved:
+        torch.backends.mha.set_fastpath_enabled(saved["fastpath"])
+
+
+def reconfigured(old: Session, config: AutoMPConfig) -> AutoMPConfig:
+    """enable() while enabled (a script under `automp run` that calls enable itself): the new settings apply, the
+    report keeps its path and everything recorded so far."""
+    return config if config.report is not None or old.config.report is None else replace(config,
+                                                                                          report=old.config.report)

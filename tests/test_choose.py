@@ -1,0 +1,121 @@
+"""The measure-and-choose trial with an injected clock: which path wins, when losers are dropped, how the timed
+module is picked, and the verdict cache (write, read, corrupt file)."""
+import json
+
+import pytest
+import torch.nn as nn
+
+from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
+
+
+class FakeClock:
+    """Advances by the cost of the path that ran since the last tick: the trial sees exactly those costs."""
+
+    def __init__(self, cost: dict[Path, float]):
+        self.cost, self.now, self.trial = cost, 0.0, None
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, trial: Trial, member: int = 1) -> None:
+        trial.tick(member)
+        self.now += self.cost[trial.current]
+
+
+def run_until_verdict(cost: dict[Path, float], config: TrialConfig | None = None, limit: int = 100):
+    clock = FakeClock(cost)
+    trial = Trial(list(cost), config or TrialConfig(), clock, lambda: None)
+    ran: list[Path] = []
+    for _ in range(limit):
+        if trial.verdict is not None:
+            break
+        ran.append(trial.current)
+        clock.run(trial)
+    return trial, ran
+
+
+def test_fastest_path_wins_and_timings_are_the_measured_ones():
+    cost = {Path.EAGER_LOW: 0.010, Path.COMPILED: 0.007, Path.FP32: 0.012}
+    trial, _ = run_until_verdict(cost, TrialConfig(give_up=10.0))
+    assert trial.verdict.path is Path.COMPILED
+    assert trial.verdict.timings_ms == pytest.approx({p.value: 1e3 * c for p, c in cost.items()})
+
+
+def test_warmup_iterations_are_not_timed():
+    # the compiled path's first iterations include compilation: if they were timed, FP32 would win
+    class Compiling(FakeClock):
+        def run(self, trial, member=1):
+            trial.tick(member)
+            first = trial.current is Path.COMPILED and not trial.samples[Path.COMPILED] and self.compiles < 2
+            self.compiles += first
+            self.now += 5.0 if first else self.cost[trial.current]
+
+    clock = Compiling({Path.COMPILED: 0.005, Path.FP32: 0.010})
+    clock.compiles = 0
+    trial = Trial([Path.COMPILED, Path.FP32], TrialConfig(give_up=100.0), clock, lambda: None)
+    while trial.verdict is None:
+        clock.run(trial)
+    assert trial.verdict.path is Path.COMPILED
+    assert max(trial.samples[Path.COMPILED]) == pytest.approx(0.005)
+
+
+def test_a_clear_loser_is_dropped_after_one_round():
+    cost = {Path.EAGER_LOW: 0.010, Path.FP32: 0.050}
+    trial, ran = run_until_verdict(cost, TrialConfig(measure=5, give_up=1.3))
+    assert trial.verdict.path is Path.EAGER_LOW
+    assert len(trial.samples[Path.FP32]) == 1 and Path.FP32 in trial.abandoned
+    assert ran.count(Path.FP32) == 1 + 1  # one warm-up, one timed
+
+
+def test_candidates_alternate_so_drift_hits_all_of_them():
+    # the machine slows down steadily; interleaved rounds keep the truly faster path ahead
+    class Drifting(FakeClock):
+        def run(self, trial, member=1):
+            trial.tick(member)
+            self.now += self.cost[trial.current] * (1 + 0.02 * self.steps)
+            self.steps += 1
+
+    clock = Drifting({Path.EAGER_LOW: 0.010, Path.FP32: 0.0101})
+    clock.steps = 0
+    trial = Trial([Path.FP32, Path.EAGER_LOW], TrialConfig(give_up=100.0), clock, lambda: None)
+    while trial.verdict is None:
+        clock.run(trial)
+    assert trial.verdict.path is Path.EAGER_LOW
+
+
+def test_interval_is_timed_on_the_module_called_every_iteration():
+    # module 7 is called once (say, a warm-up forward of a teacher); module 1 every iteration: after a few calls of
+    # module 1 without module 7 the trial times module 1 and still reaches a verdict
+    clock = FakeClock({Path.EAGER_LOW: 0.01, Path.FP32: 0.02})
+    trial = Trial([Path.EAGER_LOW, Path.FP32], TrialConfig(), clock, lambda: None)
+    trial.tick(7)
+    for _ in range(60):
+        if trial.verdict:
+            break
+        clock.run(trial, member=1)
+    assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW
+
+
+def test_verdict_cache_round_trip_and_corrupt_file(tmp_path):
+    cache = VerdictCache(tmp_path)
+    v = Verdict(Path.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0})
+    cache.put("k", v)
+    got = cache.get("k")
+    assert got.path is Path.EAGER_LOW and got.cached and got.timings_ms == v.timings_ms
+    assert cache.get("other") is None
+    cache.path.write_text("{not json")
+    assert cache.get("k") is None  # corrupt: ignored, not fatal
+    cache.put("k2", v)
+    assert json.loads(cache.path.read_text())["k2"]["path"] == "low-precision-eager"
+    cache.path.write_text(json.dumps({"k": {"path": "warp-drive"}}))
+    assert cache.get("k") is None
+
+
+def test_module_key_depends_on_shapes_not_values():
+    a, b, c = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 9)
+    import torch
+    x = torch.randn(2, 4)
+    assert module_key(a, (x,), "bf16", "cpu") == module_key(b, (x,), "bf16", "cpu")
+    assert module_key(a, (x,), "bf16", "cpu") != module_key(c, (x,), "bf16", "cpu")
+    assert module_key(a, (x,), "bf16", "cpu") != module_key(a, (torch.randn(3, 4),), "bf16", "cpu")
+    assert module_key(a, (x,), "bf16", "cpu") != module_key(a, (x,), "fp16", "cpu")

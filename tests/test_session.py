@@ -1,0 +1,212 @@
+"""An enabled session with real scripts' habits: their own autocast, half-precision models, their own exceptions,
+bad arguments, enable() called twice, chdir, a GAN's call pattern, an LSTM inside a model."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import automp
+import automp.session
+from automp.graph import capture
+from automp.scaling import autograd_hook
+
+
+@pytest.fixture(autouse=True)
+def _clean(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    yield
+    automp.disable()
+
+
+def _compile(**kw):
+    automp.enable(inner="eager", path="compile", spec="h100", **kw)
+
+
+def test_script_with_its_own_autocast_runs_and_automp_steps_aside():
+    torch.manual_seed(0)
+    net, x = nn.Linear(64, 32), torch.randn(16, 64)
+    _compile(dtype="fp16")
+    assert autograd_hook.current() is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = net(x)
+    out.float().pow(2).mean().backward()  # crashed with "expected m1 and m2 to have the same dtype" before
+    assert out.dtype == torch.bfloat16 and net.weight.grad.dtype == torch.float32
+    rep = automp.disable()
+    (choice,) = rep["choices"]
+    assert choice["path"] == "as-written" and "autocast" in choice["reason"]
+    assert autograd_hook.current() is None  # the script's own GradScaler would otherwise scale twice
+    assert rep["graphs"] == []
+
+
+class Fragile(nn.Module):
+    """Counts its forwards and raises on a batch the user marked bad (after BatchNorm has seen it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.fc = nn.BatchNorm1d(32), nn.Linear(32, 8)
+        self.calls = 0
+
+    def forward(self, x, bad=False):
+        self.calls += 1
+        h = self.bn(x)
+        if bad:
+            raise ValueError("bad batch")
+        return self.fc(h)
+
+
+def test_users_exception_propagates_once_and_the_module_stays_compiled():
+    torch.manual_seed(0)
+    net, x = Fragile(), torch.randn(16, 32)
+    _compile(dtype="bf16")
+    net(x).sum().backward()
+    before = (net.calls, int(net.bn.num_batches_tracked))
+    with pytest.raises(ValueError, match="bad batch"):
+        net(x, bad=True)
+    assert (net.calls, int(net.bn.num_batches_tracked)) == (before[0] + 1, before[1] + 1)  # not run twice
+    net(x).sum().backward()
+    rep = automp.disable()
+    assert [c["path"] for c in rep["choices"]] == ["automp-compiled"]  # not demoted to FP32
+    assert not [f for f in rep["fallbacks"] if f["where"] == "Fragile"]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_model_keeps_its_dtypes_and_the_report_says_so(dtype):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).half()
+    _compile(dtype=dtype)
+    out = net(torch.randn(4, 64).half())
+    assert out.dtype == torch.float16
+    rep = automp.disable()
+    (choice,) = rep["choices"]
+    assert choice["path"] == "as-written" and "float16" in choice["reason"]
+    assert rep["graphs"] == []  # no pass claimed anything about a model it did not touch
+
+
+@pytest.mark.parametrize("kw", [{"loss_scale": -5}, {"loss_scale": [1, 2]}, {"loss_scale": float("nan")},
+                                {"loss_scale": "big"}, {"inner": "bogus"}, {"path": "warp"}, {"dtype": "int3"},
+                                {"dtype": "bf16", "loss_scale": -1.0}])
+def test_failed_enable_changes_nothing(kw):
+    with pytest.raises((ValueError, TypeError)):
+        automp.enable(**kw)
+    assert not automp.is_enabled()
+    assert nn.Module.__call__ is automp.session.ORIG_CALL and autograd_hook.current() is None
+    automp.enable(dtype="bf16", inner="eager")  # and automp still works afterwards
+    assert automp.is_enabled()
+    assert automp.disable() is not None
+
+
+def test_enable_inside_an_enabled_session_keeps_the_report(tmp_path):
+    path = tmp_path / "launcher.json"
+    automp.enable(dtype="bf16", report=str(path), inner="eager", path="compile", spec="h100")
+    net = nn.Linear(128, 128)
+    automp.enable(dtype="bf16", inner="eager", path="compile", spec="h100")  # the script's own call
+    net(torch.randn(256, 128)).sum().backward()
+    automp.disable()
+    rep = json.loads(path.read_text())
+    assert rep["choices"] and rep["graphs"]
+
+
+def test_relative_report_path_does_not_follow_the_scripts_chdir(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    automp.enable(dtype="bf16", report="r.json", inner="eager")
+    os.chdir(tmp_path / "b")
+    automp.disable()
+    assert (tmp_path / "a" / "r.json").exists() and not (tmp_path / "b" / "r.json").exists()
+
+
+def test_dynamo_restart_signal_is_not_a_failure(monkeypatch):
+    def restarting_inner(gm, example_inputs):
+        raise torch._dynamo.exc.RestartAnalysis()  # Dynamo's "trace again", raised from inside a backend
+
+    monkeypatch.setattr(capture, "_eager_aot", lambda precision_pass: restarting_inner)
+    rec = automp.precision.report.Recorder()
+    backend = capture.make_backend(capture.PrecisionConfig(), rec, inner="eager")
+    with pytest.raises(torch._dynamo.exc.RestartAnalysis):
+        backend(torch.fx.symbolic_trace(nn.Linear(2, 2)), [torch.randn(1, 2)])
+    assert rec.fallbacks == []  # was: reported as an FP32 fallback with a blank reason
+
+
+def test_gan_pattern_compiles_a_bounded_number_of_graphs():
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh())
+    d = nn.Sequential(nn.Linear(32, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+    og, od = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+    _compile(dtype="bf16")
+    for step in range(12):
+        fake = g(torch.randn(8, 16))
+        ld = (F.binary_cross_entropy_with_logits(d(torch.randn(8, 32)), ones)
+              + F.binary_cross_entropy_with_logits(d(fake.detach()), zeros))
+        od.zero_grad()
+        ld.backward()
+        od.step()
+        lg = F.binary_cross_entropy_with_logits(d(fake), ones)
+        og.zero_grad()
+        lg.backward()
+        og.step()
+        if step % 3 == 2:  # a periodic evaluation: train/eval flips
+            g.eval(), d.eval()
+            with torch.no_grad():
+                d(g(torch.randn(8, 16)))
+            g.train(), d.train()
+    rep = automp.disable()
+    # generator: train + eval; discriminator: input without grad, input with grad, eval — and no more
+    assert sorted(rep["compiles"].values()) == [2, 3], rep["compiles"]
+
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab=50, d=32):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(vocab, d), nn.LSTM(d, d, 2, batch_first=True), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h, _ = self.rnn(self.emb(x))
+        return self.head(h)
+
+
+def test_lstm_stays_one_fused_op_and_the_rest_is_compiled():
+    torch.manual_seed(0)
+    lm, x = LSTMLM(), torch.randint(0, 50, (4, 24))
+    _compile(dtype="bf16")
+    for _ in range(2):
+        out = lm(x)
+        F.cross_entropy(out.flatten(0, 1), x.flatten()).backward()
+    rep = automp.disable()
+    assert out.dtype == torch.float32
+    ops = [n["op"] for g in rep["graphs"] for n in g["nodes"]]
+    # unrolled over 24 steps x 2 layers the LSTM would be hundreds of matmuls; here only the head's remain
+    assert sum(op in ("mm", "addmm") for op in ops) <= 4, sorted(set(ops))
+    assert "embedding" in ops and any(op in ("mm", "addmm") for op in ops)  # both sides of the RNN compiled
+    assert [f for f in rep["fallbacks"] if f["where"] == "rnn"]
+    assert not [f for f in rep["fallbacks"] if f["where"] == "graph break"]
+
+
+def test_lstm_numerics_stay_close_to_fp32():
+    torch.manual_seed(0)
+    lm, x = LSTMLM(), torch.randint(0, 50, (4, 24))
+    ref = lm(x)
+    _compile(dtype="bf16")
+    got = lm(x)
+    automp.disable()
+    assert (got - ref).norm() / ref.norm() < 2e-2  # bf16: 8 mantissa bits, compounded over the recurrence
+
+
+def test_cpu_default_path_never_compiles_and_keeps_fp32_numerics_when_fp32_wins():
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 32)
+    automp.enable(dtype="bf16")
+    for _ in range(30):
+        net(x).sum().backward()
+        if automp.settled():
+            break
+    rep = automp.report()
+    automp.disable()
+    assert automp.settled() and rep["graphs"] == [] and rep["compiles"] == {}
+    (choice,) = rep["choices"]
+    assert choice["path"] in ("fp32-eager", "low-precision-eager") and choice["reason"]
