@@ -1,0 +1,282 @@
+"""Measure the device the cost model plans for, instead of trusting a table of datasheet figures.
+
+The built-in DeviceSpecs are peak numbers for a few known devices; an unknown GPU gets H100 figures and every CPU
+gets one guess, although CPUs range from emulated bf16 (low precision is slower than FP32) to AMX (much faster).
+A few short micro-benchmarks — GEMMs per dtype and size, one large copy, back-to-back tiny kernels — give the rates
+this device really reaches. They are cached on disk per device and torch version, so they run once, not per script.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from automp.precision.cost import DeviceSpec
+
+SCHEMA = 1  # bump when the file layout changes: older files then read as corrupt and are re-measured
+BUCKETS = {"small": 256, "medium": 1024, "large": 4096}  # square GEMM sizes, smallest first
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A low-precision GEMM this much slower than FP32 at one size is emulated: timing it at bigger sizes would blow the
+# time budget on such CPUs and could not change the verdict (it does not pay).
+EMULATED_SLOWDOWN = 4.0
+LAUNCHES = 100  # tiny kernels per timed call: amortizes the timer's own overhead (a sync, a clock read)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one device measured: GEMM TFLOP/s by dtype name and size bucket, copy bandwidth, per-kernel cost."""
+
+    device: str  # "cpu: <model> (<n> threads)" or "cuda: <GPU name>": the cache key, and says which kind it is
+    torch_version: str
+    gemm_tflops: dict[str, dict[str, float]]
+    bandwidth_gbps: float  # bytes read + written per second by a large copy, in GB/s
+    launch_us: float  # cost of one more tiny kernel, back to back
+    measured_at: str  # ISO 8601, UTC
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One timed call: `run()` does `reps` back-to-back ops. The work totals ride along so that a timer — or a
+    test's fake one — can tell what it is timing without running it."""
+
+    kind: str  # "gemm", "copy" or "launch"
+    run: Callable[[], object]
+    reps: int
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    dtype: str = "float32"
+    bucket: str = ""
+
+    def __call__(self) -> None:
+        self.run()
+
+
+Timer = Callable[[Bench], float]  # seconds taken by one call of the bench
+
+
+def device_name(device: torch.device | str) -> str:
+    """The cache key of a device. A CPU's thread count is part of it: the GEMM rates scale with it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(dev)}"
+    if dev.type != "cpu":
+        raise ValueError(f"calibration supports cpu and cuda devices, not {dev.type!r}")
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass  # not Linux: platform's answer will do
+    return f"cpu: {model} ({torch.get_num_threads()} threads)"
+
+
+def default_timer(device: torch.device) -> Timer:
+    """Median of a few synchronized runs after one warmup; slow benches run fewer times (down to one) so that
+    measure() stays within its budget on slow devices."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def once(bench: Bench) -> float:
+        sync()
+        start = time.perf_counter()
+        bench()
+        sync()
+        return time.perf_counter() - start
+
+    def timer(bench: Bench) -> float:
+        first = once(bench)  # warmup: allocator, kernel selection, page faults
+        runs = max(1, min(3, int(0.1 / max(first, 1e-9))))
+        return statistics.median(once(bench) for _ in range(runs))
+
+    return timer
+
+
+def _timed(timer: Timer, bench: Bench) -> float:
+    t = timer(bench)
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise ValueError(f"timer returned {t!r} for a {bench.kind} bench: expected positive seconds")
+    return float(t)
+
+
+def _repeat(op: Callable[[], object], reps: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(reps):
+            op()
+    return run
+
+
+def _gemm(device: torch.device, dtype: str, bucket: str, reps: int, gen: torch.Generator) -> Bench:
+    n = BUCKETS[bucket]
+    a, b = (torch.randn(n, n, device=device, generator=gen).to(DTYPES[dtype]) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=DTYPES[dtype])
+    return Bench("gemm", _repeat(lambda: torch.mm(a, b, out=out), reps), reps, flops=2.0 * n ** 3 * reps,
+                 dtype=dtype, bucket=bucket)
+
+
+def _plan(device: torch.device) -> tuple[list[str], dict[str, int], int]:
+    """dtypes, {bucket: reps per call}, copy size in elements. A GPU gets the large bucket and more reps per call
+    (its small GEMMs take microseconds); a CPU skips 4096^3 (seconds) and copies 32 MB: beyond L2, though a big L3
+    may hold it (the bandwidth is then an upper bound; a larger copy costs more in page faults than it would tell)."""
+    if device.type == "cuda":
+        dtypes = ["float32", "float16"] + (["bfloat16"] if torch.cuda.is_bf16_supported(False) else [])
+        return dtypes, {"small": 20, "medium": 10, "large": 3}, 1 << 26
+    return ["float32", "bfloat16", "float16"], {"small": 1, "medium": 1}, 1 << 23
+
+
+def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, float]]:
+    dtypes, reps, _ = _plan(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # keeps the user's RNG stream untouched
+    rates: dict[str, dict[str, float]] = {}
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # FP32 means plain FP32: the baseline automp compares against
+    try:
+        for name in dtypes:
+            rates[name] = {}
+            for bucket, r in reps.items():
+                bench = _gemm(device, name, bucket, r, gen)
+                rates[name][bucket] = bench.flops / _timed(timer, bench) / 1e12
+                fp32 = rates["float32"][bucket]
+                if rates[name][bucket] * EMULATED_SLOWDOWN < fp32:
+                    break  # emulated: see EMULATED_SLOWDOWN
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return rates
+
+
+def measure(device: torch.device | str, timer: Timer | None = None) -> Calibration:
+    """Run the micro-benchmarks on `device` (0.3-0.6 s on a CPU or an H100, CUDA's start aside). `timer(bench)` returns
+    the seconds one call of `bench` takes; by default the median of a few synchronized runs."""
+    dev = torch.device(device)
+    name = device_name(dev)
+    timer = timer or default_timer(dev)
+    gemm = _measure_gemms(dev, timer)
+
+    _, _, n = _plan(dev)
+    src = torch.ones(n, device=dev)
+    dst = torch.zeros_like(src)  # written once here, so the timed copies do not pay for first-touch page faults
+    copies = 3 if dev.type == "cuda" else 1
+    copy = Bench("copy", _repeat(lambda: dst.copy_(src), copies), copies, bytes_moved=2.0 * src.nbytes * copies)
+    bandwidth = copy.bytes_moved / _timed(timer, copy) / 1e9
+
+    x = torch.zeros(1, device=dev)
+    tiny = Bench("launch", _repeat(lambda: x.add_(1), LAUNCHES), LAUNCHES)
+    launch_us = _timed(timer, tiny) / tiny.reps * 1e6
+
+    return Calibration(device=name, torch_version=torch.__version__, gemm_tflops=gemm, bandwidth_gbps=bandwidth,
+                       launch_us=launch_us, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def from_json(obj: object) -> Calibration | None:
+    """The Calibration a cache file holds, or None when it is not one this version wrote (any field missing, of
+    the wrong type, or a rate that is not a positive finite number): the caller then measures again."""
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        return None
+    if not all(isinstance(obj.get(k), str) for k in ("device", "torch_version", "measured_at")):
+        return None
+    try:
+        datetime.fromisoformat(obj["measured_at"])
+    except ValueError:
+        return None
+    gemm = obj.get("gemm_tflops")
+    if not isinstance(gemm, dict) or not isinstance(gemm.get("float32"), dict):
+        return None
+    for dtype, buckets in gemm.items():
+        if dtype not in DTYPES or not isinstance(buckets, dict) or not buckets:
+            return None
+        if not all(b in BUCKETS and _positive(v) for b, v in buckets.items()):
+            return None
+    if not (_positive(obj.get("bandwidth_gbps")) and _positive(obj.get("launch_us"))):
+        return None
+    return Calibration(device=obj["device"], torch_version=obj["torch_version"],
+                       gemm_tflops={d: {b: float(v) for b, v in bs.items()} for d, bs in gemm.items()},
+                       bandwidth_gbps=float(obj["bandwidth_gbps"]), launch_us=float(obj["launch_us"]),
+                       measured_at=obj["measured_at"])
+
+
+def cache_path(device: torch.device | str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """One file per device and torch version (a new torch can bring new kernels), under `cache_dir`, else
+    $AUTOMP_CACHE_DIR, else ~/.cache/automp."""
+    root = Path(cache_dir or os.environ.get("AUTOMP_CACHE_DIR") or Path.home() / ".cache" / "automp")
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device_name(device)}-torch{torch.__version__}").strip("_")
+    return root / f"calibration-{key}.json"
+
+
+def _write(path: Path, cal: Calibration) -> None:
+    """Atomically: a reader (another process calibrating at the same time) sees the old file or the new one, never
+    half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"schema": SCHEMA, **asdict(cal)}, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_or_measure(device: torch.device | str, cache_dir: str | os.PathLike | None = None,
+                    timer: Timer | None = None) -> Calibration:
+    """The cached calibration of `device`, measured (and cached) when missing, corrupt or stale. A cache that
+    cannot be written only costs a re-measure next time, so it warns rather than fails."""
+    dev = torch.device(device)
+    path = cache_path(dev, cache_dir)
+    try:
+        cached = from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):  # missing, unreadable, not JSON, not UTF-8
+        cached = None
+    if cached is not None and cached.device == device_name(dev) and cached.torch_version == torch.__version__:
+        return cached
+    cal = measure(dev, timer)
+    try:
+        _write(path, cal)
+    except OSError as e:
+        warnings.warn(f"automp: cannot cache the device calibration in {path.parent} ({e}); it will be measured "
+                      f"again next time (set AUTOMP_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=2)
+    return cal
+
+
+def _rate(cal: Calibration, dtype: str, default: float = 0.0) -> float:
+    """TFLOP/s the cost model should assume: a GPU's best bucket (its big GEMMs are what low precision is for); on
+    a CPU the medium one, as the small one mostly measures threading overhead."""
+    buckets = cal.gemm_tflops.get(dtype)
+    if not buckets:
+        return default
+    if cal.device.startswith("cpu") and "medium" in buckets:
+        return buckets["medium"]
+    return max(buckets.values())
+
+
+def spec_from(cal: Calibration, base: DeviceSpec) -> DeviceSpec:
+    """`base` with the measured figures. A low-precision dtype the device was not measured in (it does not run it)
+    gets the FP32 rate: the cost model must not count on a speed-up nobody saw."""
+    fp32 = _rate(cal, "float32")
+    return replace(base, name=f"{base.name} (calibrated)", bandwidth_gbps=cal.bandwidth_gbps, fp32_tflops=fp32,
+                   fp16_tflops=_rate(cal, "float16", fp32), bf16_tflops=_rate(cal, "bfloat16", fp32),
+                   launch_us=cal.launch_us)
+
+
+def low_precision_gain(cal: Calibration, dtype: torch.dtype) -> float:
+    """Measured GEMM throughput of `dtype` over FP32 at the largest size both were measured at: below 1 low
+    precision cannot pay on this device whatever the graph; 0.0 when the device was not measured in `dtype`."""
+    name = next((k for k, v in DTYPES.items() if v == dtype), None)
+    if name is None:
+        raise ValueError(f"no GEMM calibration for {dtype}: expected one of {list(DTYPES.values())}")
+    low, fp32 = cal.gemm_tflops.get(name, {}), cal.gemm_tflops["float32"]
+    common = [b for b in reversed(BUCKETS) if b in low and b in fp32]
+    return low[common[0]] / fp32[common[0]] if common else 0.0
