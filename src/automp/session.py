@@ -191,7 +191,7 @@ class Session:
         return [Path.EAGER_LOW, Path.COMPILED, Path.FP32], f"{name} GEMMs measured {gain:.1f}x FP32"
 
     def _settle(self, trial: Trial) -> None:
-        verdict = trial.verdict
+        verdict = _agree(trial.verdict)
         for root in self.roots.values():
             if root.trial is trial and root.path is None:
                 self._decide(root, verdict)
@@ -226,6 +226,20 @@ class Session:
             return backend(gm, example_inputs)
 
         return torch.compile(_entry_point(module), backend=counted)
+
+
+def _agree(verdict: Verdict) -> Verdict:
+    """Under torch.distributed every rank runs rank 0's verdict: ranks timing slightly differently must not end up
+    running different paths (different graphs around DDP's all-reduce hooks)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return verdict
+    chosen = [verdict.path.value]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] == verdict.path.value:
+        return verdict
+    return Verdict(Path(chosen[0]), f"rank 0's verdict (all ranks run one path); this rank measured: "
+                                    f"{verdict.reason}", verdict.timings_ms)
 
 
 def _entry_point(module: nn.Module) -> Callable[..., Any]:

@@ -129,6 +129,11 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
     ls = report.get("loss_scale", {})
     console.print(f"loss scale: {ls.get('scale')}  steps: {ls.get('steps')}  overflow steps: "
                   f"{ls.get('overflow_steps')}")
+    compiles = report.get("compiles", {})
+    for c in report.get("choices", []):
+        graphs = f", {compiles[c['module']]} graph(s) compiled" if c["module"] in compiles else ""
+        cached = " (verdict from cache)" if c.get("cached") else ""
+        console.print(f"[cyan]{c['module']}[/cyan] runs [bold]{c['path']}[/bold]{cached}{graphs}: {c['reason']}")
     for fb in report.get("fallbacks", []):
         console.print(f"[yellow]FP32 fallback[/yellow] {fb['where']}: {fb['reason']}")
     if show_nodes:
