@@ -271,10 +271,15 @@ def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
     return nn.Module.__call__(module, *args, **kwargs)  # a root RNN, or another path: the session decides
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
 def _restore_float32(out: Any, low: torch.dtype) -> Any:
     """Low-precision eager results go back to FP32 at the root's boundary: the user's code after the call (a loss
-    outside the model, a .numpy()) sees the dtypes it was written for."""
-    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == low else t, out)
+    outside the model, a .numpy()) sees the dtypes it was written for. Any half type, not only `low`: autocast runs
+    some ops in its own choice (cuDNN RNNs in fp16 under a bf16 autocast on torch 2.11), and sessions only take this
+    path for FP32 models."""
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALVES else t, out)
 
 
 def _device_of(module: nn.Module) -> torch.device:
