@@ -16,11 +16,27 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-scale", default="dynamic",
                    help="dynamic | off | a constant such as 1024 (only matters for fp16)")
     p.add_argument("--report", default=None, help="write the precision report JSON here")
+    p.add_argument("--path", default="auto", choices=["auto", "compile", "eager", "fp32"],
+                   help="auto: time automp's compiled pass, low-precision eager and FP32 in the first iterations and "
+                        "keep the fastest (cached per model and device); or force one")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1, so a bad count is a usage error (rc 2, one line), not a traceback from deep in
+    the training loop."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from automp.launcher import run_script
-    return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report)
+    return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report,
+                      path=args.path)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -56,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("demo", help="train built-in models FP32 vs automp side by side")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=_positive_int, default=60, help="training steps per model (>= 1)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"])
     p.add_argument("--report", default="automp-demo-report.json")
@@ -67,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | train | convergence | deploy")
-    p.add_argument("suite", choices=["kernels", "train", "convergence", "deploy"])
+    p = sub.add_parser("bench", help="benchmarks: kernels | train | convergence | deploy | zoo")
+    p.add_argument("suite", choices=["kernels", "train", "convergence", "deploy", "zoo"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
 

@@ -64,3 +64,19 @@ def test_qat_export_matches_layers_by_weight_value_when_names_change(monkeypatch
     with torch.no_grad():
         ref = model(x).numpy()
     assert rel_err(ort_run(proto, {"x": x.numpy()})[0], ref) < 1e-2
+
+
+@pytest.mark.parametrize("use_dynamo", [True, False])
+def test_export_uses_the_lowest_ir_version_for_its_opsets(monkeypatch, use_dynamo):
+    """onnx >= 1.23 and the exporters stamp newer IR versions than the opsets need; onnxruntime <= 1.30 refuses
+    IR 14. The exported model carries the lowest IR version its opsets allow, whichever exporter made it."""
+    real = torch.onnx.export
+
+    def only_one(*args, dynamo=True, **kw):
+        if dynamo != use_dynamo:
+            raise RuntimeError("the other exporter")
+        return real(*args, dynamo=dynamo, **kw)
+
+    monkeypatch.setattr(torch.onnx, "export", only_one)
+    proto = export_float(_mlp(), (torch.randn(2, 6),), ["x"], ["y"])
+    assert proto.ir_version == onnx.helper.find_min_ir_version_for(proto.opset_import, ignore_unknown=True) <= 10

@@ -50,7 +50,7 @@ def _outlier_mlp() -> onnx.ModelProto:
              helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2")]
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model_gen_version(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _inputs(seed: int, n: int) -> np.ndarray:

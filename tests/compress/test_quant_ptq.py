@@ -116,7 +116,7 @@ def _gemm_model(opset: int, out_is_gemm: bool = True) -> onnx.ModelProto:
         nodes.append(helper.make_node("Relu", ["h"], ["y"]))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], [w, b])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return helper.make_model_gen_version(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
 def test_old_opset_is_converted_and_graph_output_layer_works():
@@ -124,6 +124,7 @@ def test_old_opset_is_converted_and_graph_output_layer_works():
     model = _gemm_model(11)
     qmodel, report = quantize_onnx(model, {"x": x}, PTQConfig(batch_size=16))
     assert qmodel.opset_import[0].version >= 13
+    assert (model.ir_version, qmodel.ir_version) == (6, 7)  # the input's, raised only as far as opset 13 needs
     assert [o.name for o in qmodel.graph.output] == ["y"]
     assert report["calibration"]["samples"] == 40  # dynamic batch: the short last batch is used too
     assert rel_err(ort_run(qmodel, {"x": x})[0], ort_run(model, {"x": x})[0]) < INT8_TOL
@@ -177,7 +178,7 @@ def test_non_float_layers_are_reported_and_left_alone():
              helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT, name="to_float")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model_gen_version(graph, opset_imports=[helper.make_opsetid("", 17)])
     x = rng.normal(size=(32, 8)).astype(np.float32)
     qmodel, report = quantize_onnx(model, {"x": x}, PTQConfig())
     assert [q["name"] for q in report["quantized"]] == ["fc"]
@@ -194,7 +195,7 @@ def test_integer_inputs_embedding_model():
              helper.make_node("MatMul", ["e", "proj"], ["y"], name="proj_mm")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", 6])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6, 8])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model_gen_version(graph, opset_imports=[helper.make_opsetid("", 17)])
     ids = rng.integers(0, 50, (32, 6))
     qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig())
     assert [q["name"] for q in report["quantized"]] == ["proj_mm"]

@@ -5,35 +5,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from automp.deploy import runtime
+from automp.deploy import onnx_io, runtime
 from automp.deploy.cli import main
 
-from .util import f32, init, model, rand
-
-
-def _convnet():
-    rng = np.random.default_rng(0)
-    bn = [init("g", rng.uniform(0.5, 1.5, 8).astype(np.float32)), init("be", rand(8, seed=7, scale=0.1)),
-          init("mu", rand(8, seed=8, scale=0.1)), init("var", rng.uniform(0.5, 2, 8).astype(np.float32))]
-    nodes = [helper.make_node("Conv", ["image", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
-             helper.make_node("BatchNormalization", ["c1", "g", "be", "mu", "var"], ["b1"], name="bn1"),
-             helper.make_node("Relu", ["b1"], ["r1"], name="relu1"),
-             helper.make_node("GlobalAveragePool", ["r1"], ["gap"], name="gap"),
-             helper.make_node("Flatten", ["gap"], ["flat"], name="flat"),
-             helper.make_node("MatMul", ["flat", "wf"], ["mm"], name="fc"),
-             helper.make_node("Add", ["mm", "bf"], ["logits"], name="fc_bias")]
-    inits = [init("w1", rand(8, 3, 3, 3, seed=1, scale=0.3)), init("wf", rand(8, 5, seed=2, scale=0.5)),
-             init("bf", rand(5, seed=3, scale=0.1))] + bn
-    return model(nodes, [f32("image", ["n", 3, 8, 8])], [f32("logits", ["n", 5])], inits, opset=17)
-
-
-@pytest.fixture
-def files(tmp_path):
-    src = tmp_path / "net.onnx"
-    onnx.save(_convnet(), src)
-    calib = tmp_path / "calib.npz"
-    np.savez(calib, image=rand(64, 3, 8, 8, seed=11))
-    return src, calib, tmp_path
+from .util import f32, rand
 
 
 def _io(m):
@@ -61,6 +36,17 @@ def test_optimize_writes_model_and_report(files, precision, tol, capsys):
     if precision == "fp16":
         assert rep["fp16_nodes"] >= 3
         assert any(t.data_type == TensorProto.FLOAT16 for t in after.graph.initializer)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+def test_output_keeps_the_input_ir_version(files, precision):
+    src, calib, tmp = files
+    m = onnx.load(src)
+    m.ir_version = 9  # above the lowest that opset 17 allows (8): kept, not lowered or raised to onnx's newest
+    onnx.save(m, src)
+    out = tmp / "out.onnx"
+    assert main([str(src), "-o", str(out), "--precision", precision, "--calib", str(calib)]) == 0
+    assert onnx.load(out).ir_version == 9
 
 
 def test_int8_without_calib_is_a_clear_error(files, capsys):
@@ -99,8 +85,8 @@ def test_corrupt_file_and_bad_calib_name_the_problem(files, capsys):
 def test_unsupported_op_is_named(tmp_path, capsys):
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="ok"),
              helper.make_node("Frobnicate", ["r"], ["y"], name="weird_node", domain="acme.ops")]
-    m = helper.make_model(helper.make_graph(nodes, "g", [f32("x", [2])], [f32("y", [2])]),
-                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("acme.ops", 1)])
+    m = onnx_io.fit_ir_version(helper.make_model(helper.make_graph(nodes, "g", [f32("x", [2])], [f32("y", [2])]),
+                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("acme.ops", 1)]))
     path = tmp_path / "custom.onnx"
     onnx.save(m, path)
     assert main([str(path), "-o", str(tmp_path / "o.onnx")]) == 1

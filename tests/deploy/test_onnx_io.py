@@ -21,6 +21,14 @@ def test_save_load_roundtrip_from_path_and_bytes(tmp_path):
     assert onnx_io.load(path.read_bytes()) == m
 
 
+@pytest.mark.parametrize("opset,ir", [(13, 7), (17, 8), (17, 9), (17, 10)])
+def test_save_keeps_the_ir_version(tmp_path, opset, ir):
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [f32("x", ["n", 3])], [f32("y", ["n", 3])], opset=opset)
+    m.ir_version = ir
+    onnx_io.save(m, tmp_path / "m.onnx")
+    assert onnx_io.load(tmp_path / "m.onnx").ir_version == ir
+
+
 def test_missing_truncated_and_garbage_files_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.onnx"):
         onnx_io.load(tmp_path / "nope.onnx")
@@ -46,9 +54,8 @@ def test_unknown_onnx_op_and_unsupported_type_name_node_and_op():
     with pytest.raises(onnx_io.UnsupportedOpError, match=r"'mm' \(op MatMulTwice\)"):
         onnx_io.validate(m, "x.onnx")
     int8 = helper.make_tensor_value_info
-    m2 = helper.make_model(helper.make_graph([helper.make_node("Erf", ["x"], ["y"], name="erf_i8")], "g",
-                                             [int8("x", TensorProto.INT8, [2])], [int8("y", TensorProto.INT8, [2])]),
-                           opset_imports=[helper.make_opsetid("", 17)])
+    m2 = model([helper.make_node("Erf", ["x"], ["y"], name="erf_i8")], [int8("x", TensorProto.INT8, [2])],
+               [int8("y", TensorProto.INT8, [2])])
     with pytest.raises(NotImplementedError, match=r"erf_i8.*Erf"):
         onnx_io.validate(m2, "i8.onnx")
 
@@ -83,6 +90,14 @@ def test_export_torch_names_io_and_keeps_batch_dynamic(exporter):
         ref = net(*x)
     for name, r in zip(["logits", "feat"], ref):
         assert runtime.compare(outs[name], r.numpy()).rel_l2 < 1e-5
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_export_uses_the_lowest_ir_version_for_its_opsets(exporter):
+    """onnx >= 1.23 and the exporters stamp newer IR versions than the opsets need (onnxruntime 1.30 loads at most
+    IR 13); an exported model carries the lowest IR version its opsets allow."""
+    m = onnx_io.export_torch(_Net(), (torch.randn(2, 3, 6, 6), torch.randn(2, 1)), exporter=exporter)
+    assert m.ir_version == helper.find_min_ir_version_for(m.opset_import, ignore_unknown=True) <= 10
 
 
 def test_export_rejects_bad_options():

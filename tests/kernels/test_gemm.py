@@ -2,29 +2,29 @@ import pytest
 import torch
 
 import automp.kernels as K
-from kernel_testutil import TOL, rel_err
+from kernel_testutil import DEVICE, TOL, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(19, 45, 70), (64, 80, 96), (1, 16, 17), (33, 7, 50)])
 def test_gemm_matches_float64(poison, dtype, m, n, k):
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a, b = torch.randn(m, k, dtype=dtype, device=DEVICE), torch.randn(k, n, dtype=dtype, device=DEVICE)
     c = K.gemm(a, b)
     assert c.dtype == dtype and c.shape == (m, n) and torch.isfinite(c).all()
     assert rel_err(c, a.double() @ b.double()) < TOL[dtype]
 
 
 def test_gemm_transposed_operands_are_handled(poison):
-    a = torch.randn(30, 21, dtype=torch.float16).t()  # [21, 30], M-stride 1
-    b = torch.randn(40, 30, dtype=torch.float16).t()  # [30, 40], N-stride 30
+    a = torch.randn(30, 21, dtype=torch.float16, device=DEVICE).t()  # [21, 30], M-stride 1
+    b = torch.randn(40, 30, dtype=torch.float16, device=DEVICE).t()  # [30, 40], N-stride 30
     assert rel_err(K.gemm(a, b), a.double() @ b.double()) < TOL[torch.float16]
 
 
 def test_gemm_rejects_bad_inputs():
-    a = torch.randn(4, 8, dtype=torch.float16)
+    a = torch.randn(4, 8, dtype=torch.float16, device=DEVICE)
     with pytest.raises(TypeError, match="gemm.*float16 or bfloat16"):
         K.gemm(a.float(), a.float().t())
     with pytest.raises(TypeError, match="must match"):
-        K.gemm(a, torch.randn(8, 3, dtype=torch.bfloat16))
+        K.gemm(a, torch.randn(8, 3, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="a \\[M, K\\] and b \\[K, N\\]"):
-        K.gemm(a, torch.randn(7, 3, dtype=torch.float16))
+        K.gemm(a, torch.randn(7, 3, dtype=torch.float16, device=DEVICE))

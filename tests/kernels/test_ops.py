@@ -1,27 +1,32 @@
 """The torch.library side: schemas/fake impls (opcheck), tracing under torch.compile, and the CPU torch fallback."""
+import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 import automp.kernels as K
 from automp.kernels import ops
-from kernel_testutil import TOL, rel_err
+from automp.kernels.gemv import k_range
+from kernel_testutil import DEVICE, TOL, rel_err
 
 
 def _cases():
-    h = torch.float16
-    qw8, s8 = K.quantize_weight_int8(torch.randn(24, 64), 32)
-    qw4, s4 = K.quantize_weight_int4(torch.randn(24, 63), 32)
-    a8 = torch.randint(-128, 128, (9, 40), dtype=torch.int8)
-    b8 = torch.randint(-128, 128, (40, 12), dtype=torch.int8)
+    h, d = torch.float16, DEVICE
+    qw8, s8 = K.quantize_weight_int8(torch.randn(24, 64, device=d), 32)
+    qw4, s4 = K.quantize_weight_int4(torch.randn(24, 63, device=d), 32)
+    a8 = torch.randint(-128, 128, (9, 40), dtype=torch.int8, device=d)
+    b8 = torch.randint(-128, 128, (40, 12), dtype=torch.int8, device=d)
     return [
-        (torch.ops.automp.gemv, (torch.randn(24, 40, dtype=h), torch.randn(40, 3, dtype=h))),
-        (torch.ops.automp.gemm, (torch.randn(9, 40, dtype=h), torch.randn(40, 12, dtype=h))),
-        (torch.ops.automp.quant_gemv, (qw8, s8, torch.randn(64, dtype=h))),
-        (torch.ops.automp.quant_gemm, (torch.randn(3, 63, dtype=h), qw4, s4)),
-        (torch.ops.automp.int8_gemm, (a8, b8, torch.rand(9), torch.rand(12), torch.randn(12),
-                                      torch.randint(-5, 5, (9,), dtype=torch.int32), torch.float32)),
-        (torch.ops.automp.unscale_and_check_, ([torch.randn(50), torch.randn(3, 3)], torch.tensor([0.5]))),
-        (torch.ops.automp.cast, (torch.randn(7, 5), torch.bfloat16)),
+        (torch.ops.automp.gemv, (torch.randn(24, 40, dtype=h, device=d), torch.randn(40, 3, dtype=h, device=d))),
+        (torch.ops.automp.gemm, (torch.randn(9, 40, dtype=h, device=d), torch.randn(40, 12, dtype=h, device=d))),
+        (torch.ops.automp.quant_gemv, (qw8, s8, torch.randn(64, dtype=h, device=d))),
+        (torch.ops.automp.quant_gemm, (torch.randn(3, 63, dtype=h, device=d), qw4, s4)),
+        (torch.ops.automp.int8_gemm, (a8, b8, torch.rand(9, device=d), torch.rand(12, device=d),
+                                      torch.randn(12, device=d),
+                                      torch.randint(-5, 5, (9,), dtype=torch.int32, device=d), torch.float32)),
+        (torch.ops.automp.unscale_and_check_, ([torch.randn(50, device=d), torch.randn(3, 3, device=d)],
+                                               torch.tensor([0.5], device=d))),
+        (torch.ops.automp.cast, (torch.randn(7, 5, device=d), torch.bfloat16)),
     ]
 
 
@@ -31,9 +36,9 @@ def test_opcheck(op, args):
 
 
 def test_ops_trace_under_torch_compile():
-    w = torch.randn(32, 48, dtype=torch.float16)
-    x = torch.randn(48, dtype=torch.float16)
-    qw, s = K.quantize_weight_int8(torch.randn(16, 32), 32)
+    w = torch.randn(32, 48, dtype=torch.float16, device=DEVICE)
+    x = torch.randn(48, dtype=torch.float16, device=DEVICE)
+    qw, s = K.quantize_weight_int8(torch.randn(16, 32, device=DEVICE), 32)
 
     def f(w, x):
         y = K.gemv(w, x)  # [32]
@@ -58,3 +63,13 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
                        (a8.int() @ b8.int()).float())
     grads = [torch.tensor([1.0, float("nan")]), torch.randn(4)]
     assert K.unscale_and_check_(grads, torch.tensor([2.0])).item() == 1.0
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="compiled kernels loop with tl.range; this is the interpreter's loop")
+def test_interpreted_loop_bounds_accept_one_element_scalars():
+    """Triton 3.6's interpreter holds a runtime scalar (K, a program id) as a 1-element numpy array and makes a loop
+    bound of it with int(array), which numpy >= 2.4 rejects; every K-loop goes through k_range instead."""
+    from triton.runtime.interpreter import TensorHandle
+    k = tl.tensor(TensorHandle(np.array([70], dtype=np.int32), tl.int32), tl.int32)
+    assert list(k_range(0, k, 32)) == [0, 32, 64]
+    assert list(k_range(k, 100, tl.constexpr(16))) == [70, 86]

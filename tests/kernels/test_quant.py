@@ -2,12 +2,12 @@ import pytest
 import torch
 
 import automp.kernels as K
-from kernel_testutil import TOL, rel_err
+from kernel_testutil import DEVICE, TOL, rel_err
 
 
 @pytest.mark.parametrize("group", [32, 64, None])
 def test_int8_weight_quantization_error_is_within_half_a_step(group):
-    w = torch.randn(9, 70)
+    w = torch.randn(9, 70, device=DEVICE)
     qw, s = K.quantize_weight_int8(w, group)
     assert qw.dtype == torch.int8 and qw.shape == (9, 70)
     assert s.shape == (9, 1 if group is None else -(-70 // group))
@@ -17,43 +17,43 @@ def test_int8_weight_quantization_error_is_within_half_a_step(group):
 
 def test_int4_packing_layout():
     """k = 2j in the low nibble and 2j + 1 in the high nibble, each as q + 8; odd K pads the last high nibble."""
-    w = torch.tensor([[7.0, -7.0, 1.0, 0.0, -1.0]])  # absmax 7 -> scale 1, codes = w
+    w = torch.tensor([[7.0, -7.0, 1.0, 0.0, -1.0]], device=DEVICE)  # absmax 7 -> scale 1, codes = w
     qw, s = K.quantize_weight_int4(w, None)
-    assert torch.allclose(s, torch.tensor([[1.0]]))
+    assert torch.allclose(s, torch.tensor([[1.0]], device=DEVICE))
     assert qw.dtype == torch.uint8 and qw.tolist() == [[15 | (1 << 4), 9 | (8 << 4), 7 | (8 << 4)]]
     assert torch.equal(K.dequantize_weight(qw, s, 5), w)
 
 
 def test_quantizer_rejects_bad_group():
     with pytest.raises(ValueError, match="group_size"):
-        K.quantize_weight_int4(torch.randn(4, 64), 48)
+        K.quantize_weight_int4(torch.randn(4, 64, device=DEVICE), 48)
 
 
 @pytest.mark.parametrize("quantize", [K.quantize_weight_int8, K.quantize_weight_int4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n,k,group", [(41, 96, 32), (19, 95, 64), (7, 40, None)])
 def test_quant_gemv_and_gemm_match_dequantized_reference(poison, quantize, dtype, n, k, group):
-    qw, s = quantize(torch.randn(n, k), group)
+    qw, s = quantize(torch.randn(n, k, device=DEVICE), group)
     deq = K.dequantize_weight(qw, s, k).double()
-    x = torch.randn(k, dtype=dtype)
+    x = torch.randn(k, dtype=dtype, device=DEVICE)
     y = K.quant_gemv(qw, s, x)
     assert y.dtype == dtype and y.shape == (n,)
     assert rel_err(y, deq @ x.double()) < TOL[dtype]
-    a = torch.randn(5, k, dtype=dtype)
+    a = torch.randn(5, k, dtype=dtype, device=DEVICE)
     c = K.quant_gemm(a, qw, s)
     assert c.dtype == dtype and c.shape == (5, n)
     assert rel_err(c, a.double() @ deq.T) < TOL[dtype]
 
 
 def test_quant_gemm_strided_activations_are_handled():
-    qw, s = K.quantize_weight_int8(torch.randn(20, 64), 32)
-    a = torch.randn(64, 6, dtype=torch.float16).t()
+    qw, s = K.quantize_weight_int8(torch.randn(20, 64, device=DEVICE), 32)
+    a = torch.randn(64, 6, dtype=torch.float16, device=DEVICE).t()
     assert rel_err(K.quant_gemm(a, qw, s), a.double() @ K.dequantize_weight(qw, s, 64).double().T) < 2e-3
 
 
 def test_quant_rejects_bad_inputs():
-    qw, s = K.quantize_weight_int8(torch.randn(16, 64), 32)
-    x = torch.randn(64, dtype=torch.float16)
+    qw, s = K.quantize_weight_int8(torch.randn(16, 64, device=DEVICE), 32)
+    x = torch.randn(64, dtype=torch.float16, device=DEVICE)
     with pytest.raises(TypeError, match="qw must be int8"):
         K.quant_gemv(qw.to(torch.int16), s, x)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -63,42 +63,45 @@ def test_quant_rejects_bad_inputs():
     with pytest.raises(ValueError, match="scales must be"):
         K.quant_gemv(qw, s[:8], x)
     with pytest.raises(ValueError, match="does not match K"):
-        K.quant_gemv(qw, s, torch.randn(63, dtype=torch.float16))
+        K.quant_gemv(qw, s, torch.randn(63, dtype=torch.float16, device=DEVICE))
 
 
 def _int8_operands(m, n, k):
-    a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
-    b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, device=DEVICE)
+    b = torch.randint(-128, 128, (k, n), dtype=torch.int8, device=DEVICE)
     return a, b
 
 
 @pytest.mark.parametrize("m,n,k", [(17, 33, 70), (1, 80, 96), (40, 5, 19)])
 def test_int8_gemm_is_exact_against_int32(poison, m, n, k):
     a, b = _int8_operands(m, n, k)
-    out = K.int8_gemm(a, b, torch.ones(m), torch.ones(n), out_dtype=torch.float32)  # |acc| < 2^24: exact in fp32
-    assert torch.equal(out, (a.int() @ b.int()).float())
+    ones = torch.ones(m, device=DEVICE), torch.ones(n, device=DEVICE)
+    out = K.int8_gemm(a, b, *ones, out_dtype=torch.float32)  # |acc| < 2^24: exact in fp32
+    assert torch.equal(out, (a.double() @ b.double()).float())  # exact: integer sums far below 2^53
 
 
 def test_int8_gemm_epilogue_scales_bias_and_zero_point(poison):
     m, n, k = 21, 37, 64
     a, b = _int8_operands(m, n, k)
     b = b.t().contiguous().t()  # column-major b, as produced by quantizing weights per output channel
-    sa, sb, bias = torch.rand(m, 1) + 0.1, torch.rand(1, n) + 0.1, torch.randn(n)
-    zero = torch.randint(-128, 128, (m,), dtype=torch.int32)
+    sa, sb = torch.rand(m, 1, device=DEVICE) + 0.1, torch.rand(1, n, device=DEVICE) + 0.1
+    bias = torch.randn(n, device=DEVICE)
+    zero = torch.randint(-128, 128, (m,), dtype=torch.int32, device=DEVICE)
     out = K.int8_gemm(a, b, sa, sb, bias=bias, out_dtype=torch.float32, a_zero=zero)
     ref = ((a.double() - zero.double()[:, None]) @ b.double()) * sa.double() * sb.double() + bias.double()
     assert rel_err(out, ref) < 1e-6
-    half = K.int8_gemm(a, b, sa.flatten(), sb.flatten(), out_dtype=torch.bfloat16, a_zero=torch.tensor(-3))
+    half = K.int8_gemm(a, b, sa.flatten(), sb.flatten(), out_dtype=torch.bfloat16,
+                       a_zero=torch.tensor(-3, device=DEVICE))
     ref = ((a.double() + 3) @ b.double()) * sa.double() * sb.double()
     assert half.dtype == torch.bfloat16 and rel_err(half, ref) < TOL[torch.bfloat16]
 
 
 def test_asymmetric_activation_quantization_round_trip():
-    x = torch.relu(torch.randn(6, 50))
+    x = torch.relu(torch.randn(6, 50, device=DEVICE))
     q, s, z = K.quantize_rowwise_int8(x, asymmetric=True)
     assert q.dtype == torch.int8 and z.dtype == torch.int32
     assert ((s[:, None] * (q.float() - z[:, None].float()) - x).abs() <= s[:, None] * 0.5 + 1e-6).all()
-    b = torch.randn(50, 9)
+    b = torch.randn(50, 9, device=DEVICE)
     bq, sb = K.quantize_rowwise_int8(b.t())
     out = K.int8_gemm(q, bq.t(), s, sb, out_dtype=torch.float32, a_zero=z)
     assert rel_err(out, x.double() @ b.double()) < 2e-2  # int8 quantization error of both operands
@@ -106,16 +109,17 @@ def test_asymmetric_activation_quantization_round_trip():
 
 def test_int8_gemm_rejects_bad_inputs():
     a, b = _int8_operands(4, 6, 8)
+    sa, sb = torch.ones(4, device=DEVICE), torch.ones(6, device=DEVICE)
     with pytest.raises(TypeError, match="int8"):
-        K.int8_gemm(a.float(), b, torch.ones(4), torch.ones(6))
+        K.int8_gemm(a.float(), b, sa, sb)
     with pytest.raises(ValueError, match="sa must be"):
-        K.int8_gemm(a, b, torch.ones(3), torch.ones(6))
+        K.int8_gemm(a, b, sa[:3], sb)
     with pytest.raises(ValueError, match="sb must be"):
-        K.int8_gemm(a, b, torch.ones(4), torch.ones(6, 1))
+        K.int8_gemm(a, b, sa, sb[:, None])
     with pytest.raises(TypeError, match="out_dtype"):
-        K.int8_gemm(a, b, torch.ones(4), torch.ones(6), out_dtype=torch.int32)
+        K.int8_gemm(a, b, sa, sb, out_dtype=torch.int32)
     with pytest.raises(TypeError, match="a_zero"):
-        K.int8_gemm(a, b, torch.ones(4), torch.ones(6), a_zero=torch.ones(4))
+        K.int8_gemm(a, b, sa, sb, a_zero=torch.ones(4, device=DEVICE))
 
 
 @pytest.mark.parametrize("m", [1, 16, 45, 300])

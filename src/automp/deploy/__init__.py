@@ -41,7 +41,9 @@ def _signature(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
 
 def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray], source: str = "calibration data"
                 ) -> dict[str, np.ndarray]:
-    """One batch-first array per model input, matching its name, rank and dtype family."""
+    """One batch-first array per model input, matching its name, rank, dtype family and fixed dims. A model with a
+    fixed batch size B runs on whole batches of B only, so the samples are cut to a multiple of B (the left-over
+    ones dropped; fewer than B is an error)."""
     specs = {name: (elem, dims) for name, elem, dims in runtime.input_specs(model)}
     missing, extra = set(specs) - set(calib), set(calib) - set(specs)
     if missing or extra:
@@ -53,6 +55,8 @@ def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray], source: st
         want = runtime.NP_DTYPE.get(elem)
         if arr.ndim != len(dims):
             raise ValueError(f"{source}: {name!r} has shape {arr.shape}, the model expects rank {len(dims)} {dims}")
+        if any(isinstance(d, int) and d > 0 and d != got for d, got in zip(dims[1:], arr.shape[1:])):
+            raise ValueError(f"{source}: {name!r} has shape {arr.shape}, the model expects {dims} (batch first)")
         if want is not None and np.issubdtype(want, np.floating) != np.issubdtype(arr.dtype, np.floating):
             raise TypeError(f"{source}: {name!r} is {arr.dtype}, the model input is {np.dtype(want).name}")
         if batch is not None and arr.shape[0] != batch:
@@ -60,7 +64,38 @@ def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray], source: st
                              f"others {batch})")
         batch = arr.shape[0]
         out[name] = arr.astype(want) if want is not None else arr
-    return out
+    return _whole_batches(model, out, source)
+
+
+def _samples(data: dict[str, np.ndarray]) -> int:
+    return len(next(iter(data.values())))
+
+
+def _whole_batches(model: onnx.ModelProto, calib: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+    """calib cut to a whole number of the model's fixed batches (unchanged for a dynamic batch)."""
+    fixed = runtime.fixed_batch(model)
+    n = _samples(calib)
+    if fixed is None or n % fixed == 0:
+        return calib
+    if n < fixed:
+        name, _, dims = next(s for s in runtime.input_specs(model) if s[2] and s[2][0] == fixed)
+        raise ValueError(f"{source}: {n} samples, but the model's batch size is fixed at {fixed} (input {name!r} "
+                         f"has shape {dims}); give at least {fixed} samples")
+    return {k: v[:n - n % fixed] for k, v in calib.items()}
+
+
+def _error_data(model: onnx.ModelProto, calib: dict[str, np.ndarray] | None, dropped: int
+                ) -> tuple[dict[str, np.ndarray], str]:
+    """The inputs the error vs FP32 is measured on (a whole number of batches), and how the report names them."""
+    fixed = runtime.fixed_batch(model)
+    if calib is None:
+        return runtime.random_feeds(model, batch=4, seed=0), "seeded random inputs (no --calib)"
+    step = fixed or 1
+    take = min(_samples(calib), max(step, ERROR_SAMPLES // step * step))
+    note = f", run in batches of {fixed}, the model's fixed batch size" if fixed else ""
+    if dropped:
+        note += f"; {dropped} left-over calibration samples dropped"
+    return {k: v[:take] for k, v in calib.items()}, f"calibration data ({take} samples{note})"
 
 
 def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] | None = None,
@@ -84,8 +119,10 @@ def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] |
                         f"{type(model).__name__}")
     source = source or (str(model) if isinstance(model, str) else f"<{type(model).__name__}>")
     ref_session = onnx_io.checked_session(src, source)  # the runtime check of the input, reused for the error
+    dropped = 0
     if calib is not None:
-        calib = check_calib(src, calib)
+        checked = check_calib(src, calib)
+        calib, dropped = checked, _samples(calib) - _samples(checked)
     elif precision == "int8":
         raise ValueError("int8 needs calibration data: pass --calib FILE.npz (one batch-first array per model input, "
                          f"keyed by {[n for n, _, _ in runtime.input_specs(src)]})")
@@ -105,14 +142,14 @@ def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] |
                            f"{_signature(model_opt)}; this is a bug")
     opt_session = onnx_io.checked_session(model_opt, f"optimized {source}")
 
-    feeds = ({k: v[:ERROR_SAMPLES] for k, v in calib.items()} if calib is not None
-             else runtime.random_feeds(src, batch=4, seed=0))
-    errors = runtime.compare_all(runtime.run(opt_session, feeds), runtime.run(ref_session, feeds))
+    feeds, data = _error_data(src, calib, dropped)
+    size = runtime.fixed_batch(src) or _samples(feeds)
+    outs, refs = (runtime.run_batches(s, runtime.batches(feeds, size, drop_last=True))
+                  for s in (opt_session, ref_session))
+    errors = runtime.compare_all(outs, refs)
     worst = max(e.rel_l2 for e in errors.values())
     if budget is not None and precision != "int8" and not worst <= budget:
         raise RuntimeError(f"{source}: {precision} output error {worst:.3g} exceeds budget {budget}")
-    data = f"calibration data ({len(next(iter(feeds.values())))} samples)" if calib is not None else \
-        "seeded random inputs (no --calib)"
     rep = report.build(source, precision, records, op_counts(src), op_counts(model_opt), errors, data, budget,
                        fp16=fp16_rep, int8=int8_rep, sizes={"before": src.ByteSize(), "after": model_opt.ByteSize()})
     return model_opt, rep

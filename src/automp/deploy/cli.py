@@ -1,7 +1,9 @@
 """`automp optimize IN -o OUT [--precision fp32|fp16|int8] [--calib FILE.npz] [--budget B] [--report PATH]`.
 
 User errors (a corrupt or unsupported model, calibration data that does not match the inputs, int8 without
---calib, a missed budget) print one line naming the problem and return 1; nothing is written in that case.
+--calib, a missed budget, an output path that cannot be written or would overwrite an input) print one line naming
+the problem and return 1; nothing is written in that case. Output paths are checked before any work, and outputs are
+written atomically, so a failed write (a full disk) leaves an existing file at OUT as it was.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError, RuntimeError)
+from automp.deploy.files import check_writable, same_file
+
+USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,12 +44,29 @@ def load_calib(path: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: not a readable .npz of arrays ({e})") from None
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """Before any work: each output can be written, and none is an input (the write would destroy it) or the other
+    output."""
+    inputs = {"the input model": args.input, "the calibration file": args.calib}
+    outputs = {"-o": args.output, "--report": args.report}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        for what, src in inputs.items():
+            if src is not None and same_file(path, src):
+                raise ValueError(f"{flag} {path} is {what}; refusing to overwrite it (write elsewhere)")
+        check_writable(path, flag)
+    if args.report is not None and same_file(args.output, args.report):
+        raise ValueError(f"-o and --report name the same file {args.output}")
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
     from automp.deploy import onnx_io, optimize, report
 
+    check_paths(args)
     calib = load_calib(args.calib) if args.calib else None
     bar = Progress(console=Console(stderr=True), transient=True)
     task = bar.add_task("calibrating", total=None)

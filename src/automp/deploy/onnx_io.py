@@ -15,6 +15,7 @@ from typing import Sequence
 import onnx
 
 from automp.deploy import runtime
+from automp.deploy.files import atomic_output
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
@@ -99,11 +100,22 @@ def load(src: str | os.PathLike | bytes, check_runtime: bool = True) -> onnx.Mod
     return validate(model, name, check_runtime)
 
 
+def fit_ir_version(model: onnx.ModelProto, floor: int = 0) -> onnx.ModelProto:
+    """Set the model's IR version to the lowest that holds its opsets, or to `floor` (the input model's) if that is
+    higher; returns the model. onnx >= 1.23 stamps its own newest IR version (14) on what it builds, which
+    onnxruntime <= 1.30 refuses to load, although an opset-17 model needs only IR 8."""
+    need = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    model.ir_version = max(need, floor)
+    return model
+
+
 def save(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Weights go to a side file only past protobuf's 2 GB limit; small models stay one self-contained file."""
+    """Weights go to a side file only past protobuf's 2 GB limit; small models stay one self-contained file.
+    Written atomically (files.atomic_output): a failed write leaves any existing file at `path` as it was."""
     big = model.ByteSize() > 1_800_000_000
-    onnx.save_model(model, os.fspath(path), save_as_external_data=big,
-                    location=os.path.basename(os.fspath(path)) + ".data" if big else None)
+    with atomic_output(path) as tmp:
+        onnx.save_model(model, tmp, save_as_external_data=big,
+                        location=os.path.basename(tmp) + ".data" if big else None)
 
 
 def _rename(model: onnx.ModelProto, old: str, new: str) -> None:
@@ -170,7 +182,7 @@ def export_torch(module, example_inputs: Sequence, input_names: Sequence[str] | 
                 _rename(model, vi.name, new)
             for vi, new in zip(list(model.graph.output), output_names or []):
                 _rename(model, vi.name, new)
-            return validate(model, f"<export of {type(module).__name__}>")
+            return validate(fit_ir_version(model), f"<export of {type(module).__name__}>")
         except Exception as e:  # noqa: BLE001 — fall back below, and report both failures if that fails too
             if exporter == "dynamo":
                 raise
@@ -190,4 +202,4 @@ def export_torch(module, example_inputs: Sequence, input_names: Sequence[str] | 
     except Exception as e:
         errors.append(f"legacy: {type(e).__name__}: {e}")
         raise RuntimeError(f"cannot export {type(module).__name__} to ONNX: " + " | ".join(errors)) from None
-    return validate(onnx.load_model_from_string(buf.getvalue()), f"<export of {type(module).__name__}>")
+    return validate(fit_ir_version(onnx.load_model_from_string(buf.getvalue())), f"<export of {type(module).__name__}>")

@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from automp.deploy.files import atomic_output
 from automp.deploy.passes.pipeline import PassRecord
 from automp.deploy.runtime import Error
 
@@ -31,7 +32,8 @@ def build(source: str, precision: str, records: list[PassRecord], ops_before: di
 
 
 def write(report: dict[str, Any], path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
+    """Atomically (files.atomic_output): a failed write leaves any existing report at `path` as it was."""
+    with atomic_output(path) as tmp, open(tmp, "w") as f:
         json.dump(report, f, indent=2, default=float)
 
 

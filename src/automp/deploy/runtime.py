@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -50,6 +51,31 @@ def run(model: ModelLike | ort.InferenceSession, feeds: dict[str, np.ndarray], d
     sess = model if isinstance(model, ort.InferenceSession) else session(model, device, optimize)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))
+
+
+def run_batches(sess: ort.InferenceSession, feeds: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Every output over consecutive batches, concatenated along the batch axis (an output without one, a scalar,
+    is taken from the first batch)."""
+    try:
+        outs = [run(sess, feed) for feed in feeds]
+    except Exception as e:  # noqa: BLE001 — onnxruntime's own types (InvalidArgument, Fail) are no RuntimeError
+        raise RuntimeError(f"onnxruntime could not run the model on these inputs: {e}") from e
+    return {k: np.concatenate([o[k] for o in outs]) if outs[0][k].ndim else outs[0][k] for k in outs[0]}
+
+
+def batches(data: dict[str, np.ndarray], size: int, drop_last: bool) -> Iterator[dict[str, np.ndarray]]:
+    """Consecutive batches of `size` samples of batch-first arrays; drop_last leaves out a short last batch (a model
+    with a fixed batch size takes no other)."""
+    n = len(next(iter(data.values())))
+    stop = n - size + 1 if drop_last else n
+    for start in range(0, stop, size):
+        yield {k: v[start:start + size] for k, v in data.items()}
+
+
+def fixed_batch(model: onnx.ModelProto) -> int | None:
+    """The batch size baked into the model (the first input whose first dim is a number), else None."""
+    return next((dims[0] for _, _, dims in input_specs(model) if dims and isinstance(dims[0], int) and dims[0] > 0),
+                None)
 
 
 def input_specs(model: onnx.ModelProto) -> list[tuple[str, int, list[int | str]]]:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from automp.kernels.gemv import INTERPRET, half_dot
+from automp.kernels.gemv import INTERPRET, half_dot, k_range
 
 SKINNY_M = 64
 
@@ -87,7 +87,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, 
     a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in k_range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)

@@ -11,6 +11,7 @@ Launchers here assume validated inputs (ops.py checks dtypes, shapes and devices
 """
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -21,6 +22,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter's tl.dot multiplies bf16 operands as their raw uint16 bits; upcasting there (only there) keeps the
 # CPU tests meaningful for everything but the tensor-core instruction itself.
 _DOT_UPCAST = tl.constexpr(INTERPRET)
+
+
+def _host_int(v: object) -> int:
+    """A loop bound as a Python int; the interpreter holds runtime scalars as 1-element numpy arrays."""
+    return int(v.handle.data.reshape(())) if isinstance(v, tl.tensor) else operator.index(v)
+
+
+def _interpreted_range(start: object, stop: object, step: object) -> range:
+    """The interpreter's loop over runtime bounds. Triton 3.6's interpreter converts a scalar to a loop bound with
+    int(1-element array), which numpy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python
+    scalars"); 3.9 squeezes the array first. Converting here works under both."""
+    return range(_host_int(start), _host_int(stop), _host_int(step))
+
+
+# Loops with runtime bounds use k_range: compiled, it is tl.range, which builds the same scf.for as a plain range()
+# (so the GPU code and its software pipelining are unchanged); interpreted, it is the conversion above.
+k_range = _interpreted_range if INTERPRET else tl.range
 
 
 @triton.jit
@@ -68,7 +86,7 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, stride_wn, stride_wk, stride_xk,
     k_lo = pid_k * k_span
     k_hi = tl.minimum(k_lo + k_span, K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in k_range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
@@ -97,7 +115,7 @@ def _gemv_batched_kernel(w_ptr, x_ptr, y_ptr, N, K, B, stride_wn, stride_wk, str
     k_lo = pid_k * k_span
     k_hi = tl.minimum(k_lo + k_span, K)
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in k_range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :] * stride_wk,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET, mm_configs, prune_by_m, tile_ids
-from automp.kernels.gemv import half_dot
+from automp.kernels.gemv import half_dot, k_range
 
 MIN_GROUP = 32
 
@@ -145,7 +145,7 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, y_ptr, N, K, KP, stride_qn, stride_sn, 
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:  # the tile spans BLOCK_K // GROUP groups: reduce each group, then scale it
         acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in k_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rk * stride_xk, mask=rk < K, other=0.0).to(tl.float32)
         prod = _codes_f32(q_ptr, rn, n_mask, k0, K, KP, stride_qn, BITS, BLOCK_N, BLOCK_K) * x[None, :]
@@ -246,7 +246,7 @@ def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, KP, stride_am, stride_a
     a_rows = a_ptr + (rm % M)[:, None] * stride_am
     dt = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in k_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
         w = _weight_tile_t(q_ptr, rqn, k0, K, KP, stride_qn, BITS, A_FP16, dt, BLOCK_N, BLOCK_K)
@@ -290,7 +290,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, col
     a_ptrs = a_ptr + (rm % M)[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in k_range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)

@@ -95,8 +95,10 @@ def check_report(report: Any) -> None:
         _check_entries(g["nodes"], f"graphs[{i}].nodes", _NODE_KEYS, strings=_NODE_KEYS)
         _require(isinstance(g["casts"], dict) and all(k in g["casts"] for k in _CAST_KEYS),
                  f"graphs[{i}].casts is not an object with keys {', '.join(_CAST_KEYS)}")
-    _require(isinstance(report.get("loss_scale", {}), dict), "loss_scale is not an object")
+    for key in ("loss_scale", "compiles"):
+        _require(isinstance(report.get(key, {}), dict), f"{key} is not an object")
     _check_entries(report.get("fallbacks", []), "fallbacks", ("where", "reason"))
+    _check_entries(report.get("choices", []), "choices", ("module", "path", "reason"), strings=("module",))
 
 
 def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import Counter
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from automp.compress.quant.observers import Observer
+from automp.deploy import runtime
 
 
 def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -47,20 +48,6 @@ def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray]) -> dict[st
     return out
 
 
-def fixed_batch(model: onnx.ModelProto) -> int | None:
-    """The batch size baked into the model's first input, if it has one (then batches must match it)."""
-    dims = model_inputs(model)[0].type.tensor_type.shape.dim
-    return dims[0].dim_value if dims and dims[0].HasField("dim_value") else None
-
-
-def batches(calib: dict[str, np.ndarray], batch_size: int, fixed: bool) -> Iterator[dict[str, np.ndarray]]:
-    """Consecutive batches; a model with a fixed batch size never sees the short last one."""
-    n = next(iter(calib.values())).shape[0]
-    stop = n - batch_size + 1 if fixed else n
-    for start in range(0, stop, batch_size):
-        yield {k: v[start:start + batch_size] for k, v in calib.items()}
-
-
 def session(model: onnx.ModelProto, extra_outputs: list[str] = ()) -> ort.InferenceSession:
     if extra_outputs:
         m = onnx.ModelProto()
@@ -79,11 +66,12 @@ def session(model: onnx.ModelProto, extra_outputs: list[str] = ()) -> ort.Infere
 
 def model_batches(model: onnx.ModelProto, calib: dict[str, np.ndarray],
                   wanted: int) -> list[dict[str, np.ndarray]]:
-    fixed = fixed_batch(model)
+    """Batches of `wanted` samples, or of the model's fixed batch size (then a short last batch is left out)."""
+    fixed = runtime.fixed_batch(model)
     n = next(iter(calib.values())).shape[0]
     if fixed and n < fixed:
         raise ValueError(f"model has fixed batch size {fixed} but calibration data has only {n} samples")
-    return list(batches(calib, fixed or wanted, fixed is not None))
+    return list(runtime.batches(calib, fixed or wanted, drop_last=fixed is not None))
 
 
 def observe(model: onnx.ModelProto, calib: dict[str, np.ndarray], observers: dict[str, Observer],
@@ -108,11 +96,7 @@ def observe(model: onnx.ModelProto, calib: dict[str, np.ndarray], observers: dic
 
 def run(model: onnx.ModelProto, calib: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
     """All graph outputs over the calibration samples, concatenated along the batch axis."""
-    sess = session(model)
-    names = [o.name for o in sess.get_outputs()]
-    outs = [sess.run(names, feed) for feed in model_batches(model, calib, batch_size)]
-    return {n: np.concatenate([o[i] for o in outs]) if outs[0][i].ndim else outs[0][i]
-            for i, n in enumerate(names)}
+    return runtime.run_batches(session(model), model_batches(model, calib, batch_size))
 
 
 def rel_errors(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> dict[str, float]:

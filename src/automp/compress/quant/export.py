@@ -19,11 +19,13 @@ from torch import nn
 from automp.compress.quant.layers import Layer, check_model, find_layers, weight_array
 from automp.compress.quant.qat import QATLinear, qat_layers
 from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
+from automp.deploy.onnx_io import fit_ir_version
 
 
 def export_float(model: nn.Module, example_inputs: tuple, input_names: list[str] | None = None,
                  output_names: list[str] | None = None, opset: int = 17) -> onnx.ModelProto:
-    """Export with a dynamic batch axis: the dynamo exporter first, the TorchScript exporter if it fails."""
+    """Export with a dynamic batch axis: the dynamo exporter first, the TorchScript exporter if it fails. The IR
+    version is the lowest its opsets need (what the exporter stamps may be too new for older onnxruntimes)."""
     model = model.eval()
     names = input_names or [f"input_{i}" for i in range(len(example_inputs))]
     errors = []
@@ -34,7 +36,7 @@ def export_float(model: nn.Module, example_inputs: tuple, input_names: list[str]
             prog = torch.onnx.export(model, tuple(example_inputs), dynamo=True, input_names=names,
                                      output_names=output_names, dynamic_shapes=tuple({0: batch} for _ in names),
                                      verbose=False)
-            return prog.model_proto
+            return fit_ir_version(prog.model_proto)
         except Exception as e:  # exporter failures come in many types; keep the message for the error below
             errors.append(f"dynamo=True: {type(e).__name__}: {e}")
         try:
@@ -43,7 +45,7 @@ def export_float(model: nn.Module, example_inputs: tuple, input_names: list[str]
             axes = {n: {0: "batch"} for n in names + outs}
             torch.onnx.export(model, tuple(example_inputs), buf, dynamo=False, input_names=names,
                               output_names=outs, dynamic_axes=axes, opset_version=opset)
-            return onnx.load_from_string(buf.getvalue())
+            return fit_ir_version(onnx.load_from_string(buf.getvalue()))
         except Exception as e:
             errors.append(f"dynamo=False: {type(e).__name__}: {e}")
     raise RuntimeError("torch.onnx.export failed with both exporters:\n" + "\n".join(errors))

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import numpy_helper
 
+from automp.deploy.onnx_io import fit_ir_version
+
 MIN_OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear (per-channel weights) arrived in opset 13
 SUPPORTED_OPS = ("Conv", "Gemm", "MatMul")
 
@@ -54,6 +56,7 @@ def check_model(model: onnx.ModelProto) -> onnx.ModelProto:
             out = onnx.version_converter.convert_version(out, MIN_OPSET)
         except Exception as e:
             raise ValueError(f"model opset {opset} < {MIN_OPSET} and converting it failed: {e}") from e
+        fit_ir_version(out, floor=model.ir_version)  # the input's IR version, unless the new opset needs more
     seen: set[str] = set()
     for i, node in enumerate(out.graph.node):  # stable unique names: plans and reports are keyed by them
         if not node.name or node.name in seen:

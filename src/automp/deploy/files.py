@@ -1,0 +1,77 @@
+"""Output files: checked before any work, written so that a failed write leaves what was there before.
+
+`automp optimize` may take minutes before it writes anything, so a path it cannot write (a missing or read-only
+directory) is reported first, not after the work. And a write that fails halfway (disk full, a serializer error)
+must not leave a truncated file in place of the previous one: every writer writes into a temporary directory beside
+the destination (same filesystem, so the final move is an atomic rename) and only a complete write is moved over.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+PathLike = str | os.PathLike
+
+
+def same_file(a: PathLike, b: PathLike) -> bool:
+    """Whether a and b name one file: by inode where both exist (hard links, bind mounts, symlinks), else by the
+    resolved path (an output that does not exist yet can still be spelled differently from its input)."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_writable(path: PathLike, what: str) -> None:
+    """Raise an OSError naming `what` unless `path` can be written: not a directory nor a write-protected file (the
+    atomic rename would replace one regardless), and its directory exists and takes new files (probed by creating
+    one, which also catches read-only filesystems and root-squashed mounts)."""
+    real = os.path.realpath(path)
+    folder = os.path.dirname(real)
+    if os.path.isdir(real):
+        raise IsADirectoryError(f"{what} {os.fspath(path)} is a directory")
+    if os.path.exists(real) and not os.access(real, os.W_OK):
+        raise PermissionError(f"{what} {os.fspath(path)} is write-protected")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{what} {os.fspath(path)}: directory {folder} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise PermissionError(f"{what} {os.fspath(path)}: cannot write in {folder} ({e.strerror})") from None
+
+
+def _sync(path: str) -> None:
+    """Flush a written file to disk: a full disk may only report itself here (delayed allocation)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: PathLike) -> Iterator[str]:
+    """Yield where to write `path`: a file of the same name in a fresh temporary directory beside it, so side files
+    named after it (ONNX external data) can be written there too. On a clean exit every file written there is moved
+    into place, `path` itself last; on an exception nothing is moved and the temporary directory is removed.
+
+    A symlink at `path` is written through, as open(path, "w") would, and an existing file keeps its permissions.
+    """
+    real = os.path.realpath(path)
+    folder, name = os.path.split(real)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        yield os.path.join(tmp, name)
+        written = sorted(os.listdir(tmp), key=lambda f: f == name)
+        for f in written:
+            _sync(os.path.join(tmp, f))
+        for f in written:
+            dest = os.path.join(folder, f)
+            if os.path.exists(dest):
+                shutil.copymode(dest, os.path.join(tmp, f))
+            os.replace(os.path.join(tmp, f), dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
