@@ -59,6 +59,7 @@ class Session:
     saved_flags: dict[str, Any] = field(default_factory=dict)
     breaks_before: dict[str, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
+    unfinished: dict[Trial, list[str]] = field(default_factory=dict)  # labels of modules in trials still running
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -94,6 +95,12 @@ class Session:
             self.recorder.loss_scale = self.scaler.summary()
         _report_graph_breaks(self)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
+        for trial, labels in self.unfinished.items():  # the script ended (or the module died) mid-trial
+            timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
+            for label in labels:
+                self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False},
+                                         f"trial unfinished: the script ended (or the module was freed) before its "
+                                         f"candidates were measured; it ran {trial.current.value} last")
 
     def settled(self) -> bool:
         return all(r.path is not None or r.aside is not None for r in self.roots.values())
@@ -169,7 +176,9 @@ class Session:
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             self.trial = Trial(candidates, self.trial_config, self.clock, sync, note=why)
+            self.unfinished[self.trial] = []
         root.trial = self.trial
+        self.unfinished[self.trial].append(root.label)
         return root
 
     def _candidates(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
@@ -192,6 +201,7 @@ class Session:
 
     def _settle(self, trial: Trial) -> None:
         verdict = _agree(trial.verdict)
+        self.unfinished.pop(trial, None)
         for root in self.roots.values():
             if root.trial is trial and root.path is None:
                 self._decide(root, verdict)

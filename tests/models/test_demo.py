@@ -60,10 +60,10 @@ def test_demo_on_cpu_keeps_the_path_it_measured_fastest(tmp_path, monkeypatch):
     compiles here (Inductor's CPU compile costs more than a short script can win back) and says why."""
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("AUTOMP_PATH", raising=False)
-    results, rep = demo.run_demo(12, torch.device("cpu"))
+    results, rep = demo.run_demo(20, torch.device("cpu"))
     assert {c["module"] for c in rep["choices"]} == {"GPT", "CNN"}
     for c in rep["choices"]:
-        assert c["path"] in ("fp32-eager", "low-precision-eager") and c["reason"]
+        assert c["path"] in ("fp32-eager", "low-precision-eager", "unsettled") and c["reason"]
         if len(c["timings_ms"]) > 1:  # a trial ran: the kept path is the fastest one measured
             assert c["timings_ms"][c["path"]] == min(c["timings_ms"].values())
     assert rep["graphs"] == [] and rep["compiles"] == {}
