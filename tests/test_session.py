@@ -210,3 +210,16 @@ def test_cpu_default_path_never_compiles_and_keeps_fp32_numerics_when_fp32_wins(
     assert automp.settled() and rep["graphs"] == [] and rep["compiles"] == {}
     (choice,) = rep["choices"]
     assert choice["path"] in ("fp32-eager", "low-precision-eager") and choice["reason"]
+
+
+def test_autocast_compiled_path_keeps_fp32_outputs_and_close_numerics():
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), torch.randn(16, 64)
+    ref = net(x)
+    automp.enable(dtype="bf16", path="autocast-compile")
+    out = net(x)
+    out.sum().backward()
+    rep = automp.disable()
+    assert out.dtype == torch.float32 and net[0].weight.grad.dtype == torch.float32
+    assert (out - ref).norm() / ref.norm() < 1e-2  # bf16 inputs to the matmuls
+    assert [c["path"] for c in rep["choices"]] == ["autocast-compiled"] and rep["compiles"] == {"Sequential": 1}

@@ -3,7 +3,8 @@
 A cost model predicts; only the device knows. Small scripts are launch- or host-bound, where casts and compiled
 graphs buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like
 PAI's online feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate
-path (FP32 eager as written, low precision eager, automp's compiled graph pass), timed from one call of the
+path (FP32 eager as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast —
+what a careful user would hand-write, so automp is never slower than that either), timed from one call of the
 module to its next call — forward, backward, optimizer step and the data loading in between, everything the user
 waits for. The fastest path is kept for the rest of the run and the verdict is cached on disk per module shape,
 dtype and device, so the next run of the same script starts on the winner and pays nothing.
@@ -28,6 +29,7 @@ class Path(enum.Enum):
     FP32 = "fp32-eager"  # the user's code as written
     EAGER_LOW = "low-precision-eager"  # torch.autocast with automp's dtype: cuDNN/cuBLAS low-precision kernels
     COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
+    COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
 
 
 @dataclass
@@ -37,7 +39,8 @@ class TrialConfig:
     slower than the best median is dropped — a clear loser needs no more evidence, and every trial iteration of a
     slow path is time the user loses."""
 
-    warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2})
+    warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
+                                                             Path.COMPILED_AUTOCAST: 2})
     measure: int = 6  # even: alternating rounds then cancel a linear drift exactly
     give_up: float = 1.3
     switch_after: int = 4  # another module called this often between two calls of the timed one: time that one

@@ -13,7 +13,8 @@ from automp.choose import Path
 
 DTYPES = ("auto", "fp16", "float16", "half", "bf16", "bfloat16")
 INNERS = ("inductor", "eager")
-PATHS = {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32}
+PATHS = {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
+         "autocast-compile": Path.COMPILED_AUTOCAST}
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,9 @@ class AutoMPConfig:
     report: path of the JSON precision report (made absolute now: the script may chdir).
     inner: "inductor" or "eager" (rewritten graphs run op by op: fast start, for tests and debugging).
     spec: plan casts for another device's costs ("h100", "cpu", ...).
-    path: "auto" measures the candidate paths in the first iterations and keeps the fastest; "compile", "eager"
-    or "fp32" force automp's compiled pass, low-precision eager, or the script as written.
+    path: "auto" measures the candidate paths in the first iterations and keeps the fastest; "compile", "eager",
+    "autocast-compile" or "fp32" force automp's compiled pass, low-precision eager, stock Inductor under autocast,
+    or the script as written.
     cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp)."""
 
     dtype: str = "auto"

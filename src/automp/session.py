@@ -43,6 +43,7 @@ class _Root:
     path: Path | None = None  # None while its trial runs
     trial: Trial | None = None
     compiled: Callable[..., Any] | None = None
+    stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
 
@@ -134,10 +135,16 @@ class Session:
                 with torch.autocast(root.device.type, dtype=root.low):
                     out = ORIG_CALL(module, *args, **kwargs)
                 return _restore_float32(out, root.low)
-            if root.compiled is None:
-                root.compiled = self._compile(module, root)
+            if path is Path.COMPILED_AUTOCAST:
+                if root.stock is None:
+                    root.stock = _compile_stock(module, root)
+                compiled = root.stock
+            else:
+                if root.compiled is None:
+                    root.compiled = self._compile(module, root)
+                compiled = root.compiled
             try:
-                return root.compiled(*args, **kwargs)
+                return compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
@@ -197,7 +204,8 @@ class Session:
         if device.type != "cuda":
             return [Path.FP32, Path.EAGER_LOW], (f"{name} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled "
                                                  f"graphs not tried on a CPU (compile time)")
-        return [Path.EAGER_LOW, Path.COMPILED, Path.FP32], f"{name} GEMMs measured {gain:.1f}x FP32"
+        return ([Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32],
+                f"{name} GEMMs measured {gain:.1f}x FP32")
 
     def _settle(self, trial: Trial) -> None:
         verdict = _agree(trial.verdict)
@@ -236,6 +244,24 @@ class Session:
             return backend(gm, example_inputs)
 
         return torch.compile(_entry_point(module), backend=counted)
+
+
+def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
+    """torch.autocast + stock torch.compile, what a careful user writes by hand. The outputs go back to FP32 inside
+    the compiled function (Inductor fuses the cast), as on every other path: the script sees its own dtypes."""
+    entry = _entry_point(module)
+
+    def autocast_call(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(root.device.type, dtype=root.low):
+            out = entry(*args, **kwargs)
+        return _restore_float32(out, root.low)
+
+    def counted(gm: Any, example_inputs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+        root.graphs += 1
+        return compile_fx(gm, example_inputs)
+
+    return torch.compile(autocast_call, backend=counted)
 
 
 def _agree(verdict: Verdict) -> Verdict:

@@ -1,0 +1,352 @@
+"""`automp bench zoo`: training step time of third-party models and hand-written scripts, automp vs autocast.
+
+Each model trains in every mode in one process, from the same seed on the same fixed batch:
+  fp32-eager             the plain loop, TF32 off (matmul and cuDNN) so FP32 means FP32
+  autocast-bf16-eager    torch.autocast(bf16) around forward+loss
+  autocast-bf16-compile  the same + torch.compile of every module: the ANCHOR, what a careful user writes
+  autocast-fp16-compile  torch.autocast(fp16) + torch.compile + torch.amp.GradScaler
+  automp-bf16/-fp16      the fp32-eager loop unchanged, automp.enable() before it, disable() after (`automp run`)
+TF32 stays off in every mode, so the FP32 parts of mixed-precision modes are as in the fp32 baseline.
+automp measures candidate execution paths in its first steps, so its warmup runs until `automp.settled()` (up to
+--max-warmup steps); every mode's warmup (compilation included) is reported as compile_s. Inductor's and
+AOTAutograd's compile caches are off: every mode compiles cold (on torch 2.11 a ResNet-50 autocast-fp16 compile
+was served bf16-compile's cached graphs: identical losses), so compile_s compares like with like. A mode that
+runs past --mode-timeout (a compile lost in the detector's data-dependent shapes, say) ends with an error row.
+
+Results go to <out>/zoo-<gpu>.json (rows merged by model, so runs of model subsets build one file), .md and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from automp.bench import zoo_models as zm
+from automp.bench import zoo_scripts as zs
+from automp.bench.harness import device_name
+from automp.bench.suites.train import _time_steps
+
+# name -> (builder, libraries it needs): the order of the tables and the plot
+MODELS: dict[str, tuple[Callable[[bool, str], zm.Workload], tuple[str, ...]]] = {
+    "gpt2": (zm.gpt2, ("transformers",)), "llama": (zm.llama, ("transformers",)),
+    "bert": (zm.bert, ("transformers",)), "t5": (zm.t5, ("transformers",)),
+    "vit": (zm.vit, ("timm", "torchvision")), "convnext": (zm.convnext, ("timm", "torchvision")),
+    "effnet": (zm.effnet, ("timm", "torchvision")), "resnet50": (zm.resnet50, ("torchvision",)),
+    "detector": (zm.detector, ("torchvision",)),
+    "gan": (zs.gan, ()), "recsys": (zs.recsys, ()), "lstm": (zs.lstm, ()), "mlp": (zs.mlp, ()),
+}
+MODES = ("fp32-eager", "autocast-bf16-eager", "autocast-bf16-compile", "autocast-fp16-compile", "automp-bf16",
+         "automp-fp16")
+ANCHOR = "autocast-bf16-compile"
+SKIP_HINT = "skipped: pip install automp[zoo]"
+
+
+class ModeLoop:
+    """The `Loop` a workload's step runs against: autocast, compile and GradScaler as `mode` asks."""
+
+    def __init__(self, work: zm.Workload, mode: str, device: str):
+        self.work, self.device = work, device
+        compiled = mode.endswith("-compile")
+        self.nets = {k: torch.compile(m) if compiled else m for k, m in work.modules.items()}
+        self.dtype = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(mode[:13])
+        self.scaler = torch.amp.GradScaler(device) if self.dtype == torch.float16 else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+
+    def update(self, loss: torch.Tensor, name: str) -> None:
+        opt = self.work.optimizers[name]
+        opt.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(opt)
+
+    def step(self) -> torch.Tensor:
+        """One iteration of the user's loop (GradScaler updates once, after all its optimizers stepped)."""
+        loss = self.work.step(self, self.work.batch)
+        if self.scaler is not None:
+            self.scaler.update()
+        return loss.detach()
+
+
+def missing_libraries(name: str) -> list[str]:
+    return [lib for lib in MODELS[name][1] if importlib.util.find_spec(lib) is None]
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[list[TimeoutError]]:
+    """Yields a list that holds a TimeoutError once `seconds` have passed; the alarm also raises it in the main
+    thread, to interrupt a compile that runs away. Code that swallows it (automp steps aside when a compilation
+    fails) is caught by the caller checking the list. No limit for seconds <= 0 or off the main thread."""
+    expired: list[TimeoutError] = []
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield expired
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        expired.append(TimeoutError(f"timeout: the mode ran past --mode-timeout {seconds:g} s"))
+        raise expired[0]
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield expired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_mode(name: str, mode: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
+             timeout: float = 0) -> dict[str, Any]:
+    """One row: fresh model (seed 0), warmup (automp: until settled), then `steps` timed steps."""
+    import automp
+    row: dict[str, Any] = {"model": name, "mode": mode, "step_ms": None, "peak_gib": None, "loss": None}
+    torch.manual_seed(0)
+    use_automp = mode.startswith("automp")
+    if use_automp:
+        automp.enable(dtype=mode.split("-")[1], inner=os.environ.get("AUTOMP_INNER", "inductor"))
+    report = None
+    try:
+        with time_limit(timeout) as expired:
+            _measure(row, name, mode, quick, device, steps, warmup, max_warmup, expired)
+    except Exception as e:  # noqa: BLE001 - a failing mode (OOM, compile error) must not lose the others' rows
+        # Dynamo may wrap the timeout in its own error: say what happened
+        row["error"] = str(expired[0]) if expired else f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    finally:
+        if use_automp:
+            report = automp.disable()
+    if report:
+        _note_report(row, report)
+    return row
+
+
+def _measure(row: dict[str, Any], name: str, mode: str, quick: bool, device: str, steps: int, warmup: int,
+             max_warmup: int, expired: list[TimeoutError]) -> None:
+    """Fills row in place, so a failure late in the mode keeps what was measured before it."""
+    import automp
+    use_automp = mode.startswith("automp")
+    loop = ModeLoop(MODELS[name][0](quick, device), mode, device)
+    losses: list[torch.Tensor] = []
+
+    def step() -> torch.Tensor:
+        losses.append(loop.step())
+        if expired:
+            raise expired[0]
+        return losses[-1]
+
+    settled = getattr(automp, "settled", lambda: True)
+    t0 = time.perf_counter()
+    while len(losses) < warmup or (use_automp and not settled() and len(losses) < max_warmup):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    row.update(compile_s=round(time.perf_counter() - t0, 2), warmup_steps=len(losses))
+    if use_automp:
+        row["settled"] = bool(settled())
+    ms, _ = _time_steps(step, 0, steps, device)
+    # the loss of the same step in every mode (fp32's last): automp's longer warmup must not look like progress
+    loss = float(losses[warmup + steps - 1])
+    row.update(step_ms=round(ms, 3), loss=loss if math.isfinite(loss) else None)
+    if not math.isfinite(loss):
+        row["note"] = f"loss {loss}"
+    if device == "cuda":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+
+
+def _note_report(row: dict[str, Any], report: dict[str, Any]) -> None:
+    """What automp chose for each root module (its path) and where it fell back to FP32: the why of a number."""
+    if report.get("choices"):
+        row["automp_paths"] = {c["module"]: c["path"] for c in report["choices"]}
+    if report.get("fallbacks"):
+        row["automp_fallbacks"] = len(report["fallbacks"])
+        for fb in report["fallbacks"][:3]:
+            print(f"    automp FP32 fallback: {fb['where']}: {fb['reason'][:160]}", flush=True)
+
+
+def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
+              timeout: float = 0) -> list[dict[str, Any]]:
+    missing = missing_libraries(name)
+    rows = []
+    for mode in modes:
+        if missing:
+            rows.append({"model": name, "mode": mode, "step_ms": None, "peak_gib": None, "loss": None,
+                         "error": f"{SKIP_HINT} ({', '.join(missing)} not installed)"})
+            continue
+        print(f"[{name}] {mode} ...", flush=True)
+        row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, timeout)
+        gc.collect()  # free this mode's model, optimizer state and compiled graphs before the next one
+        torch._dynamo.reset()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"[{name}] {mode}: " + (row.get("error") or f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, "
+                                                          f"peak {row['peak_gib']} GiB, warmup {row['compile_s']} s"),
+              flush=True)
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ratio_vs_anchor = anchor ms / mode ms (> 1: faster than autocast+compile); loss_vs_fp32 = loss - FP32's."""
+    by_mode = {r["mode"]: r for r in rows}
+    anchor_ms = by_mode.get(ANCHOR, {}).get("step_ms")
+    fp32_loss = by_mode.get("fp32-eager", {}).get("loss")
+    for r in rows:
+        if anchor_ms and r["step_ms"]:
+            r["ratio_vs_anchor"] = round(anchor_ms / r["step_ms"], 3)
+        if fp32_loss is not None and r["loss"] is not None:
+            r["loss_vs_fp32"] = r["loss"] - fp32_loss
+    return rows
+
+
+def gpu_slug(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the first word with a digit in the device name."""
+    if device != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    m = re.search(r"\b([A-Z]*\d+[A-Z]*)\b", name.upper().replace("NVIDIA", ""))
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _order(row: dict[str, Any]) -> tuple[int, str, int]:
+    names, modes = list(MODELS), list(MODES)
+    return (names.index(row["model"]) if row["model"] in names else len(names), row["model"],
+            modes.index(row["mode"]) if row["mode"] in modes else len(modes))
+
+
+def merge_rows(path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The file's rows with those of the models in `rows` replaced: two runs on model subsets make one file."""
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    ran = {r["model"] for r in rows}
+    return sorted([r for r in old if r["model"] not in ran] + rows, key=_order)
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    devices = sorted({f"{r.get('device')} · torch {r.get('torch')} · {r.get('date')}" for r in rows})
+    lines = ["# automp bench zoo", "", *[f"- {d}" for d in devices],
+             f"- anchor: {ANCHOR}; vs anchor = anchor ms / mode ms (> 1: faster than the anchor)",
+             "- TF32 off in every mode (torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = False)",
+             "- loss: of step warmup+steps in every mode (same seed and batch); Δ loss: minus fp32-eager's",
+             "- warmup s: the warmup steps' wall time, compilation included",
+             "", "| model | mode | step ms | vs anchor | peak GiB | loss | Δ loss vs fp32 | warmup s | notes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        notes = [r.get("error") or r.get("note") or ""]
+        if r.get("automp_paths"):
+            notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in r["automp_paths"].items()))
+        if r.get("automp_fallbacks"):
+            notes.append(f"{r['automp_fallbacks']} automp FP32 fallback(s)")
+        if r.get("settled") is False:
+            notes.append("automp not settled")
+        lines.append(f"| {r['model']} | {r['mode']} | {_fmt(r['step_ms'], '.2f')} | "
+                     f"{_fmt(r.get('ratio_vs_anchor'), '.2f')} | {_fmt(r['peak_gib'], '.2f')} | "
+                     f"{_fmt(r['loss'], '.4f')} | {_fmt(r.get('loss_vs_fp32'), '+.4f')} | "
+                     f"{_fmt(r.get('compile_s'), '.1f')} | {'; '.join(n for n in notes if n)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Grouped bars: speed vs the anchor, one group per model, one bar per mode; the anchor is the line at 1."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    ratio = {(r["model"], r["mode"]): r.get("ratio_vs_anchor") for r in rows}
+    width = 0.8 / len(MODES)
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(models)), 5))
+    for i, mode in enumerate(MODES):
+        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(models))]
+        ax.bar(xs, [ratio.get((m, mode)) or 0 for m in models], width, label=mode)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks(range(len(models)), models)
+    ax.set(ylabel=f"speed vs {ANCHOR} (> 1 faster)", title=f"automp bench zoo — {rows[0].get('device', '')}")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict[str, Any]], out_dir: str, stem: str) -> tuple[list[dict[str, Any]], str]:
+    """Merge `rows` into <stem>.json and rewrite <stem>.md and .png from the merged rows; returns them and the md."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, stem)
+    merged = merge_rows(base + ".json", rows)
+    with open(base + ".json", "w") as f:
+        json.dump(merged, f, indent=1)
+    md = markdown(merged)
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    plot(merged, base + ".png")
+    return merged, md
+
+
+def _names(arg: str, known: tuple[str, ...], what: str, p: argparse.ArgumentParser) -> list[str]:
+    names = [n for n in arg.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="automp bench zoo", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all; see --list)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="warmup steps per mode (automp: more until settled)")
+    p.add_argument("--max-warmup", type=int, default=60, help="cap on automp's warmup while it has not settled")
+    p.add_argument("--mode-timeout", type=float, default=150,
+                   help="seconds one mode may take (build, compile, steps) before it ends with an error row; 0: none")
+    p.add_argument("--quick", action="store_true", help="tiny configs (CPU smoke run); writes zoo-<gpu>-quick.*")
+    p.add_argument("--out", default="benchmarks")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--list", action="store_true", help="list the models and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, (build, libs) in MODELS.items():
+            print(f"{name:9s} {build.__doc__.splitlines()[0]}" + (f"  [{', '.join(libs)}]" if libs else ""))
+        return 0
+    models, modes = _names(args.models, tuple(MODELS), "model", p), _names(args.modes, MODES, "mode", p)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU visible")
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    meta = {"device": device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick}
+    print(f"automp bench zoo: {meta['device']}, torch {meta['torch']}, TF32 off, {args.steps} timed steps",
+          flush=True)
+    stem = f"zoo-{gpu_slug(args.device)}" + ("-quick" if args.quick else "")
+    md = ""
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            for name in models:  # written after each model: a run cut off by a time limit keeps what it measured
+                rows = run_model(name, modes, args.quick, args.device, args.steps, args.warmup, args.max_warmup,
+                                 args.mode_timeout)
+                _, md = write_outputs([dict(r, **meta) for r in rows], args.out, stem)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    print(md)
+    print(f"wrote {os.path.join(args.out, stem)}.json, .md, .png", flush=True)
+    return 0
