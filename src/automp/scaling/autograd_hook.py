@@ -2,33 +2,36 @@
 
 While installed, `torch.autograd.backward` (and so `loss.backward()`) and `torch.autograd.grad` multiply the roots'
 incoming gradient by the scale, and before returning divide the gradients they produced by it (one fused pass that
-also finds inf/nan, one host sync). Whatever runs after backward (clip_grad_norm_, the optimizer, logging) sees
-true-unit gradients. Gradient accumulation: gradients already in .grad are brought to scaled units first (exact for
-a power-of-two scale), so the one unscale pass leaves them as they were and unscales only the new part. Leaves
-that got an inf/nan are marked; a global optimizer step pre-hook turns the step of any optimizer owning a marked
-parameter into a no-op (all its grads set to None, so params and state, Adam's step counter included, stay
-untouched) and the dynamic scale backs off. Under torch.distributed the overflow flag is all-reduced, so every
-rank skips the same steps; DDP's gradient all-reduce sees the scaled gradients, which is fine (it is linear).
+also finds inf/nan). Whatever runs after backward (clip_grad_norm_, the optimizer, logging) sees true-unit
+gradients. Gradient accumulation: gradients already in .grad are brought to scaled units first (exact for a
+power-of-two scale), so the one unscale pass leaves them as they were and unscales only the new part.
+
+Nothing in a backward reads a value on the host: the scale is a device tensor, and the pass's overflow flag stays
+on the device, OR-ed per leaf across the backward calls of an accumulation (skip.record). The optimizer step
+decides (skip): a fused optimizer skips on the device through GradScaler's `found_inf` protocol (no sync at all);
+any other reads the flag once per step and, after an overflow, is turned into a no-op (all its grads set to None,
+so params and state, Adam's step counter included, stay untouched). The dynamic scale advances on the device,
+once per optimizer step (per backward until some optimizer has stepped). Under torch.distributed the flag is
+all-reduced on the device, so every rank skips the same steps; DDP's gradient all-reduce sees the scaled
+gradients, which is fine (it is linear).
 
 Known limits: post-accumulate-grad hooks and retain_grad() intermediates see scaled gradients (they run inside
-the backward); LBFGS-style steps whose closure calls backward inside step() are not skipped on overflow; a mark
-is cleared by the skipped step or by the grad becoming None, so zero_grad(set_to_none=False) after an overflow
-without a step costs one extra skipped step. Calls
-made while a scaled backward runs (reentrant checkpointing) and calls on tensor subclasses (tracing, FakeTensor)
-pass through untouched.
+the backward); LBFGS-style steps whose closure calls backward inside step() are not skipped on overflow; after a
+step skipped on the device its grads keep their inf/nan until zero_grad() (as with GradScaler); flags are dropped
+by the step or by the grad becoming None, so zero_grad(set_to_none=False) after an overflow without a step costs
+one extra skipped step. Calls made while a scaled backward runs (reentrant checkpointing) and calls on tensor
+subclasses (tracing, FakeTensor) pass through untouched.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from automp.scaling import overflow
+from automp.scaling import overflow, skip
 from automp.scaling.loss_scale import LossScaler
 
 STATE_KEY = "automp_loss_scale"  # rides along in every optimizer.state_dict() while installed
@@ -37,8 +40,6 @@ _scaler: LossScaler | None = None
 _patched: dict[str, Any] = {}
 _depth = 0  # > 0 while a scaled backward runs, on any thread: nested calls pass through
 _live: list[Tensor] = []  # leaves the running scaled backward will unscale (nested backward calls add theirs)
-_poisoned: dict[int, "weakref.ref[Tensor]"] = {}
-_skipped_optimizer_steps = 0
 
 _ORIG_BACKWARD: Callable[..., Any] = torch.autograd.backward
 _ORIG_GRAD: Callable[..., Any] = torch.autograd.grad
@@ -52,18 +53,17 @@ def current() -> LossScaler | None:
 
 
 def skipped_optimizer_steps() -> int:
-    """How many optimizer.step() calls were turned into no-ops since install()."""
-    return _skipped_optimizer_steps
+    """How many optimizer.step() calls were turned into no-ops since install() (a host sync: reports, tests)."""
+    return skip.skipped_steps()
 
 
 def install(scaler: LossScaler) -> LossScaler:
     """Start scaling with `scaler`. Mode "off" patches nothing (zero overhead); installing again swaps scalers."""
-    global _scaler, _skipped_optimizer_steps
+    global _scaler
     if not isinstance(scaler, LossScaler):
         raise TypeError(f"install() needs an automp LossScaler, got {type(scaler).__name__}")
     uninstall()
     _scaler = scaler
-    _skipped_optimizer_steps = 0
     if not scaler.enabled:
         return scaler
     opt = torch.optim.Optimizer
@@ -73,7 +73,7 @@ def install(scaler: LossScaler) -> LossScaler:
     torch.autograd.grad = _scaled_grad
     opt.state_dict = _wrap_state_dict(_patched["state_dict"])
     opt.load_state_dict = _wrap_load_state_dict(_patched["load_state_dict"])
-    _patched["hook"] = register_optimizer_step_pre_hook(_skip_poisoned_step)
+    skip.start(scaler)
     return scaler
 
 
@@ -86,8 +86,7 @@ def uninstall() -> LossScaler | None:
         torch.autograd.grad = _patched.pop("grad")
         torch.optim.Optimizer.state_dict = _patched.pop("state_dict")
         torch.optim.Optimizer.load_state_dict = _patched.pop("load_state_dict")
-        _patched.pop("hook").remove()
-    _poisoned.clear()
+        skip.stop()
     return scaler
 
 
@@ -113,27 +112,6 @@ def _wrap_load_state_dict(orig: Callable[..., Any]) -> Callable[..., Any]:
                 _scaler.load_state_dict(saved)
         return orig(self, state_dict, *args, **kwargs)
     return load_state_dict
-
-
-# ---- skipping the step after an overflow ------------------------------------------------------------------------
-
-def _is_poisoned(p: Tensor) -> bool:
-    ref = _poisoned.get(id(p))
-    return ref is not None and ref() is p
-
-
-def _skip_poisoned_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step pre-hook: works for every optimizer, because all of them skip parameters whose grad is None."""
-    global _skipped_optimizer_steps
-    if not _poisoned:
-        return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(_is_poisoned(p) for p in params):
-        for p in params:
-            p.grad = None
-            _poisoned.pop(id(p), None)
-        _skipped_optimizer_steps += 1
-    return None
 
 
 # ---- the scaled backward ----------------------------------------------------------------------------------------
@@ -168,8 +146,9 @@ def _functorch_active() -> bool:
     return bool(check and check())
 
 
-def _scaled_root_grads(roots: tuple, grads: Any, scale: float) -> list[Tensor | None] | None:
-    """Root gradients times the scale; None where torch itself must raise (implicit grad of a non-scalar)."""
+def _scaled_root_grads(roots: tuple, grads: Any, scale: Tensor) -> list[Tensor | None] | None:
+    """Root gradients times the scale (a device tensor: no sync); None where torch itself must raise (implicit grad
+    of a non-scalar)."""
     given = list(_as_tuple(grads)) if grads is not None else [None] * len(roots)
     if len(given) != len(roots):
         return None
@@ -178,9 +157,10 @@ def _scaled_root_grads(roots: tuple, grads: Any, scale: float) -> list[Tensor | 
         if g is None:
             if t.requires_grad and t.numel() != 1:
                 return None
-            out.append(torch.full_like(t, scale, memory_format=torch.preserve_format) if t.requires_grad else None)
+            out.append(overflow.times(torch.ones_like(t, memory_format=torch.preserve_format), scale)
+                       if t.requires_grad else None)
         else:
-            out.append(g * scale)
+            out.append(overflow.times(g, scale))
     return out
 
 
@@ -215,25 +195,19 @@ def _grad_values(p: Tensor) -> Tensor:
     return g
 
 
-def _check_and_unscale(scaler: LossScaler, owners: list[Tensor], grads: list[Tensor], create_graph: bool,
-                       ) -> list[Tensor]:
-    """The one fused pass and the one host sync of a backward; marks the owners on overflow, advances the scaler.
+def _check_and_unscale(scaler: LossScaler, scale: Tensor, owners: list[Tensor], grads: list[Tensor],
+                       create_graph: bool) -> list[Tensor]:
+    """The one fused pass of a backward; hands its overflow flag, still on the device, to skip.record (no sync).
     Returns the unscaled gradients (the same tensors, unless create_graph asked for differentiable copies)."""
-    inv = 1.0 / scaler.scale
+    inv = torch.reciprocal(scale)
     if create_graph:
         grads, found = overflow.unscaled_copies(grads, inv)
     else:
         found = overflow.unscale_and_check_(grads, inv)
     if scaler.config.sync_distributed:
         found = overflow.all_reduce_found(found)
-    if found is None:
-        return grads
-    overflowed = bool(found.item())
-    if overflowed:
-        for p in owners:
-            if p.is_leaf:
-                _poisoned[id(p)] = weakref.ref(p)
-    scaler.update(overflowed)
+    if found is not None:
+        skip.record(found, owners)
     return grads
 
 
@@ -245,15 +219,18 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
     inputs = _as_tuple(a.get("inputs"))
     scaler = _scaler
     if _depth > 0 and scaler is not None and roots and all(type(t) is Tensor for t in roots):
-        _adopt_nested(list(inputs) if inputs else _leaves(roots), scaler.scale, bool(a.get("create_graph")))
+        _adopt_nested(list(inputs) if inputs else _leaves(roots), _scale_for(scaler, roots),
+                      bool(a.get("create_graph")))
     if _passes_through(roots, inputs) or a.get("grad_variables") is not None:
         return _inner("backward")(*args, **kwargs)
-    root_grads = _scaled_root_grads(roots, a.get("grad_tensors"), scaler.scale)
+    scale = _scale_for(scaler, roots)
+    root_grads = _scaled_root_grads(roots, a.get("grad_tensors"), scale)
     if root_grads is None:
         return _inner("backward")(*args, **kwargs)
     create_graph = bool(a.get("create_graph", False))
-    live = _live_targets(list(inputs) if inputs else _leaves(roots))
-    _rescale_existing(live, scaler.scale, create_graph)
+    live = list(inputs) if inputs else _leaves(roots)
+    skip.forget_fresh(live)
+    _rescale_existing(live, scale, create_graph)
     _live[:] = live
     _depth += 1
     done = False
@@ -261,7 +238,7 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
         _inner("backward")(roots, root_grads, a.get("retain_graph"), create_graph, inputs=a.get("inputs"))
         owners = [p for p in _live if p.grad is not None]
         _refuse_sparse_double_backward(create_graph, [p.grad for p in owners])
-        grads = _check_and_unscale(scaler, owners, [_grad_values(p) for p in owners], create_graph)
+        grads = _check_and_unscale(scaler, scale, owners, [_grad_values(p) for p in owners], create_graph)
         if create_graph:
             for p, g in zip(owners, grads):
                 p.grad = g
@@ -271,45 +248,40 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
         adopted = list(_live)
         _live.clear()
         if not done:  # restore what was there; this failed backward's partial contributions stay scaled
-            _rescale_existing(adopted, 1.0 / scaler.scale, create_graph)
+            _rescale_existing(adopted, torch.reciprocal(scale), create_graph)
 
 
-def _live_targets(targets: list[Tensor]) -> list[Tensor]:
-    """The targets whose gradient this backward must unscale: all but those already marked by an overflow (their
-    step is skipped anyway). A target starting from grad None starts a fresh accumulation: its mark goes."""
-    for p in targets:
-        if p.grad is None:
-            _poisoned.pop(id(p), None)
-    return [p for p in targets if not _is_poisoned(p)]
+def _scale_for(scaler: LossScaler, roots: tuple) -> Tensor:
+    """The scale on the roots' device; the first backward on an accelerator moves the scaler's state there."""
+    device = roots[0].device
+    scaler.place(device)
+    return scaler.scale_tensor(device)
 
 
-def _adopt_nested(targets: list[Tensor], scale: float, create_graph: bool) -> None:
+def _adopt_nested(targets: list[Tensor], scale: Tensor, create_graph: bool) -> None:
     """A backward run from inside the scaled one (reentrant checkpointing) flows scaled gradients into leaves the
     outer graph walk could not see: take them on, so the outer unscale pass covers them."""
     known = {id(p) for p in _live}
-    new = _live_targets([p for p in targets if id(p) not in known])
+    new = [p for p in targets if id(p) not in known]
+    skip.forget_fresh(new)
     _rescale_existing(new, scale, create_graph)
     _live.extend(new)
 
 
-def _rescale_existing(params: list[Tensor], factor: float, create_graph: bool) -> None:
+def _rescale_existing(params: list[Tensor], factor: Tensor, create_graph: bool) -> None:
     """Bring gradients accumulated by earlier backward calls into (or out of) scaled units.
 
     Gradient accumulation: the new contribution arrives scaled and is added to .grad by autograd itself (so DDP's
     reducer, which hooks that accumulation, averages the whole accumulated gradient as usual). Scaling the old part
     first makes the sum uniformly scaled, and the one unscale pass afterwards restores the old part exactly: the
     dynamic scale is a power of two, so multiplying and dividing by it is lossless in floating point."""
-    dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
     if create_graph:
         for p in params:
             if p.grad is not None:
-                p.grad = p.grad * factor
+                p.grad = overflow.times(p.grad, factor)
         return
-    if dense:
-        torch._foreach_mul_(dense, factor)
-    for p in params:
-        if p.grad is not None and p.grad.is_sparse:
-            p.grad.mul_(factor)
+    overflow.scale_([p.grad._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None],
+                    factor)
 
 
 def _refuse_sparse_double_backward(create_graph: bool, grads: list[Tensor]) -> None:
@@ -328,7 +300,8 @@ def _scaled_grad(*args: Any, **kwargs: Any) -> tuple[Tensor | None, ...]:
     scaler = _scaler
     if _passes_through(roots, inputs) or a.get("is_grads_batched", False):
         return _inner("grad")(*args, **kwargs)
-    root_grads = _scaled_root_grads(roots, a.get("grad_outputs"), scaler.scale)
+    scale = _scale_for(scaler, roots)
+    root_grads = _scaled_root_grads(roots, a.get("grad_outputs"), scale)
     if root_grads is None:
         return _inner("grad")(*args, **kwargs)
     call = dict(a)
@@ -345,7 +318,7 @@ def _scaled_grad(*args: Any, **kwargs: Any) -> tuple[Tensor | None, ...]:
         for i in have:
             grads[i] = grads[i].coalesce() if grads[i].is_sparse else grads[i]
     dense = [grads[i]._values() if grads[i].is_sparse else grads[i] for i in have]
-    out = _check_and_unscale(scaler, [inputs[i] for i in have], dense, create_graph)
+    out = _check_and_unscale(scaler, scale, [inputs[i] for i in have], dense, create_graph)
     if create_graph:
         for i, g in zip(have, out):
             grads[i] = g

@@ -2,17 +2,23 @@
 
 fp16 flushes magnitudes below ~6e-8 to zero, and small gradients live there. Multiplying the loss by S shifts every
 gradient up by S (backward is linear), and dividing the finished gradients by S in FP32 restores them. Too large an
-S overflows to inf instead, so the dynamic mode probes: it halves S whenever a backward produced inf/nan (that
-step is skipped) and doubles it after `growth_interval` clean backward passes, staying in [min_scale, max_scale].
+S overflows to inf instead, so the dynamic mode probes: it halves S whenever a step's gradients held inf/nan (that
+step is skipped) and doubles it after `growth_interval` clean steps, staying in [min_scale, max_scale].
 
-One "step" of this machine is one scaled backward pass (gradient accumulation over k micro-batches is k steps): the
-scale is applied per backward, so that is where its effect is measured and where it is adjusted.
+The state lives in 0-dim device tensors and advances with device ops (torch._amp_update_scale_, as GradScaler's
+does), so training never reads it on the host: the Python views (`scale`, `steps`, summary(), state_dict()) sync
+only when asked for. One "step" of this machine is one optimizer step, all backward passes of its gradient
+accumulation together; before any optimizer has stepped (scripts that update parameters by hand) it is one backward
+pass. autograd_hook and skip decide when update() runs.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+import torch
+from torch import Tensor
 
 MODES = ("dynamic", "constant", "off")
 
@@ -46,16 +52,18 @@ class LossScaleConfig:
 
 
 class LossScaler:
-    """State of one loss scale. Python floats, not device tensors: the hook syncs once per backward anyway (to
-    decide whether the step is skipped), so keeping the scale on the host costs no extra sync and lets the
-    optimizer pre-hook decide without touching the device."""
+    """State of one loss scale, in 0-dim tensors. They start on the CPU and move, once, to the first accelerator a
+    scaled backward runs on (place()), so the flags that update() consumes never cross between host and device."""
+
+    _TENSORS = ("_scale", "_growth_tracker", "_steps", "_overflow_steps")
 
     def __init__(self, config: LossScaleConfig | None = None) -> None:
         self.config = config or LossScaleConfig()
-        self.scale = float(self.config.init_scale) if self.config.mode != "off" else 1.0
-        self.growth_tracker = 0  # clean steps since the scale last changed
-        self.steps = 0
-        self.overflow_steps = 0
+        init = float(self.config.init_scale) if self.config.mode != "off" else 1.0
+        self._scale = torch.full((), init, dtype=torch.float32)  # float32 and int32: what _amp_update_scale_ takes
+        self._growth_tracker = torch.zeros((), dtype=torch.int32)  # clean steps since the scale last changed
+        self._steps = torch.zeros((), dtype=torch.int64)
+        self._overflow_steps = torch.zeros((), dtype=torch.int64)
 
     @classmethod
     def from_spec(cls, spec: Any) -> "LossScaler":
@@ -77,30 +85,80 @@ class LossScaler:
     def enabled(self) -> bool:
         return self.config.mode != "off"
 
-    def update(self, found_inf: bool) -> None:
-        """Advance the state machine after one scaled backward pass."""
-        self.steps += 1
-        if found_inf:
-            self.overflow_steps += 1
+    def place(self, device: torch.device) -> None:
+        """Follow training from the CPU onto an accelerator (once; never back, never between accelerators). Filled
+        there from host values rather than copied: a copy from pageable host memory would synchronize."""
+        if self._scale.device.type == "cpu" and device.type != "cpu":
+            for name in self._TENSORS:
+                t = getattr(self, name)
+                setattr(self, name, torch.full((), t.item(), dtype=t.dtype, device=device))
+
+    def scale_tensor(self, device: torch.device) -> Tensor:
+        """The scale as a 0-dim float32 tensor on `device`; no host sync."""
+        return self._scale.to(device, non_blocking=True)
+
+    def update(self, found_inf: bool | Tensor, counted: Tensor | None = None) -> None:
+        """Advance one step on the device: back off after an overflow, grow after `growth_interval` clean steps.
+
+        found_inf: a bool, or a 1-element tensor (> 0: overflow) that is never read on the host. counted: a 0-dim
+        0/1 tensor; where 0 the call changes nothing (a backward that only re-found an overflow its accumulation
+        had already reported must not back off or count twice)."""
+        dev = self._scale.device
+        if isinstance(found_inf, Tensor):
+            found = found_inf.to(dev, torch.float32, non_blocking=True).reshape(())
+        else:
+            found = torch.full((), float(bool(found_inf)), device=dev)
+        weight = None if counted is None else (counted.to(dev, non_blocking=True).reshape(()) > 0)
+        hit = (found > 0).to(torch.int64)
+        if weight is None:
+            self._steps += 1
+            self._overflow_steps += hit
+        else:
+            self._steps += weight
+            self._overflow_steps += hit * weight
         if self.config.mode != "dynamic":
             return
         c = self.config
-        if found_inf:
-            self.scale = max(self.scale * c.backoff_factor, c.min_scale)
-            self.growth_tracker = 0
-            return
-        self.growth_tracker += 1
-        if self.growth_tracker >= c.growth_interval:
-            self.scale = min(self.scale * c.growth_factor, c.max_scale)
-            self.growth_tracker = 0
+        scale, tracker = self._scale, self._growth_tracker
+        if weight is not None:  # update copies, then keep them only where counted
+            scale, tracker = scale.clone(), tracker.clone()
+        torch._amp_update_scale_(scale, tracker, found, c.growth_factor, c.backoff_factor, c.growth_interval)
+        scale.clamp_(c.min_scale, c.max_scale)
+        if weight is not None:
+            self._scale.copy_(torch.where(weight, scale, self._scale))
+            self._growth_tracker.copy_(torch.where(weight, tracker, self._growth_tracker))
+
+    def _host(self) -> tuple[float, int, int, int]:
+        """scale, growth_tracker, steps, overflow_steps read to the host in one transfer (the only sync here)."""
+        values = torch.stack([getattr(self, name).double() for name in self._TENSORS]).tolist()
+        return float(values[0]), int(values[1]), int(values[2]), int(values[3])
+
+    @property
+    def scale(self) -> float:
+        """The current scale as a Python float (a host sync: for reports and tests, not the training loop)."""
+        return self._host()[0]
+
+    @property
+    def growth_tracker(self) -> int:
+        return self._host()[1]
+
+    @property
+    def steps(self) -> int:
+        return self._host()[2]
+
+    @property
+    def overflow_steps(self) -> int:
+        return self._host()[3]
 
     def summary(self) -> dict[str, Any]:
         """The precision report's "loss_scale" entry."""
-        return {"scale": float(self.scale), "overflow_steps": int(self.overflow_steps), "steps": int(self.steps)}
+        scale, _, steps, overflow_steps = self._host()
+        return {"scale": scale, "overflow_steps": overflow_steps, "steps": steps}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "steps": self.steps,
-                "overflow_steps": self.overflow_steps, "config": asdict(self.config)}
+        scale, tracker, steps, overflow_steps = self._host()
+        return {"scale": scale, "growth_tracker": tracker, "steps": steps, "overflow_steps": overflow_steps,
+                "config": asdict(self.config)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the counters and scale; the config comes along so a resumed run behaves like the original."""
@@ -110,11 +168,11 @@ class LossScaler:
         if "config" in state:
             known = {f.name for f in fields(LossScaleConfig)}
             self.config = LossScaleConfig(**{k: v for k, v in state["config"].items() if k in known})
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        self.steps = int(state["steps"])
-        self.overflow_steps = int(state["overflow_steps"])
+        self._scale.fill_(float(state["scale"]))
+        self._growth_tracker.fill_(int(state["growth_tracker"]))
+        self._steps.fill_(int(state["steps"]))
+        self._overflow_steps.fill_(int(state["overflow_steps"]))
 
     def __repr__(self) -> str:
-        return f"LossScaler(mode={self.config.mode}, scale={self.scale:g}, steps={self.steps}, " \
-               f"overflow_steps={self.overflow_steps})"
+        scale, _, steps, overflow_steps = self._host()
+        return f"LossScaler(mode={self.config.mode}, scale={scale:g}, steps={steps}, overflow_steps={overflow_steps})"

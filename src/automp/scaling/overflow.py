@@ -1,7 +1,9 @@
 """One pass over all fresh gradients: find inf/nan and divide by the loss scale, on the device, without syncing.
 
-The caller syncs once (reads the flag) per backward. Under torch.distributed the flag is all-reduced with MAX first,
-so every rank takes the same skip decision even when only one rank's micro-batch overflowed (DDP's no_sync).
+The scale comes in as a device tensor and the flag goes out as one, so nothing here reads a value on the host (the
+flag is read, if at all, once per optimizer step: see skip). Under torch.distributed the flag is all-reduced with
+MAX, still on the device, so every rank takes the same skip decision even when only one rank's micro-batch
+overflowed (DDP's no_sync).
 """
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ def _cuda_kernel() -> Callable[[list[Tensor], Tensor], Tensor] | None:
     return unscale_and_check_
 
 
-def _foreach_unscale_and_check_(group: list[Tensor], found: Tensor, inv_scale: float) -> None:
+def _foreach_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor) -> None:
     """Portable fallback for builds without torch's fused amp op for this device/dtype."""
-    torch._foreach_mul_(group, inv_scale)
+    torch._foreach_mul_(group, inv.reshape(()))
     peak = torch.stack([n.float() for n in torch._foreach_norm(group, float("inf"))]).sum()
     found.add_((~torch.isfinite(peak)).float().reshape(1))
 
 
-def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor, inv_scale: float) -> None:
+def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor) -> None:
     op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
     if op is not None:
         try:
@@ -41,7 +43,7 @@ def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor, i
             return
         except (RuntimeError, NotImplementedError):  # dtype/device without a fused kernel in this build
             pass
-    _foreach_unscale_and_check_(group, found, inv_scale)
+    _foreach_unscale_and_check_(group, found, inv)
 
 
 def _groups(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
@@ -51,31 +53,65 @@ def _groups(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], lis
     return groups
 
 
-def unscale_and_check_(tensors: list[Tensor], inv_scale: float) -> Tensor | None:
-    """Multiply every tensor by inv_scale in place; return a 1-element fp32 flag (> 0: some value was inf/nan) on
-    the first tensor's device, or None for an empty list. Dense tensors only (sparse grads: pass their values)."""
+def _on(factor: float | Tensor, device: torch.device) -> Tensor:
+    """factor as a 1-element float32 tensor on device (a Python number costs no sync either way)."""
+    if isinstance(factor, Tensor):
+        return factor.to(device, torch.float32, non_blocking=True).reshape(1)
+    return torch.full((1,), factor, dtype=torch.float32, device=device)
+
+
+def unscale_and_check_(tensors: list[Tensor], inv_scale: float | Tensor) -> Tensor | None:
+    """Multiply every tensor by inv_scale (a number or a 1-element tensor) in place; return a 1-element fp32 flag
+    (> 0: some value was inf/nan) on the first tensor's device, or None for an empty list. Dense tensors only
+    (sparse grads: pass their values)."""
     founds: list[Tensor] = []
     for (device, _), group in _groups(tensors).items():
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        inv = _on(inv_scale, device)
         kernel = _cuda_kernel() if device.type == "cuda" else None
         if kernel is not None:
             founds.append(kernel(group, inv).reshape(1).float())
             continue
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        _torch_unscale_and_check_(group, found, inv, inv_scale)
+        _torch_unscale_and_check_(group, found, inv)
         founds.append(found)
     return _combine(founds)
 
 
-def unscaled_copies(tensors: list[Tensor], inv_scale: float) -> tuple[list[Tensor], Tensor | None]:
+def unscaled_copies(tensors: list[Tensor], inv_scale: float | Tensor) -> tuple[list[Tensor], Tensor | None]:
     """Out-of-place variant for create_graph=True: the unscale must itself be differentiable, so the double
     backward sees true-unit gradients."""
-    out = [t * inv_scale for t in tensors]
+    out = [times(t, inv_scale) for t in tensors]
     founds = []
     for (device, _), group in _groups(out).items():
         peak = torch.stack([g.detach().abs().amax().float() for g in group]).sum()
         founds.append((~torch.isfinite(peak)).float().reshape(1))
     return out, _combine(founds)
+
+
+def times(t: Tensor, factor: float | Tensor) -> Tensor:
+    """t * factor (a number or a 1-element tensor) in t's dtype, computed at least in float32: a float32 factor
+    cast to fp16 first would turn 2^16 into inf, and 0 * inf into nan."""
+    wide = torch.promote_types(t.dtype, torch.float32)
+    return (t.to(wide) * _on(factor, t.device).to(wide).reshape(())).to(t.dtype)
+
+
+def scale_(tensors: list[Tensor], factor: Tensor) -> None:
+    """Multiply every tensor in place by factor (a 0-dim float32 device tensor), in float32 math. Not
+    torch._foreach_mul_: on CUDA it casts a tensor factor to the list's dtype first (fp16: 2^16 -> inf, 0 -> nan;
+    seen on torch 2.11). torch's amp unscale op multiplies by its device scalar in float32; its flag is not needed
+    here (the unscale pass that follows checks the whole accumulated gradient)."""
+    for (device, _), group in _groups(tensors).items():
+        _torch_unscale_and_check_(group, torch.zeros(1, dtype=torch.float32, device=device), _on(factor, device))
+
+
+def any_found(flags: list[Tensor]) -> Tensor | None:
+    """One 0-dim float32 flag from several (each > 0 where an overflow was found): exactly 1.0 or 0.0, as
+    fused optimizers expect of `found_inf` (Adam subtracts it from its step counter), on the first flag's device."""
+    if not flags:
+        return None
+    device = flags[0].device
+    peak = torch.stack([f.to(device, non_blocking=True).reshape(()) for f in flags]).amax()
+    return (peak > 0).to(torch.float32)
 
 
 def _combine(founds: list[Tensor]) -> Tensor | None:
