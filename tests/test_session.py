@@ -223,3 +223,14 @@ def test_autocast_compiled_path_keeps_fp32_outputs_and_close_numerics():
     assert out.dtype == torch.float32 and net[0].weight.grad.dtype == torch.float32
     assert (out - ref).norm() / ref.norm() < 1e-2  # bf16 inputs to the matmuls
     assert [c["path"] for c in rep["choices"]] == ["autocast-compiled"] and rep["compiles"] == {"Sequential": 1}
+
+
+def test_loss_scaling_is_taken_off_when_every_module_runs_fp32():
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    automp.enable(dtype="fp16", path="fp32")
+    assert autograd_hook.current() is not None  # fp16 asked for: scaling installed until a module's path is known
+    net(torch.randn(4, 16)).sum().backward()
+    assert autograd_hook.current() is None  # FP32 gradients: nothing to scale, no extra kernels per backward
+    rep = automp.disable()
+    assert any(f["where"] == "loss scaling" for f in rep["fallbacks"])
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())

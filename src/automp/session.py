@@ -61,6 +61,7 @@ class Session:
     breaks_before: dict[str, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
     unfinished: dict[Trial, list[str]] = field(default_factory=dict)  # labels of modules in trials still running
+    scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -176,6 +177,8 @@ class Session:
             self._decide(root, cached)
             return root
         candidates, why = self._candidates(device, root.low)
+        if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
+            self.scaler, self.scaling_paused = _install_scaling(self.config), False
         if len(candidates) == 1:
             self._decide(root, Verdict(candidates[0], why, {}))
             self.cache.put(root.key, Verdict(candidates[0], why, {}))
@@ -218,10 +221,25 @@ class Session:
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial = verdict.path, None
         self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
+        self._pause_scaling_if_fp32()
+
+    def _pause_scaling_if_fp32(self) -> None:
+        """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
+        and scaling would only add kernels to every backward — on a launch-bound script, a slowdown automp chose.
+        A module that appears later and needs a trial brings it back (see _new_root)."""
+        if self.scaler is None or any(r.path not in (Path.FP32, None) or (r.path is None and r.aside is None)
+                                      for r in self.roots.values()):
+            return
+        from automp.scaling import autograd_hook
+        self.recorder.loss_scale = self.scaler.summary()
+        self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
+        autograd_hook.uninstall()
+        self.scaler, self.scaling_paused = None, True
 
     def _step_aside(self, root: _Root, why: str, user_precision: bool = False) -> None:
         root.aside, root.path, root.trial = why, None, None
         self.recorder.add_choice(root.label, None, why)
+        self.scaling_paused = False  # never bring scaling back on top of the script's own
         if user_precision and self.scaler is not None:
             from automp.scaling import autograd_hook
             autograd_hook.uninstall()
