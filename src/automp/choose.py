@@ -16,11 +16,12 @@ import hashlib
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path as FsPath
 from typing import Any, Callable, Iterable
+
+from automp.files import atomic_output
 
 
 class Path(enum.Enum):
@@ -168,10 +169,8 @@ class VerdictCache:
         data[key] = {**verdict.as_dict(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix="verdicts.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with atomic_output(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
         except OSError:
             pass  # an unwritable cache costs a new trial next run, nothing else
 

@@ -9,7 +9,7 @@ import pytest
 import automp.deploy
 from automp.deploy import onnx_io, report
 from automp.deploy.cli import main
-from automp.deploy.files import atomic_output
+from automp.files import atomic_output
 
 from .util import convnet
 

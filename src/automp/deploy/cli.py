@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from automp.deploy.files import check_writable, same_file
+from automp.files import check_writable, same_file
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import onnx
 
 from automp.deploy import runtime
-from automp.deploy.files import atomic_output
+from automp.files import atomic_output
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from automp.deploy.files import atomic_output
+from automp.files import atomic_output
 from automp.deploy.passes.pipeline import PassRecord
 from automp.deploy.runtime import Error
 

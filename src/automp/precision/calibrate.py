@@ -13,7 +13,6 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -23,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from automp.files import atomic_output
 from automp.precision.cost import DeviceSpec
 
 SCHEMA = 1  # bump when the file layout changes: older files then read as corrupt and are re-measured
@@ -220,14 +220,8 @@ def _write(path: Path, cal: Calibration) -> None:
     """Atomically: a reader (another process calibrating at the same time) sees the old file or the new one, never
     half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"schema": SCHEMA, **asdict(cal)}, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"schema": SCHEMA, **asdict(cal)}, f, indent=1)
 
 
 def load_or_measure(device: torch.device | str, cache_dir: str | os.PathLike | None = None,

@@ -59,7 +59,8 @@ class Recorder:
                 "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles}
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
+        from automp.files import atomic_output
+        with atomic_output(path) as tmp, open(tmp, "w") as f:
             json.dump(self.as_dict(), f, indent=1)
 
 
