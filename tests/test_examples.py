@@ -48,9 +48,9 @@ HUGE_TABLE_ELEMS = 200_000 * 32  # train_recommender.py's user table
 def _env(inner: str | None = "eager") -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("AUTOMP_INNER", None)
+    env["AUTOMP_PATH"] = "compile"  # these tests check the graph pass itself, whatever a trial would choose
     if inner is not None:
         env["AUTOMP_INNER"] = inner
-        env["AUTOMP_PATH"] = "compile"  # these tests check the graph pass itself, whatever the trial would choose
     return env
 
 

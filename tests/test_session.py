@@ -234,3 +234,10 @@ def test_loss_scaling_is_taken_off_when_every_module_runs_fp32():
     rep = automp.disable()
     assert any(f["where"] == "loss scaling" for f in rep["fallbacks"])
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+def test_loss_scaling_stays_on_for_a_low_precision_path():
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    _compile(dtype="fp16")
+    net(torch.randn(4, 16)).sum().backward()
+    assert autograd_hook.current() is not None  # the first module decided must not switch scaling off

@@ -115,7 +115,7 @@ class Session:
         if root is None:
             if not any(True for _ in module.parameters()):
                 return ORIG_CALL(module, *args, **kwargs)
-            root = self.roots[module] = self._new_root(module, args)
+            root = self._new_root(module, args)
         if root.aside is None and torch.is_autocast_enabled(root.device.type):
             self._step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
                                    "(and loss scaling) to the script", user_precision=True)
@@ -159,7 +159,7 @@ class Session:
     # -- roots, trials, verdicts ----------------------------------------------------------------------------------
     def _new_root(self, module: nn.Module, args: tuple) -> _Root:
         device = _device_of(module)
-        root = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
+        root = self.roots[module] = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
         if floats and torch.float32 not in floats:
             root.aside = f"its parameters are already {floats[0]}: the model runs in the precision it was given"
