@@ -3,7 +3,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from automp.precision.casts import _CONVERT, count_casts, eliminate_casts
+from automp.precision.casts import _CONVERT, _OURS, _STORED, count_casts, eliminate_casts
 
 
 def _graph(build, dtype=torch.float32):
@@ -65,3 +65,23 @@ def test_duplicate_casts_shared_and_wide_chain_collapsed():
     s, c = gm(x)
     xb = x.to(torch.bfloat16)
     assert torch.equal(s, xb + xb) and torch.equal(c, xb.to(torch.float16))
+
+
+def test_a_stored_low_round_trip_is_kept_and_an_unmarked_one_is_not():
+    """x -> bf16 -> fp32 is how the backward reads a tensor stored low (storage.py): removing it would hand the
+    backward the FP32 tensor again, and the partitioner would save that."""
+    def build(g, x):
+        down = g.call_function(_CONVERT, (x, torch.bfloat16))
+        up = g.call_function(_CONVERT, (down, torch.float32))
+        return g.call_function(torch.ops.aten.relu.default, (up,))
+
+    x = torch.randn(4, 8)
+    for marks, kept in (({_OURS: True, _STORED: True}, 2), ({_OURS: True}, 0)):
+        gm = _graph(build)
+        for n in gm.graph.nodes:
+            if n.target is _CONVERT:
+                n.meta.update(marks)
+        eliminate_casts(gm)
+        gm.recompile()
+        assert count_casts(gm) == kept
+        assert torch.equal(gm(x), torch.relu(x.bfloat16().float()) if kept else torch.relu(x))

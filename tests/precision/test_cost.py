@@ -27,3 +27,11 @@ def test_device_spec_rates_and_cast_cost():
     # 1M elements fp32 -> bf16: 6 MB through a 3350 GB/s memory
     assert abs(cost.cast_seconds(10**6, torch.float32, torch.bfloat16, cost.H100) - 6e6 / 3350e9) < 1e-12
     assert cost.spec_for("cpu") is cost.CPU
+
+
+def test_a_cast_inside_its_producers_kernel_costs_only_the_low_precision_write():
+    n = 10**6
+    fused = cost.input_cast_seconds(n, torch.bfloat16, cost.H100, fused=True)
+    assert abs(fused - 2e6 / 3350e9) < 1e-12
+    assert cost.input_cast_seconds(n, torch.bfloat16, cost.H100, fused=False) == cost.cast_seconds(
+        n, torch.float32, torch.bfloat16, cost.H100) == 3 * fused

@@ -85,6 +85,15 @@ def cast_seconds(n: int, src: torch.dtype, dst: torch.dtype, spec: DeviceSpec) -
     return n * (itemsize(src) + itemsize(dst)) / (spec.bandwidth_gbps * 1e9)
 
 
+def input_cast_seconds(n: float, low: torch.dtype, spec: DeviceSpec, fused: bool) -> float:
+    """What casting an FP32 operand of n elements to `low` adds. Inductor emits the cast of a pointwise or reduction
+    result inside the kernel that computes it (`fused`): the value is already in registers, so the cast costs one
+    more low-precision write at most. A graph input or a library kernel's output (matmul) is read back for it."""
+    if fused:
+        return n * itemsize(low) / (spec.bandwidth_gbps * 1e9)
+    return cast_seconds(int(n), torch.float32, low, spec)
+
+
 def op_seconds(bytes_moved: float, flops: float, dtype: torch.dtype, spec: DeviceSpec) -> float:
     return max(bytes_moved / (spec.bandwidth_gbps * 1e9), flops / spec.rate(dtype))
 
@@ -121,8 +130,9 @@ class Verdict:
     reason: str
 
 
-def matmul_verdict(node: fx.Node, low: torch.dtype, fp32_inputs: list[int], spec: DeviceSpec) -> Verdict:
-    """Convert a Tensor Core op if flops + bytes in low precision plus the casts of its FP32 inputs beat FP32."""
+def matmul_verdict(node: fx.Node, low: torch.dtype, casts: float, spec: DeviceSpec) -> Verdict:
+    """Convert a Tensor Core op if flops + bytes in low precision plus `casts` (seconds spent casting its FP32
+    inputs, input_cast_seconds) beat FP32."""
     flops = matmul_flops(node)
     ins = [numel(a) for a in node.args if isinstance(a, fx.Node)]
     out = val(node)
@@ -130,7 +140,6 @@ def matmul_verdict(node: fx.Node, low: torch.dtype, fp32_inputs: list[int], spec
                if isinstance(o, torch.Tensor))
     elems = sum(ins) + outs
     t32 = op_seconds(elems * 4, flops, torch.float32, spec)
-    casts = sum(cast_seconds(n, torch.float32, low, spec) for n in fp32_inputs)
     tlow = op_seconds(elems * itemsize(low), flops, low, spec) + casts
     speed = t32 / tlow if tlow > 0 else float("inf")
     if tlow < t32:

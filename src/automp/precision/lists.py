@@ -67,7 +67,6 @@ _put(Category.DENY, "exponential/log/power: range and precision loss", "exp", "e
 _put(Category.DENY, "sum-type reduction: accumulating many terms in fp16 loses the small ones", "sum", "mean",
      "cumsum", "cumprod", "prod", "_foreach_norm", "embedding_dense_backward", "index_add", "_unsafe_masked_index_put_accumulate", "scatter_add",
      "index_put", "_index_put_impl", "scatter_reduce", "nansum", "dist", "cdist", "cosine_similarity", "renorm")
-_put(Category.DENY, "unscale marker: everything after gradient unscaling (optimizer math) stays FP32", "unscale_marker")
 
 _put(Category.INFER, "elementwise: as accurate as its inputs", "add", "sub", "mul", "div", "neg", "abs", "relu",
      "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu", "elu", "hardswish", "hardsigmoid", "mish",
@@ -98,6 +97,16 @@ _put(Category.CLEAR, "creation or explicit cast: the dtype is fixed by the op's 
 
 _put(Category.GATHER, "table lookup: low precision only if casting the table costs less than it saves",
      "embedding", "_embedding_bag", "embedding_bag")
+
+
+# DENY ops whose outputs are bounded whatever the input (softmax in [0, 1], a normalised activation within a few
+# units times its affine weight): fp16's 65504 range holds them, so they may be *stored* fp16 even though they are
+# computed in FP32. exp, pow and sums are not: their results are what overflows.
+RANGE_SAFE = frozenset({"softmax", "_softmax", "_safe_softmax", "native_layer_norm", "layer_norm", "rms_norm",
+                        "_fused_rms_norm", "native_batch_norm", "_native_batch_norm_legit",
+                        "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training", "batch_norm",
+                        "cudnn_batch_norm", "_batch_norm_with_update", "_batch_norm_with_update_functional",
+                        "_batch_norm_no_update", "native_group_norm", "group_norm"})
 
 
 def op_name(target: Any) -> str:

@@ -1,4 +1,5 @@
-"""The training/inference precision pipeline: lists -> cost -> paint -> casts, one function over an aten graph."""
+"""The training/inference precision pipeline: lists -> cost -> paint -> storage -> casts, one function over an aten
+graph."""
 from __future__ import annotations
 
 from collections import Counter
@@ -6,18 +7,15 @@ from collections import Counter
 import torch.fx as fx
 
 from automp.precision.casts import eliminate_casts, insert_casts, is_cast, remember_output_dtypes
-from automp.precision.paint import Plan, PrecisionConfig, backward_nodes, paint
+from automp.precision.paint import GraphInfo, Plan, PrecisionConfig, paint
 from automp.precision.report import Recorder
+from automp.precision.storage import decide_storage
 
 
 def _casts_by_part(gm: fx.GraphModule) -> Counter:
-    joint = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
-    bwd = backward_nodes(gm.graph) if joint else set()
-    c: Counter = Counter()
-    for n in gm.graph.nodes:
-        if is_cast(n):
-            c[("backward" if n in bwd else "forward") if joint else "inference"] += 1
-    return c
+    """Casts per part of the graph as it is now (the stages add and remove casts, so GraphInfo is recomputed)."""
+    info = GraphInfo.of(gm.graph)
+    return Counter(info.part(n) for n in gm.graph.nodes if is_cast(n))
 
 
 def apply_precision(gm: fx.GraphModule, config: PrecisionConfig, recorder: Recorder | None = None,
@@ -25,9 +23,11 @@ def apply_precision(gm: fx.GraphModule, config: PrecisionConfig, recorder: Recor
     """Mixed precision as a GraphModule -> GraphModule pass over a forward, joint (forward+backward) or inference
     aten graph whose nodes carry fake values (meta['val']), as AOTAutograd and Inductor provide them."""
     remember_output_dtypes(gm)
-    plan: Plan = paint(gm, config)
+    info = GraphInfo.of(gm.graph)
+    plan: Plan = paint(gm, config, info)
+    decide_storage(gm.graph, plan, config.dtype, info)
     before = _casts_by_part(gm)
-    insert_casts(gm, plan, config.dtype)
+    insert_casts(gm, plan, config.dtype, info)
     mid = _casts_by_part(gm)
     eliminate_casts(gm)
     gm.graph.eliminate_dead_code()

@@ -34,10 +34,14 @@ class Recorder:
     compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
+        """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
+        "storage" the dtype it has in memory, "rule" the Rule's name (what tools should key on), "reason" for
+        people."""
         parts: dict[str, list[dict[str, str]]] = {}
         for node, d in plan.decisions.items():
             parts.setdefault(d.part, []).append(
-                {"name": node.name, "op": d.op, "dtype": dtype_name(d.dtype), "reason": d.reason})
+                {"name": node.name, "op": d.op, "dtype": dtype_name(d.compute), "storage": dtype_name(d.storage),
+                 "rule": d.rule.name, "reason": d.reason})
         for kind in ("forward", "backward", "inference"):
             if kind in parts:
                 self.graphs.append({"name": f"{name}.{kind}", "kind": kind, "nodes": parts[kind],
@@ -102,6 +106,13 @@ def check_report(report: Any) -> None:
     _check_entries(report.get("choices", []), "choices", ("module", "path", "reason"), strings=("module",))
 
 
+def _kept_fp32_for_lack_of_support(node: dict[str, Any]) -> bool:
+    """By the decision's rule; reports written before rules existed are read by their reason text."""
+    if "rule" in node:
+        return node["rule"] in ("UNKNOWN_OP", "NO_LOW_KERNEL")
+    return node["reason"].startswith(("unknown op", "no low-precision"))
+
+
 def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per graph: node counts by dtype, cast counts, and the unknown ops that were kept FP32. A malformed report is
     a ValueError naming the part at fault (check_report)."""
@@ -109,7 +120,7 @@ def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for g in report["graphs"]:
         by_dtype = Counter(n["dtype"] for n in g["nodes"])
-        unknown = sorted({n["op"] for n in g["nodes"] if n["reason"].startswith(("unknown op", "no low-precision"))})
+        unknown = sorted({n["op"] for n in g["nodes"] if _kept_fp32_for_lack_of_support(n)})
         rows.append({"graph": g["name"], "kind": g["kind"], "nodes": len(g["nodes"]), "by_dtype": dict(by_dtype),
                      "casts": g["casts"], "unknown": unknown})
     return rows
