@@ -9,22 +9,28 @@ from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, modul
 
 
 class FakeClock:
-    """Advances by the cost of the path that ran since the last tick: the trial sees exactly those costs."""
+    """Advances by the cost of the path that ran since the last tick: the trial sees exactly those costs.
+    Subclasses change `seconds` (compilation, drift)."""
 
     def __init__(self, cost: dict[Path, float]):
-        self.cost, self.now, self.trial = cost, 0.0, None
+        self.cost, self.now, self.steps = cost, 0.0, 0
 
     def __call__(self) -> float:
         return self.now
 
+    def seconds(self, trial: Trial) -> float:
+        return self.cost[trial.current]
+
     def run(self, trial: Trial, member: int = 1) -> None:
         trial.tick(member)
-        self.now += self.cost[trial.current]
+        self.now += self.seconds(trial)
+        self.steps += 1
 
 
-def run_until_verdict(cost: dict[Path, float], config: TrialConfig | None = None, limit: int = 100):
-    clock = FakeClock(cost)
-    trial = Trial(list(cost), config or TrialConfig(), clock, lambda: None)
+def run_until_verdict(cost: dict[Path, float], config: TrialConfig | None = None, limit: int = 100,
+                      clock: FakeClock | None = None, order: list[Path] | None = None):
+    clock = clock or FakeClock(cost)
+    trial = Trial(order or list(cost), config or TrialConfig(), clock, lambda: None)
     ran: list[Path] = []
     for _ in range(limit):
         if trial.verdict is not None:
@@ -44,17 +50,12 @@ def test_fastest_path_wins_and_timings_are_the_measured_ones():
 def test_warmup_iterations_are_not_timed():
     # the compiled path's first iterations include compilation: if they were timed, FP32 would win
     class Compiling(FakeClock):
-        def run(self, trial, member=1):
-            trial.tick(member)
-            first = trial.current is Path.COMPILED and not trial.samples[Path.COMPILED] and self.compiles < 2
-            self.compiles += first
-            self.now += 5.0 if first else self.cost[trial.current]
+        def seconds(self, trial):
+            first = trial.current is Path.COMPILED and self.steps < 2  # the compiled path's first two iterations
+            return 5.0 if first else self.cost[trial.current]
 
-    clock = Compiling({Path.COMPILED: 0.005, Path.FP32: 0.010})
-    clock.compiles = 0
-    trial = Trial([Path.COMPILED, Path.FP32], TrialConfig(give_up=100.0), clock, lambda: None)
-    while trial.verdict is None:
-        clock.run(trial)
+    cost = {Path.COMPILED: 0.005, Path.FP32: 0.010}
+    trial, _ = run_until_verdict(cost, TrialConfig(give_up=100.0), clock=Compiling(cost))
     assert trial.verdict.path is Path.COMPILED
     assert max(trial.samples[Path.COMPILED]) == pytest.approx(0.005)
 
@@ -70,16 +71,12 @@ def test_a_clear_loser_is_dropped_after_one_round():
 def test_candidates_alternate_so_drift_hits_all_of_them():
     # the machine slows down steadily; interleaved rounds keep the truly faster path ahead
     class Drifting(FakeClock):
-        def run(self, trial, member=1):
-            trial.tick(member)
-            self.now += self.cost[trial.current] * (1 + 0.02 * self.steps)
-            self.steps += 1
+        def seconds(self, trial):
+            return self.cost[trial.current] * (1 + 0.02 * self.steps)
 
-    clock = Drifting({Path.EAGER_LOW: 0.010, Path.FP32: 0.0101})
-    clock.steps = 0
-    trial = Trial([Path.FP32, Path.EAGER_LOW], TrialConfig(give_up=100.0), clock, lambda: None)
-    while trial.verdict is None:
-        clock.run(trial)
+    cost = {Path.EAGER_LOW: 0.010, Path.FP32: 0.0101}
+    trial, _ = run_until_verdict(cost, TrialConfig(give_up=100.0), clock=Drifting(cost),
+                                 order=[Path.FP32, Path.EAGER_LOW])
     assert trial.verdict.path is Path.EAGER_LOW
 
 
