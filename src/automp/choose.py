@@ -164,9 +164,11 @@ class VerdictCache:
         except (TypeError, KeyError, ValueError):
             return None
 
-    def put(self, key: str, verdict: Verdict) -> None:
+    def put(self, keys: Iterable[str], verdict: Verdict) -> None:
+        """One read and one write for all the modules a verdict settles."""
         data = self._load()
-        data[key] = {**verdict.as_dict(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        entry = {**verdict.as_dict(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        data.update({key: entry for key in keys})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_output(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:

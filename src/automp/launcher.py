@@ -12,6 +12,7 @@ import traceback
 from typing import Any, Sequence
 
 import automp
+from automp.files import check_writable, same_file
 
 
 def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale: Any = "dynamic",
@@ -62,16 +63,12 @@ def _report_problem(report: str | None, script: str) -> str | None:
     finished training run its exit code, and a report path that names the script must not overwrite it."""
     if not report:
         return None
-    path = os.path.abspath(report)
-    if os.path.exists(path) and os.path.samefile(path, script):
+    if same_file(report, script):
         return f"--report {report!r} is the script itself: refusing to overwrite it"
-    if os.path.isdir(path):
-        return f"--report {report!r} is a directory: give a file path"
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        return f"--report {report!r}: directory {parent!r} does not exist"
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"--report {report!r}: not writable"
+    try:
+        check_writable(report, "--report")
+    except OSError as e:
+        return str(e)
     return None
 
 

@@ -61,6 +61,7 @@ class Session:
     breaks_before: dict[str, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
     unfinished: dict[Trial, list[str]] = field(default_factory=dict)  # labels of modules in trials still running
+    calibrations: dict[torch.device, Any] = field(default_factory=dict)
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
 
     def __post_init__(self) -> None:
@@ -180,8 +181,9 @@ class Session:
         if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
             self.scaler, self.scaling_paused = _install_scaling(self.config), False
         if len(candidates) == 1:
-            self._decide(root, Verdict(candidates[0], why, {}))
-            self.cache.put(root.key, Verdict(candidates[0], why, {}))
+            verdict = Verdict(candidates[0], why, {})
+            self._decide(root, verdict)
+            self.cache.put([root.key], verdict)
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -197,7 +199,9 @@ class Session:
         compiled graphs can save, so only the eager paths are timed."""
         from automp.precision import calibrate
         try:
-            gain = calibrate.low_precision_gain(calibrate.load_or_measure(device, self.config.cache_dir), low)
+            if device not in self.calibrations:  # once per session and device, not per module
+                self.calibrations[device] = calibrate.load_or_measure(device, self.config.cache_dir)
+            gain = calibrate.low_precision_gain(self.calibrations[device], low)
         except (RuntimeError, ValueError) as e:
             return [Path.FP32], f"could not measure this device ({e}): kept FP32"
         name = str(low).replace("torch.", "")
@@ -213,10 +217,10 @@ class Session:
     def _settle(self, trial: Trial) -> None:
         verdict = _agree(trial.verdict)
         self.unfinished.pop(trial, None)
-        for root in self.roots.values():
-            if root.trial is trial and root.path is None:
-                self._decide(root, verdict)
-                self.cache.put(root.key, verdict)
+        members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
+        for root in members:
+            self._decide(root, verdict)
+        self.cache.put([r.key for r in members], verdict)
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial = verdict.path, None
@@ -227,9 +231,8 @@ class Session:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
         and scaling would only add kernels to every backward — on a launch-bound script, a slowdown automp chose.
         A module that appears later and needs a trial brings it back (see _new_root)."""
-        if self.scaler is None or any(r.path not in (Path.FP32, None) or (r.path is None and r.aside is None)
-                                      for r in self.roots.values()):
-            return
+        if self.scaler is None or any(r.aside is None and r.path is not Path.FP32 for r in self.roots.values()):
+            return  # some module runs (or may run, mid-trial) in low precision
         from automp.scaling import autograd_hook
         self.recorder.loss_scale = self.scaler.summary()
         self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
