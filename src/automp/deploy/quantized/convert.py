@@ -1,0 +1,354 @@
+"""Convert a torch module for GPU inference: every nn.Linear on the int8/int4 kernels, the rest in fp16.
+
+    model, report = quantize_module(model, "int8", calib=[batch, ...], config=TorchQuantConfig(budget=0.02))
+
+Steps, all under no_grad on the module's device:
+1. calibration batches run through the FP32 module: reference outputs (the error metric's baseline), per-channel
+   activation maxima for SmoothQuant, ranges for static int8 (automp.compress.quant.observers), and each Linear's
+   input, on which that Linear alone is quantized: its own relative output error, reported as its sensitivity.
+2. a deep copy goes to fp16 (LayerNorm, softmax, GELU run in fp16 as torch does them) and each Linear is swapped
+   for its quantized module, built from the FP32 weight.
+3. with a budget, the model's error vs FP32 (automp.deploy.runtime.compare: relative L2, worst output) is measured;
+   while it is over the budget the most sensitive quantized layer goes back to fp16 (rule ERROR_BUDGET). "Most
+   sensitive" is by default compress.quant.fallback's: the model error with only that layer quantized. The
+   per-layer error of step 1 is the cheaper option, but a poor proxy: on all-MiniLM-L6-v2 (int8, budget 0.02) it
+   needed 21 of 37 layers back in fp16 where the model-level ranking needed 8, because a layer's own error says
+   little about how much the output depends on it.
+4. the result sits behind QuantizedModel (float32 in, float32 out) and, on CUDA, is compiled with CUDA graphs.
+
+The FP32 module is not modified (its train/eval mode is restored).
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
+from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
+from automp.deploy import runtime
+from automp.deploy.quantized import boundary
+from automp.deploy.quantized.compile import compile_module
+from automp.deploy.quantized.linear import (GROUPS, Int8Linear, WeightOnlyLinear, int8_static_qparams, nbytes,
+                                            smooth_factors, weight_group)
+from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
+
+PRECISIONS = ("int8", "int8-weight", "int4-weight")
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class TorchQuantConfig:
+    """activations: int8 only - "dynamic" (per-row scales taken in the forward; the accurate choice for
+    transformers) or "static" (one scale per tensor from `observer` over the calibration data).
+    dtype: compute dtype of everything not quantized. budget: max relative output error vs the FP32 module on the
+    calibration data (None: no fallback). exclude: fnmatch patterns of module names kept in float.
+    smooth: int8 only, with calib - SmoothQuant migration strength alpha in [0, 1] (None: off); see Int8Linear.
+    group_size: weight-only - the largest group along K tried (128, 64 or 32; smaller is more accurate, more scales).
+    sensitivity: how the budget search ranks layers - compress.quant.fallback's "isolate" / "drop" (model output
+    error, one model run per layer over the calibration data) or "layer" (each layer's own output error, no extra
+    run; see the module docstring for why it is not the default).
+    max_calib_batches: calibration batches used (the rest of the iterable is not read). compile: torch.compile the
+    result with `compile_mode` on CUDA (eager on CPU)."""
+    activations: str = "dynamic"
+    smooth: float | None = 0.5
+    sensitivity: str = "isolate"
+    group_size: int = 128
+    observer: ObserverConfig = field(default_factory=ObserverConfig)
+    dtype: torch.dtype = torch.float16
+    budget: float | None = None
+    exclude: tuple[str, ...] = ()
+    max_calib_batches: int = 8
+    compile: bool = True
+    compile_mode: str = "reduce-overhead"
+
+    def __post_init__(self) -> None:
+        if self.activations not in ("dynamic", "static"):
+            raise ValueError(f"activations must be 'dynamic' or 'static', got {self.activations!r}")
+        if not isinstance(self.observer, ObserverConfig) or self.observer.axis is not None:
+            raise ValueError("observer must be an ObserverConfig with axis=None (static activations are per tensor)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        check_budget(self.budget)
+        if self.sensitivity not in ("layer", "isolate", "drop"):
+            raise ValueError(f"sensitivity must be 'layer', 'isolate' or 'drop', got {self.sensitivity!r}")
+        if self.group_size not in GROUPS:
+            raise ValueError(f"group_size must be one of {GROUPS}, got {self.group_size!r}")
+        if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
+            raise ValueError(f"smooth (SmoothQuant alpha) must be in [0, 1] or None, got {self.smooth}")
+        if self.max_calib_batches < 1:
+            raise ValueError(f"max_calib_batches must be >= 1, got {self.max_calib_batches}")
+        if isinstance(self.exclude, str):
+            raise TypeError("exclude must be a tuple of name patterns, not a string")
+
+
+def _device(module: nn.Module) -> torch.device:
+    devices = {p.device for p in list(module.parameters()) + list(module.buffers())}
+    if not devices:
+        raise ValueError("the module has no parameters: nothing to quantize")
+    if len(devices) > 1:
+        raise ValueError(f"the module's tensors are on several devices {sorted(map(str, devices))}; move it to one")
+    dev = devices.pop()
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"the module is on {dev}; the automp kernels run on CUDA (Triton) or CPU (Triton "
+                         "interpreter under TRITON_INTERPRET=1, else their torch reference)")
+    return dev
+
+
+def _decide(module: nn.Module, precision: str, config: TorchQuantConfig) -> dict[str, tuple[nn.Linear, Rule | None]]:
+    """Every Linear (first name of each instance) and the rule keeping it in float, None if it can be quantized."""
+    parents = dict(module.named_modules())
+    out = {}
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        parent = parents[name.rpartition(".")[0]] if name else None
+        if isinstance(parent, nn.MultiheadAttention):
+            rule = Rule.WEIGHT_READ_BY_PARENT
+        elif any(fnmatch.fnmatchcase(name, p) for p in config.exclude):
+            rule = Rule.EXCLUDED
+        elif precision == "int4-weight" and weight_group(m.in_features, config.group_size) is None:
+            rule = Rule.NO_INT4_GROUP
+        else:
+            rule = None
+        out[name] = (m, rule)
+    if not out:
+        raise ValueError(f"the module ({type(module).__name__}) has no nn.Linear layer to quantize")
+    return out
+
+
+def _quantized_linear(linear: nn.Linear, precision: str, config: TorchQuantConfig,
+                      act: tuple[float, int] | None, smooth: torch.Tensor | None) -> nn.Module:
+    w, b = linear.weight.float(), None if linear.bias is None else linear.bias.float()
+    if precision == "int8":
+        return Int8Linear(w, b, act, smooth)
+    group = weight_group(w.shape[1], config.group_size)
+    return WeightOnlyLinear(w, b, 8 if precision == "int8-weight" else 4, group, config.dtype)
+
+
+def _hooked_pass(module: nn.Module, names: Iterable[str], hook: Callable[[str, torch.Tensor, torch.Tensor], None],
+                 calls: list[boundary.Call]) -> None:
+    """Run every batch through `module` with hook(name, input, output) on each named Linear."""
+    handles = [module.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(n, a[0], o)) for n in names]
+    try:
+        for args, kwargs in calls:
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _reference(module: nn.Module, calls: list[boundary.Call]) -> list[dict[str, torch.Tensor]]:
+    """The FP32 outputs (kept on the CPU). Run first and without hooks: a batch that does not fit the model fails
+    here, and is named as the problem."""
+    outs = []
+    for i, call in enumerate(calls):
+        out = boundary.float_outputs(boundary.run_checked(module, call, i))
+        outs.append({k: v.float().cpu() for k, v in out.items()})
+    return outs
+
+
+def _smoothing(module: nn.Module, names: list[str], calls: list[boundary.Call], alpha: float
+               ) -> dict[str, torch.Tensor]:
+    """SmoothQuant factors per layer from each input channel's largest |x| over the calibration batches."""
+    absmax: dict[str, torch.Tensor] = {}
+
+    def hook(name: str, x: torch.Tensor, _: torch.Tensor) -> None:
+        m = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
+    _hooked_pass(module, names, hook, calls)
+    return {n: smooth_factors(absmax[n], module.get_submodule(n).weight, alpha) for n in names if n in absmax}
+
+
+def _static_ranges(module: nn.Module, names: list[str], calls: list[boundary.Call], config: TorchQuantConfig,
+                   smooth: dict[str, torch.Tensor]) -> dict[str, tuple[float, int]]:
+    """Per-tensor int8 ranges by config.observer, on the activations as the layer quantizes them (smoothed)."""
+    observers = {n: make_observer(copy.deepcopy(config.observer)) for n in names}
+
+    def hook(name: str, x: torch.Tensor, _: torch.Tensor) -> None:
+        x = x.detach().float()
+        if name in smooth:
+            x = x / smooth[name]
+        observers[name].update(x.cpu().numpy())
+    _hooked_pass(module, names, hook, calls)
+    out = {}
+    for n, obs in observers.items():
+        scale, zero = activation_qparams(obs)  # one-signed data: asymmetric, all 256 levels on the used side
+        out[n] = int8_static_qparams(scale, zero, obs.config.dtype)
+    return out
+
+
+def _sensitivities(module: nn.Module, qmods: dict[str, nn.Module], calls: list[boundary.Call]) -> dict[str, float]:
+    """Each layer quantized alone on the FP32 model's own activations: ||Q(x) - L(x)|| / ||L(x)|| over all batches."""
+    sq = {n: [0.0, 0.0] for n in qmods}
+
+    def hook(name: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        ref = out.float()
+        sq[name][0] += float((qmods[name](x).float() - ref).square().sum())
+        sq[name][1] += float(ref.square().sum())
+    _hooked_pass(module, list(qmods), hook, calls)
+    return {n: math.sqrt(e / r) if r > 0 else math.sqrt(e) for n, (e, r) in sq.items()}
+
+
+class _Swapper:
+    """Puts each candidate layer's quantized or float module in place (under every name the layer has) and measures
+    the model's error vs the FP32 reference for a set of quantized layers (cached: the search revisits sets)."""
+
+    def __init__(self, model: boundary.QuantizedModel, qmods: dict[str, nn.Module], aliases: dict[str, list[str]],
+                 calls: list[boundary.Call], ref: dict) -> None:
+        self.model, self.qmods, self.aliases, self.calls, self.ref = model, qmods, aliases, calls, ref
+        self.fmods = {n: model.get_submodule(_path(n)) for n in qmods}
+        self.errors: dict[frozenset, dict[str, runtime.Error]] = {}
+
+    def use(self, quantized: set[str]) -> None:
+        for name in self.qmods:
+            mod = self.qmods[name] if name in quantized else self.fmods[name]
+            for alias in self.aliases[name]:
+                parent, _, child = _path(alias).rpartition(".")
+                setattr(self.model.get_submodule(parent), child, mod)
+
+    def errors_of(self, quantized: set[str]) -> dict[str, runtime.Error]:
+        key = frozenset(quantized)
+        if key not in self.errors:
+            self.use(quantized)
+            got = [boundary.float_outputs(self.model(*a, **k)) for a, k in self.calls]
+            self.errors[key] = runtime.compare_all(boundary.stack_outputs(got), self.ref)
+        return self.errors[key]
+
+    def error(self, quantized: set[str]) -> float:
+        return max(e.rel_l2 for e in self.errors_of(quantized).values())
+
+
+def _path(name: str) -> str:
+    return f"inner.{name}" if name else "inner"
+
+
+def _aliases(module: nn.Module) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        out.setdefault(id(m), []).append(name)
+    return out
+
+
+def _fit_budget(swap: _Swapper, quantized: set[str], sens: dict[str, float], config: TorchQuantConfig,
+                steps: list[list]) -> tuple[list[str], dict[str, float]]:
+    """Put layers back in float, most sensitive first, until the budget holds; returns them (in that order) and the
+    model-level sensitivities when config.sensitivity asked compress.quant.fallback to measure them.
+
+    "layer" orders by the one-pass per-layer error `sens`; "isolate" / "drop" hand the search to
+    compress.quant.fallback.fit_budget, which measures each layer's effect on the model output (one model run per
+    layer: slower, but it sees which layers the output actually depends on)."""
+    budget = config.budget
+    floor = swap.error(set())
+    if floor > budget:
+        raise ValueError(f"budget {budget} is below the error of the model with every Linear in float ({floor:.3g}): "
+                         "no set of quantized layers can meet it; raise the budget")
+    if config.sensitivity != "layer":
+        res = fit_budget(swap.error, sorted(quantized), budget, FallbackConfig(config.sensitivity),
+                         full_error=steps[0][1])
+        quantized.difference_update(res.float_layers)
+        steps[:] = res.steps
+        return res.float_layers, res.sensitivity
+    kept: list[str] = []
+    for name in sorted(quantized, key=lambda n: -sens[n]):
+        if steps[-1][1] <= budget:
+            break
+        kept.append(name)
+        quantized.discard(name)
+        steps.append([len(kept), swap.error(quantized)])
+    return kept, {}
+
+
+def _check_args(module: Any, precision: Any, config: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"quantize_module takes an nn.Module, got {type(module).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(config, TorchQuantConfig):
+        raise TypeError(f"config must be a TorchQuantConfig, got {type(config).__name__}")
+
+
+def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = None,
+                    config: TorchQuantConfig | None = None) -> tuple[nn.Module, QuantReport]:
+    """The converted module (float32 I/O, compiled on CUDA when config.compile) and its report.
+
+    calib: batches, each what one call of `module` takes (tensor / tuple of args / dict of kwargs). Needed for
+    static int8 and for a budget; otherwise optional (then the error vs FP32 is not measured)."""
+    config = config if config is not None else TorchQuantConfig()
+    _check_args(module, precision, config)
+    device = _device(module)
+    calls = boundary.calib_calls(calib, device, config.max_calib_batches)
+    if precision == "int8" and config.activations == "static" and not calls:
+        raise ValueError("static int8 activations need calibration data (calib=[batch, ...])")
+    if config.budget is not None and not calls:
+        raise ValueError("an error budget needs calibration data to measure the error on (calib=[batch, ...])")
+    decided = _decide(module, precision, config)
+    names = [n for n, (_, rule) in decided.items() if rule is None]
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            ref_outs, qmods, sens = _calibrate(module, names, decided, calls, precision, config)
+            io_dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+            # inference only: the custom ops have no backward, and no_grad need not be the caller's job
+            inner = copy.deepcopy(module).to(config.dtype).requires_grad_(False)
+            model = boundary.QuantizedModel(inner, config.dtype, io_dtype).eval()
+            ids = _aliases(module)
+            swap = _Swapper(model, qmods, {n: ids[id(decided[n][0])] for n in names}, calls,
+                            boundary.stack_outputs(ref_outs) if calls else {})
+            quantized, kept, steps, model_sens = set(names), [], [], {}
+            if calls:
+                steps = [[0, swap.error(quantized)]]
+                if config.budget is not None and steps[0][1] > config.budget:
+                    kept, model_sens = _fit_budget(swap, quantized, sens, config, steps)
+            swap.use(quantized)
+            errors = swap.errors_of(quantized) if calls else {}
+    finally:
+        module.train(was_training)
+
+    smoothed = precision == "int8" and any(getattr(q, "inv_smooth", None) is not None for q in qmods.values())
+    report = QuantReport(precision, config.activations if precision == "int8" else None, DTYPES[config.dtype],
+                         str(device), config.budget, smooth=config.smooth if smoothed else None, error=errors,
+                         fallback_steps=steps, sensitivity=config.sensitivity, fallback_sensitivity=model_sens,
+                         bytes={"before": nbytes(module), "after": nbytes(model)})
+    if calls:
+        report.error_data = f"calibration data ({len(calls)} batches)"
+    for name, (lin, rule) in decided.items():
+        rule = Rule.ERROR_BUDGET if name in kept else rule
+        report.layers.append(LayerDecision(
+            name, lin.in_features, lin.out_features, precision if rule is None else DTYPES[config.dtype],
+            rule or Rule.QUANTIZED, _reason(rule, precision, config, lin, smoothed),
+            getattr(qmods.get(name), "group", None), sens.get(name)))
+    out = compile_module(model, config.compile_mode) if config.compile else model
+    return out, report
+
+
+def _calibrate(module: nn.Module, names: list[str], decided: dict, calls: list[boundary.Call], precision: str,
+               config: TorchQuantConfig) -> tuple[list[dict], dict[str, nn.Module], dict[str, float]]:
+    """FP32 reference outputs, the quantized module of every candidate layer, and each one's sensitivity."""
+    ref_outs = _reference(module, calls)
+    smooth = _smoothing(module, names, calls, config.smooth) if (
+        precision == "int8" and config.smooth is not None and calls) else {}
+    static = precision == "int8" and config.activations == "static"
+    acts = _static_ranges(module, names, calls, config, smooth) if static else {}
+    qmods = {n: _quantized_linear(decided[n][0], precision, config, acts.get(n), smooth.get(n)) for n in names}
+    sens = _sensitivities(module, qmods, calls) if calls else {}
+    return ref_outs, qmods, sens
+
+
+def _reason(rule: Rule | None, precision: str, config: TorchQuantConfig, lin: nn.Linear, smoothed: bool) -> str:
+    if rule is None:
+        if precision == "int8":
+            sq = f", SmoothQuant alpha {config.smooth}" if smoothed else ""
+            return f"W8A8: per-channel int8 weights, {config.activations} int8 activations{sq}"
+        g = weight_group(lin.in_features, config.group_size)
+        return f"{precision}: {'per-channel' if g is None else f'groups of {g}'} along K={lin.in_features}"
+    return {Rule.ERROR_BUDGET: f"among the most sensitive layers while the error was over budget {config.budget}",
+            Rule.NO_INT4_GROUP: f"K={lin.in_features} is not a multiple of 32: no int4 group of 128/64/32 fits",
+            Rule.EXCLUDED: f"matches exclude {config.exclude}",
+            Rule.WEIGHT_READ_BY_PARENT: "nn.MultiheadAttention reads out_proj.weight directly"}[rule]

@@ -1,0 +1,358 @@
+"""`automp llm bench [--quick] [--out DIR]`: decode speed and accuracy of weight-only int8 / int4.
+
+Speed, batch 1 (GPU: TinyLlama-1.1B-shaped random model, prompt 32, 128 new tokens), all in one process:
+  hf-generate-fp16   transformers' generate (dynamic cache, eager): the anchor
+  automp-fp16        automp.llm.generate with fp16 weights (static cache, compiled + CUDA-graph decode step)
+  automp-int8-g128   the same with int8 weights,  automp-int4-g128  with int4 weights
+Each row: tokens/s over the whole call (prompt included), decode ms/token = (t(N) - t(1)) / (N - 1), peak memory,
+weight bytes and their ratio to fp16, and the fraction of the bandwidth roofline: the decode step must read every
+weight but the input embedding once, so its floor is those bytes / the device-to-device copy bandwidth measured here.
+
+Accuracy: a small Llama (GPU: 4 layers, d=256; byte-level) trained here on the Python standard library's docstrings
+(read with `ast` from the source files, not imported: importing the whole stdlib has side effects), then held-out
+perplexity (files split by a hash of their path) for fp16, int8, int4 and int4 + AWQ, and the change vs fp16.
+
+--quick: the same on the CPU with tiny models (Triton interpreter for the kernels), a smoke test of under a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import sysconfig
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    device: str
+    model: str             # speed: built-in model
+    prompt: int
+    new_tokens: int
+    repeats: int
+    warmup: bool           # one untimed run first (compile, capture, autotune)
+    group: int
+    acc_model: str         # accuracy: built-in byte-level model, trained here
+    train_seconds: float
+    max_steps: int
+    seq: int
+    batch: int
+    eval_seqs: int
+    corpus_bytes: int
+
+
+GPU = BenchConfig("cuda", "llama-1b", 32, 128, 3, True, 128, "llama-small", 75.0, 4000, 256, 32, 64,
+                  3_000_000)  # more than the stdlib has (about 1.5 MB of docstrings): all of it
+QUICK = BenchConfig("cpu", "tiny-llama", 8, 4, 1, False, 32, "tiny-llama", 8.0, 400, 64, 16, 1, 300_000)
+
+
+def _log(msg: str) -> None:
+    print(f"[llm bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- data
+def stdlib_docstrings(limit: int, heldout_every: int = 10) -> tuple[bytes, bytes]:
+    """(train, held-out) docstrings of the standard library's modules, classes and functions, about `limit` bytes of
+    training text; a file goes to held-out when crc32 of its path % heldout_every == 0 (no file in both)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "test", "tests",
+                                                              "idle_test", "__pycache__") and not d.startswith("."))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    random.Random(0).shuffle(files)  # a spread of modules, the same on every run
+    parts: dict[bool, list[str]] = {False: [], True: []}
+    sizes = {False: 0, True: 0}
+    budget = {False: limit, True: max(limit // heldout_every, 1)}
+    for path in files:
+        held = zlib.crc32(os.path.relpath(path, root).encode()) % heldout_every == 0
+        if sizes[held] >= budget[held]:
+            if sizes[not held] >= budget[not held]:
+                break
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40:
+                    parts[held].append(doc)
+                    sizes[held] += len(doc) + 2
+    return "\n\n".join(parts[False]).encode(), "\n\n".join(parts[True]).encode()
+
+
+def as_tokens(text: bytes, device: torch.device | str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+
+
+# ----------------------------------------------------------------------------------------------- training / eval
+def train_lm(model: torch.nn.Module, data: torch.Tensor, steps: int, seq: int, batch: int, lr: float = 2e-3,
+             seconds: float = float("inf"), seed: int = 0) -> dict:
+    """Next-byte training on random crops of `data` (uint8 [n]) for `steps` steps or `seconds`, whichever ends first;
+    the cosine schedule follows whichever is further along, so a time-capped run still anneals."""
+    if data.numel() < seq + 2:
+        raise ValueError(f"training data has {data.numel()} tokens, need more than {seq + 1}")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(seq + 1, device=data.device)
+    cuda = data.device.type == "cuda"
+    t0, recent, step = time.perf_counter(), [], 0
+    while step < steps:
+        progress = max(step / steps, (time.perf_counter() - t0) / seconds)
+        if progress >= 1:
+            break
+        warm = min(1.0, (step + 1) / 50)
+        for group in opt.param_groups:
+            group["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        start = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen).to(data.device)
+        x = data[start[:, None] + offsets].long()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        recent = recent[-19:] + [loss.detach()]  # no per-step sync: read once at the end
+        step += 1
+    model.eval()
+    loss_end = float(torch.stack(recent).mean()) if recent else None
+    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "train_loss_last20": loss_end}
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, data: torch.Tensor, seq: int, n_seqs: int, batch: int = 8) -> float:
+    """exp(mean next-token NLL) over the first n_seqs non-overlapping windows of data."""
+    n = min(n_seqs, (data.numel() - 1) // seq)
+    if n < 1:
+        raise ValueError(f"evaluation data has {data.numel()} tokens, need more than {seq}")
+    rows = torch.stack([data[i * seq: i * seq + seq + 1] for i in range(n)]).long()
+    nll = 0.0
+    for chunk in rows.split(batch):
+        logits = model(input_ids=chunk[:, :-1]).logits.float()
+        nll += float(F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+    return math.exp(nll / (n * seq))
+
+
+# ----------------------------------------------------------------------------------------------- speed
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    """Models and their decoders (CUDA graphs, compiled code) form reference cycles: collect them now."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _decode_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every weight once, except the input embedding (one row per token) unless it is
+    also the output head."""
+    from automp.llm.quantize import weight_bytes
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is emb
+    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
+
+
+def speed_case(name: str, model: torch.nn.Module, run: Callable[[int], torch.Tensor], cfg: BenchConfig,
+               bandwidth_gbps: float, fp16_bytes: int) -> dict:
+    from automp.llm.generate import decode_info
+    from automp.llm.quantize import weight_bytes
+    device = torch.device(cfg.device)
+    n = cfg.new_tokens
+    t0 = time.perf_counter()
+    out = run(n) if cfg.warmup else None
+    warm = time.perf_counter() - t0
+    if out is not None and out.shape[1] != cfg.prompt + n:
+        raise RuntimeError(f"{name}: generated {out.shape[1] - cfg.prompt} tokens, expected {n}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    full = _seconds(lambda: run(n), device, cfg.repeats)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    one = _seconds(lambda: run(1), device, cfg.repeats)
+    per_token = (full - one) / (n - 1) if full > one else float("nan")  # nan: below timing noise
+    floor = _decode_bytes(model) / (bandwidth_gbps * 1e9)
+    info = decode_info(model) if name.startswith("automp") else {"cache": "dynamic", "mode": "eager"}
+    row = {"case": name, "weight_mib": weight_bytes(model) / 2**20, "weight_ratio": weight_bytes(model) / fp16_bytes,
+           "tokens_per_s": n / full, "decode_ms_per_token": per_token * 1e3, "decode_tokens_per_s": 1 / per_token,
+           "roofline_fraction": floor / per_token, "peak_mib": peak / 2**20 if peak is not None else None,
+           "warmup_s": warm, "decode": info.get("mode"), "note": info.get("reason", "")}
+    row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}  # JSON has no NaN
+    _log(f"{name}: decode {row['decode_ms_per_token']} ms/token, {row['tokens_per_s']:.1f} tokens/s, roofline "
+         f"fraction {row['roofline_fraction']}, warm-up {warm:.1f} s, decode step {row['decode']} {row['note']}")
+    return row
+
+
+def speed(cfg: BenchConfig, mode: str) -> tuple[list[dict], float]:
+    from automp.bench.harness import copy_bandwidth_gbps
+    from automp.llm.generate import generate
+    from automp.llm.quantize import quantize, weight_bytes
+    from automp.llm.store import build
+    device = torch.device(cfg.device)
+    bandwidth = copy_bandwidth_gbps(2**30 if device.type == "cuda" else 2**26)
+    _log(f"copy bandwidth {bandwidth:.0f} GB/s")
+    base = build(cfg.model, device, torch.float16)
+    ids = torch.randint(0, base.config.vocab_size, (1, cfg.prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    fp16_bytes = weight_bytes(base)
+
+    def hf(n: int) -> torch.Tensor:  # an explicit mask: a prompt token equal to pad_token_id is not padding
+        return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+
+    rows = [speed_case("hf-generate-fp16", base, hf, cfg, bandwidth, fp16_bytes),
+            speed_case("automp-fp16", base, lambda n: generate(base, ids, n, mode=mode), cfg, bandwidth, fp16_bytes)]
+    base = None  # free it (and its decoder) before the quantized models
+    _free()
+    for scheme in ("int8", "int4"):
+        q = quantize(build(cfg.model, device, torch.float16), scheme, cfg.group)
+        rows.append(speed_case(f"automp-{scheme}-g{cfg.group}", q, lambda n, q=q: generate(q, ids, n, mode=mode), cfg,
+                               bandwidth, fp16_bytes))
+        q = None
+        _free()
+    return rows, bandwidth
+
+
+# ----------------------------------------------------------------------------------------------- accuracy
+def accuracy(cfg: BenchConfig) -> dict:
+    from automp.llm.quantize import quantize
+    from automp.llm.store import build
+    device = torch.device(cfg.device)
+    t0 = time.perf_counter()
+    train_text, held_text = stdlib_docstrings(cfg.corpus_bytes)
+    _log(f"corpus: {len(train_text)} train / {len(held_text)} held-out bytes in {time.perf_counter() - t0:.1f} s")
+    train, held = as_tokens(train_text, device), as_tokens(held_text, device)
+    model = build(cfg.acc_model, device, torch.float32)
+    stats = train_lm(model, train, cfg.max_steps, cfg.seq, cfg.batch, seconds=cfg.train_seconds)
+    _log(f"trained {cfg.acc_model}: {stats}")
+    calib = train[: 16 * cfg.seq].long().view(16, cfg.seq)
+    variants = {
+        "fp32": lambda m: m,
+        "fp16": lambda m: m.half(),
+        "int8": lambda m: quantize(m, "int8", cfg.group),
+        "int4": lambda m: quantize(m, "int4", cfg.group),
+        "int4-awq": lambda m: quantize(m, "int4", cfg.group, calib=calib, awq=True),
+    }
+    rows = []
+    for name, make in variants.items():
+        ppl = perplexity(make(copy.deepcopy(model)), held, cfg.seq, cfg.eval_seqs)
+        rows.append({"case": name if name.startswith("fp") else f"{name}-g{cfg.group}", "ppl": ppl})
+        _log(f"{rows[-1]['case']}: held-out perplexity {ppl:.4f}")
+    ref = rows[1]["ppl"]
+    for r in rows:
+        r["rel_change_vs_fp16"] = r["ppl"] / ref - 1
+    return {"model": cfg.acc_model, "train": stats, "train_bytes": len(train_text), "heldout_bytes": len(held_text),
+            "eval_tokens": min(cfg.eval_seqs, (held.numel() - 1) // cfg.seq) * cfg.seq, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------- report
+def markdown(result: dict) -> str:
+    m, acc = result["meta"], result["accuracy"]
+    c = m["config"]
+    lines = [f"{m['date']} · {m['device']} · torch {m['torch']} · transformers {m['transformers']} · "
+             f"`{m['command']}`"]
+    if result["speed"]:
+        lines += ["", f"Decode, batch 1, {c['model']}, prompt {c['prompt']}, {c['new_tokens']} new tokens; copy "
+                  f"bandwidth {m['bandwidth_gbps']:.0f} GB/s", "",
+                  "| case | weights MiB | vs fp16 | tokens/s | decode ms/token | decode tokens/s | roofline | peak MiB "
+                  "| decode |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["speed"]:
+        f = {k: ("" if v is None else format(v, spec)) for k, spec in
+             (("peak_mib", ".0f"), ("decode_ms_per_token", ".3f"), ("decode_tokens_per_s", ".1f"),
+              ("roofline_fraction", ".2f")) for v in [r[k]]}
+        lines.append(f"| {r['case']} | {r['weight_mib']:.1f} | {r['weight_ratio']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{f['decode_ms_per_token']} | {f['decode_tokens_per_s']} | {f['roofline_fraction']} "
+                     f"| {f['peak_mib']} | {r['decode']} |")
+    if acc is None:
+        return "\n".join(lines) + "\n"
+    t = acc["train"]
+    lines += ["", f"Held-out perplexity (bytes), {acc['model']} trained {t['steps']} steps / {t['seconds']} s on "
+              f"{acc['train_bytes']} bytes of stdlib docstrings, evaluated on {acc['eval_tokens']} held-out tokens", "",
+              "| case | perplexity | vs fp16 |", "|---|---:|---:|"]
+    lines += [f"| {r['case']} | {r['ppl']:.4f} | {100 * r['rel_change_vs_fp16']:+.2f}% |" for r in acc["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out: str) -> tuple[str, str]:
+    from automp.files import atomic_output
+    os.makedirs(out, exist_ok=True)
+    paths = os.path.join(out, "llm.json"), os.path.join(out, "llm.md")
+    with atomic_output(paths[0]) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+    with atomic_output(paths[1]) as tmp:
+        with open(tmp, "w") as f:
+            f.write(markdown(result))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="automp llm bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny models on the CPU (smoke test, < 1 minute)")
+    p.add_argument("--out", default="bench-results", help="directory for llm.json and llm.md")
+    p.add_argument("--decode", choices=["compile", "graph", "eager"], default="compile",
+                   help="decode step of automp rows: compiled + CUDA graph, CUDA graph only, or eager")
+    p.add_argument("--train-seconds", type=float, default=None, help="cap on the accuracy model's training time")
+    p.add_argument("--only", choices=["speed", "accuracy"], default=None, help="run one half of the benchmark")
+    args = p.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        print("automp llm bench: error: the full benchmark needs a CUDA GPU (use --quick on the CPU)", file=sys.stderr)
+        return 1
+    cfg = QUICK if args.quick else GPU
+    if cfg.device == "cpu":
+        if "triton" not in sys.modules:  # exercise the kernels (interpreted), not the torch fallback
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        # Tiny ops: with a second thread, each op waits on a busy core's scheduler slice (100x slower under load).
+        torch.set_num_threads(1)
+    if args.train_seconds is not None:
+        cfg = BenchConfig(**{**asdict(cfg), "train_seconds": args.train_seconds})
+    mode = "eager" if cfg.device == "cpu" else args.decode
+    import transformers
+    from automp.bench.harness import device_name
+    t0 = time.perf_counter()
+    rows, bandwidth = speed(cfg, mode) if args.only != "accuracy" else ([], None)
+    acc = accuracy(cfg) if args.only != "speed" else None
+    result = {"meta": {"device": device_name() if cfg.device == "cuda" else "cpu", "torch": torch.__version__,
+                       "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+                       "command": "automp llm bench " + " ".join(argv or []), "bandwidth_gbps": bandwidth,
+                       "config": asdict(cfg), "seconds": round(time.perf_counter() - t0, 1)},
+              "speed": rows, "accuracy": acc}
+    for path in write(result, args.out):
+        _log(f"wrote {path}")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""`automp llm quantize | generate | bench`.
+
+    automp llm quantize --model {tiny-llama,tiny-gpt2,llama-small,llama-1b|DIR} --bits 4 --group-size 128 -o OUT
+    automp llm generate OUT --prompt "def " --max-new-tokens 64
+    automp llm bench [--quick] [--out DIR]
+
+Built-in models have seeded random weights (no hub downloads); text goes through the model directory's transformers
+tokenizer when it has one, else the built-in byte tokenizer (UTF-8 bytes = ids 0..255). User errors print one line and
+return 1, like `automp optimize`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
+
+
+def _group(text: str) -> int | None:
+    if text.lower() in ("none", "0", "channel"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a power of two >= 32 or 'none', got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from automp.llm.store import BUILTIN
+    parser = argparse.ArgumentParser(prog="automp llm", description="Weight-only quantized LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize", help="quantize a model and save it")
+    q.add_argument("--model", required=True, help=f"built-in ({', '.join(BUILTIN)}; random weights) or a local "
+                                                  "transformers model directory")
+    q.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    q.add_argument("--group-size", type=_group, default=128, help="power of two >= 32, or 'none' (one scale per row)")
+    q.add_argument("--awq", action="store_true", help="activation-aware scales searched on calibration text")
+    q.add_argument("--calib-text", metavar="FILE", default=None,
+                   help="calibration text for --awq (default: Python standard library docstrings)")
+    q.add_argument("--lm-head", action="store_true", help="quantize lm_head too (kept fp16 by default)")
+    q.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    q.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
+    q.add_argument("-o", "--output", required=True, metavar="DIR")
+    g = sub.add_parser("generate", help="generate text with a saved quantized model")
+    g.add_argument("model", metavar="DIR")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=_positive, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=_positive, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mode", choices=["auto", "compile", "graph", "eager"], default="auto")
+    g.add_argument("--device", default=None)
+    sub.add_parser("bench", help="speed and accuracy benchmark (see `automp llm bench -h`)", add_help=False)
+    return parser
+
+
+def _device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _tokenize(tokenizer, text: str, vocab: int) -> list[int]:
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the text encodes to no tokens")
+    if max(ids) >= vocab:
+        raise ValueError(f"token id {max(ids)} is outside the model's vocabulary of {vocab} (the byte tokenizer "
+                         f"needs a vocabulary of at least 256)")
+    return ids
+
+
+def _calib(args: argparse.Namespace, tokenizer, vocab: int) -> torch.Tensor:
+    """[B, 256] token rows from --calib-text, else from the standard library's docstrings."""
+    if args.calib_text:
+        with open(args.calib_text, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    else:
+        from automp.llm.bench import stdlib_docstrings
+        text = stdlib_docstrings(64 * 1024)[0].decode("utf-8", errors="replace")
+    ids = torch.tensor(_tokenize(tokenizer, text, vocab))
+    rows = ids[: (ids.numel() // 256) * 256].view(-1, 256)[:16]
+    if rows.shape[0] == 0:
+        raise ValueError(f"calibration text has {ids.numel()} tokens, need at least 256")
+    return rows
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from automp.llm.generate import ByteTokenizer
+    from automp.llm.quantize import quantize, weight_bytes
+    from automp.llm.store import BUILTIN, load_source, save
+    device = _device(args.device)
+    model = load_source(args.model, device)
+    tokenizer = None
+    if args.model not in BUILTIN:
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+    calib = _calib(args, tokenizer or ByteTokenizer(), model.config.vocab_size) if args.awq else None
+    before = weight_bytes(model)
+    scheme = f"int{args.bits}"
+    quantize(model, scheme, args.group_size, calib=calib, awq=args.awq, quantize_lm_head=args.lm_head,
+             dtype=args.dtype)
+    save(model, args.output, tokenizer=tokenizer)
+    print(f"{args.model} -> {args.output}: {scheme} group {args.group_size}{' awq' if args.awq else ''}, "
+          f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from automp.llm.generate import decode_info, generate
+    from automp.llm.store import load, load_tokenizer
+    device = _device(args.device)
+    model = load(args.model, device)
+    tokenizer = load_tokenizer(args.model)
+    ids = torch.tensor([_tokenize(tokenizer, args.prompt, model.config.vocab_size)], device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    t0 = time.perf_counter()
+    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen,
+                   eos_token_id=getattr(tokenizer, "eos_token_id", None), mode=args.mode)
+    seconds = time.perf_counter() - t0
+    print(tokenizer.decode(out[0].tolist()))
+    n = out.shape[1] - ids.shape[1]
+    info = decode_info(model)
+    print(f"[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tokens/s incl. warm-up; decode {info.get('mode')}"
+          f"{': ' + info['reason'] if info.get('reason') else ''}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the bench owns its options (and -h)
+        from automp.llm.bench import main as bench_main
+        return int(bench_main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    try:
+        return _quantize(args) if args.command == "quantize" else _generate(args)
+    except USER_ERRORS as e:
+        print(f"automp llm {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Token generation with a preallocated KV cache and, on CUDA, a CUDA-graph decode step.
+
+At batch 1 a decoder step launches on the order of a thousand small kernels (norms, rotary, cache writes, GEMVs), and
+launching them one by one from Python takes longer than reading the weights. A CUDA graph replays the whole step with
+one launch, which needs every tensor the step touches to keep its address: hence transformers' StaticCache (keys and
+values preallocated per layer as [batch, kv_heads, max_len, head_dim], written in place) and static input buffers for
+the token and its position. With mode "compile" the step is first compiled with torch.compile (Inductor fuses the
+elementwise kernels: fewer nodes per replay), then captured the same way.
+
+Capture is done by hand rather than by torch.compile(mode="reduce-overhead") so the warm-up is under our control:
+transformers' caches keep state (5.x advances a per-layer position counter in every step), so warm-up runs are real
+decode steps, not throw-away ones. Step 1 runs as is (compiles, autotunes the Triton kernels); step 2 runs on the
+capture stream with CUDA's sync debugging on, so a step that would synchronise (and could not be captured) is found
+without breaking anything; step 3 is captured and every later step is one replay. Anything that fails falls back to
+eager decoding, and `decode_info(model)` says which mode ran and why.
+
+Version differences (transformers 4.x vs 5.x) are found by feature checks: StaticCache's constructor arguments, whether
+forward takes `cache_position`, whether the model supports a static cache at all (else the model's own dynamic
+cache, eager).
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+import torch.nn as nn
+
+from automp.llm.quantize import QuantLinear, check_backend
+
+MODES = ("auto", "eager", "graph", "compile")
+_ATTR = "_automp_llm_decoder"
+_LEN_STEP = 256  # cache lengths are rounded up to this, so one decoder (and its graph) serves many prompt lengths
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255: no tokenizer files to download, and any text round-trips."""
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+def _static_cache(model: nn.Module, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
+    """A transformers StaticCache built with whichever constructor this version has, or None if there is none."""
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return None
+    if not getattr(model, "_supports_static_cache", True):  # 4.x flag; 5.x dropped it (every model supports it)
+        return None
+    params = inspect.signature(StaticCache.__init__).parameters
+    kw = {"config": model.config, "max_cache_len": max_len}
+    batch_arg = "batch_size" if "batch_size" in params else "max_batch_size"
+    for name, value in ((batch_arg, batch), ("device", device), ("dtype", dtype)):
+        if name in params:
+            kw[name] = value
+    return StaticCache(**kw)
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    """Identity of the tensors a captured graph reads: a replaced module or a moved model makes a new decoder."""
+    return tuple((t.data_ptr(), t.dtype) for t in list(model.parameters()) + list(model.buffers()))
+
+
+class _Unpicklable:
+    """Decoders hold CUDA graphs: a deep copy or a pickle of the model leaves them behind."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
+class Decoder(_Unpicklable):
+    """A KV cache for `batch` sequences of up to `max_len` tokens plus the one-token decode step over it."""
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
+        self.model, self.batch, self.max_len = model, batch, max_len
+        emb = model.get_input_embeddings().weight
+        self.device, self.dtype = emb.device, emb.dtype
+        self.key = (batch, max_len, mode, _fingerprint(model))
+        fwd = inspect.signature(model.forward).parameters
+        self.cache_position = "cache_position" in fwd
+        self.logits_to_keep = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in fwd), None)
+        self.cache = _static_cache(model, batch, max_len, self.device, self.dtype)
+        self.static = self.cache is not None
+        cuda = self.device.type == "cuda"
+        self.mode = ("compile" if cuda else "eager") if mode == "auto" else mode
+        self.reason = ""
+        if self.mode != "eager" and not self.static:
+            self.mode, self.reason = "eager", "no static KV cache for this model / transformers version"
+        if self.mode in ("graph", "compile") and not cuda:
+            self.reason = f"no CUDA graph on {self.device.type}: steps run one by one"
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.fn = self._forward
+        if self.mode == "compile":
+            self.fn = torch.compile(self._forward, dynamic=False)
+        self.graph = self.logits = self.stream = None
+        self.steps = 0
+        self.next_pos = 0
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kw = {"input_ids": ids, "position_ids": pos[None].expand(ids.shape[0], -1), "use_cache": True,
+              "past_key_values": self.cache}
+        if self.cache_position:
+            kw["cache_position"] = pos
+        if self.logits_to_keep:
+            kw[self.logits_to_keep] = 1
+        out = self.model(**kw)
+        if not self.static:
+            self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+    def reset(self) -> None:
+        if self.static:
+            self.cache.reset()  # zeroes in place: the graph's addresses stay valid
+        else:
+            self.cache = None
+        self.next_pos = 0
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] after the prompt (eager: prompts vary in length)."""
+        logits = self._forward(ids, torch.arange(ids.shape[1], device=self.device))
+        self.next_pos = ids.shape[1]
+        return logits
+
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] after appending tok [B]; valid until the next step (a graph's output buffer)."""
+        self.tok.copy_(tok[:, None])
+        self.pos.fill_(self.next_pos)
+        self.next_pos += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        self.steps += 1
+        if self.device.type != "cuda" or self.mode == "eager":
+            return self.fn(self.tok, self.pos)
+        if self.steps == 1:
+            try:
+                return self.fn(self.tok, self.pos)
+            except Exception as e:  # a compile failure: keep going uncompiled
+                if self.mode != "compile":
+                    raise
+                self.fn, self.mode, self.reason = self._forward, "graph", f"torch.compile failed: {e!r:.200}"
+                return self.fn(self.tok, self.pos)
+        if self.steps == 2:
+            return self._checked_step()
+        return self._capture()
+
+    def _checked_step(self) -> torch.Tensor:
+        """A real step on the capture stream with sync debugging: a synchronising op means no capture."""
+        self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(self.stream):
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                logits = self.fn(self.tok, self.pos)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        if syncs:
+            self.mode, self.reason = "eager", f"decode step synchronises, not capturable: {syncs[0][:200]}"
+        return logits
+
+    def _capture(self) -> torch.Tensor:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                logits = self.fn(self.tok, self.pos)
+        except Exception as e:  # capture records, it does not run: the cache is as before, run the step eagerly
+            self.mode, self.reason = "eager", f"CUDA graph capture failed: {e!r:.200}"
+            torch.cuda.synchronize()
+            return self.fn(self.tok, self.pos)
+        self.graph, self.logits = graph, logits
+        graph.replay()
+        return logits
+
+
+def _decoder(model: nn.Module, batch: int, length: int, mode: str) -> Decoder:
+    """The decoder kept on the model (reused while batch, rounded length, mode and weights are the same)."""
+    max_len = -(-length // _LEN_STEP) * _LEN_STEP
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None:
+        if length > limit:
+            raise ValueError(f"automp.llm.generate: prompt + new tokens = {length} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        max_len = min(max_len, limit)
+    dec = model.__dict__.get(_ATTR)
+    if dec is None or dec.key != (batch, max_len, mode, _fingerprint(model)):
+        model.__dict__.pop(_ATTR, None)
+        dec = Decoder(model, batch, max_len, mode)
+        model.__dict__[_ATTR] = dec
+    return dec
+
+
+def decode_info(model: nn.Module) -> dict:
+    """How the last generate() on `model` decoded: cache kind, mode actually used, and why it differs if it does."""
+    dec = model.__dict__.get(_ATTR)
+    if dec is None:
+        return {}
+    return {"cache": "static" if dec.static else "dynamic", "mode": dec.mode, "captured": dec.graph is not None,
+            "max_len": dec.max_len, "reason": dec.reason}
+
+
+def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]: argmax at temperature 0, else a sample from the top_k tokens."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
+             mode: str = "auto") -> torch.Tensor:
+    """Prompt + up to max_new_tokens generated ids, [B, P + n] (like transformers' generate).
+
+    Greedy at temperature 0; otherwise samples (optionally from the top_k tokens) with `generator`. Stops early
+    once every sequence has produced eos_token_id (finished ones are padded with it). mode: "auto" (compiled and
+    CUDA-graph-captured decode step on CUDA, eager elsewhere), "compile", "graph" (captured, not compiled), "eager".
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long \
+            or input_ids.shape[1] == 0:
+        raise ValueError("automp.llm.generate: input_ids must be an int64 tensor [batch, prompt_len >= 1], got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"automp.llm.generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(f"automp.llm.generate: need temperature >= 0 and top_k >= 1, got {temperature}, {top_k}")
+    if mode not in MODES:
+        raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
+    device = model.get_input_embeddings().weight.device
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            check_backend(m.bits, device)
+    ids = input_ids.to(device)
+    batch, prompt = ids.shape
+    dec = _decoder(model, batch, prompt + max_new_tokens, mode)
+    dec.reset()
+    was_training = model.training
+    model.eval()
+    try:
+        out = torch.empty(batch, prompt + max_new_tokens, dtype=torch.long, device=device)
+        out[:, :prompt] = ids
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        logits = dec.prefill(ids)
+        n = 0
+        while True:
+            tok = pick(logits, temperature, top_k, generator)
+            if eos_token_id is not None:
+                tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
+                done |= tok == eos_token_id
+            out[:, prompt + n] = tok
+            n += 1
+            if n == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                break
+            logits = dec.step(tok)
+    finally:
+        model.train(was_training)
+    return out[:, :prompt + n]

@@ -1,0 +1,368 @@
+"""Weight-only int8 / int4 quantization of transformers causal LMs, for memory-bound batch-1 decoding.
+
+At batch 1 a decoder step reads every weight once and does two flops per weight, so its time is the weight bytes
+over memory bandwidth: int8 halves it and int4 quarters it (plus the per-group scales). `quantize` swaps every
+projection (attention q/k/v/o or GPT-2's c_attn/c_proj, and the MLP) for a `QuantLinear` holding the packed codes;
+the Triton kernels (automp.kernels.quant_gemv / quant_gemm) dequantize in registers, so the weights cross memory in
+their packed form. Embeddings, norms and lm_head stay in fp16/bf16 by default (lm_head optionally quantized): a small
+share of a large model's bytes, and the layers where rounding costs the most accuracy.
+
+AWQ (Lin et al. 2023), optional: a few input channels carry much larger activations than the rest, and their weights
+matter more. Scaling weight column k by s_k (and the activation by 1/s_k) gives those columns more of the int grid.
+Per group of linears that read one activation, s = mean|x|^alpha with alpha chosen on a grid in [0, 1] to minimise the
+group's output MSE on calibration activations (alpha = 0 is plain quantization, so the search never does worse on
+them). 1/s is folded into the op that produces the activation: the RMSNorm/LayerNorm weight (and bias) before q/k/v
+and before the MLP's up projections; the trailing output rows of v_proj (or c_attn's v part) before o_proj/c_proj, and
+of up_proj before down_proj (the attention output is linear in v, and act(gate) * up is linear in up). Where no such
+op exists (GPT-2's mlp.c_proj reads gelu(c_fc); o_proj under grouped-query attention, whose input repeats each v
+head), 1/s stays in the QuantLinear as an explicit input multiply. The search's clipping step from the paper is not
+done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+_KERNELS = _INTERPRET = None
+SCHEMES = {"int8": 8, "int4": 4}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+MIN_GROUP = 32
+AWQ_GRID = 20          # alphas 0, 0.05, ..., 0.95
+AWQ_MAX_ROWS = 1024    # calibration rows kept per activation: enough for the MSE, bounded memory on large models
+
+
+def kernels():
+    """automp.kernels, imported on first use: importing automp.llm (or its CLI) must not import Triton, so a command
+    can still turn the Triton interpreter on (TRITON_INTERPRET=1 is read when Triton is imported)."""
+    global _KERNELS, _INTERPRET
+    if _KERNELS is None:
+        import automp.kernels
+        from automp.kernels.gemv import INTERPRET
+        _KERNELS, _INTERPRET = automp.kernels, INTERPRET
+    return _KERNELS
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How `quantize` treats a model (saved with it, so `load` rebuilds the same thing)."""
+    scheme: str = "int4"               # "int4" | "int8"
+    group_size: int | None = 128       # power of two >= 32 dividing every K, or None for one scale per row
+    awq: bool = False
+    quantize_lm_head: bool = False
+    dtype: str = "float16"             # activations and the unquantized weights: "float16" | "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"automp.llm.quantize: scheme must be one of {sorted(SCHEMES)}, got {self.scheme!r}")
+        g = self.group_size
+        if g is not None and (not isinstance(g, int) or g < MIN_GROUP or g & (g - 1)):
+            raise ValueError(f"automp.llm.quantize: group_size must be a power of two >= {MIN_GROUP} or None "
+                             f"(per-channel), got {g!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"automp.llm.quantize: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def bits(self) -> int:
+        return SCHEMES[self.scheme]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Linears (paths inside a decoder block) that read one activation, and the op that produces it (for AWQ)."""
+    linears: tuple[str, ...]
+    prev: str | None
+
+
+@dataclass(frozen=True)
+class Arch:
+    blocks: str              # path of the ModuleList of decoder blocks
+    groups: tuple[Group, ...]
+    conv1d: bool             # weights stored [in, out] (GPT-2's transformers Conv1D)
+
+
+ARCHS = {
+    "LlamaForCausalLM": Arch("model.layers", (
+        Group(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+        Group(("self_attn.o_proj",), "self_attn.v_proj"),
+        Group(("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+        Group(("mlp.down_proj",), "mlp.up_proj")), conv1d=False),
+    "GPT2LMHeadModel": Arch("transformer.h", (
+        Group(("attn.c_attn",), "ln_1"),
+        Group(("attn.c_proj",), "attn.c_attn"),
+        Group(("mlp.c_fc",), "ln_2"),
+        Group(("mlp.c_proj",), None)), conv1d=True),
+}
+
+
+def arch_of(model: nn.Module) -> Arch:
+    name = type(model).__name__
+    if name not in ARCHS:
+        raise TypeError(f"automp.llm: unsupported architecture {name}; supported: {', '.join(sorted(ARCHS))}")
+    return ARCHS[name]
+
+
+def check_backend(bits: int, device: torch.device | str, interpret: bool | None = None) -> None:
+    """int4 needs the Triton kernel: on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before automp.kernels is
+    imported). Without it the op would silently dequantize the whole weight in fp32 on every call."""
+    if interpret is None:
+        kernels()
+        interpret = _INTERPRET
+    if bits == 4 and torch.device(device).type != "cuda" and not interpret:
+        raise RuntimeError(f"automp.llm: int4 weights need a CUDA device, or TRITON_INTERPRET=1 set before automp "
+                           f"is imported to run the kernels on the CPU (slow); got device {torch.device(device)}")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(qw, scales)^T + bias (an nn.Linear with packed weights; layouts in automp.kernels.quant).
+
+    One row (batch-1 decoding) goes through the GEMV kernel, more rows through the GEMM kernel. Inputs of another
+    float dtype are cast to `dtype` and the output back, so the module also runs inside an fp32 model.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool = False,
+                 input_scale: bool = False, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str | None = None, awq_alpha: float | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
+        self.dtype, self.awq_alpha = dtype, awq_alpha
+        cols = in_features if bits == 8 else (in_features + 1) // 2
+        n_groups = 1 if group_size is None else -(-in_features // group_size)
+        self.register_buffer("qw", torch.empty(out_features, cols, dtype=torch.int8 if bits == 8 else torch.uint8,
+                                               device=device))
+        self.register_buffer("scales", torch.empty(out_features, n_groups, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("input_scale", torch.empty(in_features, dtype=dtype, device=device)
+                             if input_scale else None)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int | None,
+                    dtype: torch.dtype, inv_input_scale: torch.Tensor | None = None,
+                    awq_alpha: float | None = None) -> "QuantLinear":
+        """From a float [N, K] weight (already multiplied by the AWQ scale when inv_input_scale is given)."""
+        n, k = weight.shape
+        q = cls(k, n, bits, group_size, bias is not None, inv_input_scale is not None, dtype, weight.device, awq_alpha)
+        quantizer = kernels().quantize_weight_int8 if bits == 8 else kernels().quantize_weight_int4
+        q.qw, q.scales = quantizer(weight, group_size)
+        if bias is not None:
+            q.bias = bias.detach().to(dtype).clone()
+        if inv_input_scale is not None:
+            q.input_scale = inv_input_scale.to(dtype)
+        return q
+
+    def spec(self) -> dict:
+        """Constructor arguments (what `load` needs to rebuild an empty module)."""
+        return {"in_features": self.in_features, "out_features": self.out_features, "bits": self.bits,
+                "group_size": self.group_size, "bias": self.bias is not None,
+                "input_scale": self.input_scale is not None, "awq_alpha": self.awq_alpha}
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [N, K] weight this module multiplies by (input scale folded in)."""
+        w = kernels().dequantize_weight(self.qw, self.scales, self.in_features)
+        return w * self.input_scale.float() if self.input_scale is not None else w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_backend(self.bits, x.device)
+        k = _KERNELS or kernels()
+        out_dtype = x.dtype
+        a = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.input_scale is not None:
+            a = a * self.input_scale
+        if a.shape[0] == 1:
+            y = k.quant_gemv(self.qw, self.scales, a[0])[None]
+        else:
+            y = k.quant_gemm(a, self.qw, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}, awq_alpha={self.awq_alpha}")
+
+
+# ----------------------------------------------------------------------------------------------- model surgery
+def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _dense(module: nn.Module, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 copies of (weight [N, K], bias [N]) of an nn.Linear or a transformers Conv1D ([K, N] weight)."""
+    w = module.weight.detach()
+    w = (w.t() if conv1d else w).float().clone()
+    b = module.bias.detach().float().clone() if getattr(module, "bias", None) is not None else None
+    return w, b
+
+
+def target_paths(model: nn.Module, config: QuantConfig) -> list[str]:
+    """Every module `quantize` replaces, checked for group-size compatibility before anything changes."""
+    arch = arch_of(model)
+    blocks = model.get_submodule(arch.blocks)
+    paths = [f"{arch.blocks}.{i}.{lin}" for i in range(len(blocks)) for g in arch.groups for lin in g.linears]
+    if config.quantize_lm_head:
+        paths.append("lm_head")
+    for p in paths:
+        m = model.get_submodule(p)
+        if isinstance(m, QuantLinear):
+            raise ValueError(f"automp.llm.quantize: {p} is already quantized (quantize the original model)")
+        k = m.weight.shape[0] if arch.conv1d and p != "lm_head" else m.weight.shape[1]
+        if config.group_size is not None and k % config.group_size:
+            raise ValueError(f"automp.llm.quantize: group_size {config.group_size} does not divide K={k} of layer "
+                             f"{p}; use a power of two dividing {k}, or group_size=None (one scale per row)")
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- AWQ
+def _fake_quant(w: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
+    k = kernels()
+    q, s = (k.quantize_weight_int8 if bits == 8 else k.quantize_weight_int4)(w, group_size)
+    return k.dequantize_weight(q, s, w.shape[1])
+
+
+def search_scale(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int | None,
+                 grid: int = AWQ_GRID) -> tuple[torch.Tensor, float]:
+    """(s [K], alpha): the per-input-channel scale s = mean|x|^alpha minimising sum_i ||x W_i^T - (x/s) Q(W_i s)^T||^2
+    over alpha in {0, 1/grid, ..., (grid-1)/grid}; x [T, K] and weights [N_i, K] in fp32."""
+    x_mean = x.abs().mean(dim=0)
+    refs = [x @ w.t() for w in weights]
+    best = (float("inf"), torch.ones_like(x_mean), 0.0)
+    for i in range(grid):
+        alpha = i / grid
+        s = x_mean.pow(alpha).clamp_min(1e-4)
+        s = s / (s.max() * s.min()).sqrt()  # centred on 1: keeps the scaled weights' range near the original
+        err = sum(float(((x / s) @ _fake_quant(w * s, bits, group_size).t() - r).pow(2).mean())
+                  for w, r in zip(weights, refs))
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def _collect_inputs(model: nn.Module, arch: Arch, calib: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inputs (fp32 [T, K], at most AWQ_MAX_ROWS rows) of the first linear of every group, from one calibration pass
+    of the unquantized model: folding leaves every function the model computes unchanged, so they stay valid."""
+    blocks = model.get_submodule(arch.blocks)
+    firsts = {f"{arch.blocks}.{i}.{g.linears[0]}" for i in range(len(blocks)) for g in arch.groups}
+    seen: dict[str, list[torch.Tensor]] = {p: [] for p in firsts}
+    hooks = []
+    for p in firsts:
+        def hook(_mod, args, p=p):
+            x = args[0].detach()
+            seen[p].append(x.reshape(-1, x.shape[-1]).float())
+        hooks.append(model.get_submodule(p).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            for rows in calib.to(device).split(8):
+                model(input_ids=rows, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for p, xs in seen.items():
+        x = torch.cat(xs)
+        if x.shape[0] > AWQ_MAX_ROWS:
+            x = x[torch.linspace(0, x.shape[0] - 1, AWQ_MAX_ROWS, device=x.device).long()]
+        out[p] = x
+    return out
+
+
+def _fold(block: nn.Module, prev: str, s: torch.Tensor, dense: dict[str, list], prefix: str) -> bool:
+    """Divide the output of `prev` by s (exactly compensating the weight columns' * s); False if impossible."""
+    if f"{prefix}{prev}" in dense:  # a linear: scale its trailing K output rows (v's outputs, up's outputs)
+        w, b = dense[f"{prefix}{prev}"]
+        k = s.numel()
+        if w.shape[0] < k:  # grouped-query v_proj: o_proj's input repeats v heads, no one-to-one channel
+            return False
+        w[-k:] /= s[:, None]
+        if b is not None:
+            b[-k:] /= s
+        return True
+    norm = block.get_submodule(prev)
+    with torch.no_grad():
+        norm.weight.div_(s.to(norm.weight.dtype))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.div_(s.to(norm.bias.dtype))
+    return True
+
+
+def scale_block(block: nn.Module, prefix: str, arch: Arch, dense: dict[str, list],
+                scales: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply AWQ scales {group index: s} to one block: the group's weight columns (fp32 copies in `dense`) times s,
+    1/s folded into the producing op; returns the 1/s input multiplies of the groups where no fold was possible."""
+    explicit = {}
+    for gi, s in scales.items():
+        g = arch.groups[gi]
+        names = [f"{prefix}{lin}" for lin in g.linears]
+        for n in names:
+            dense[n][0] *= s[None, :]
+        if g.prev is None or not _fold(block, g.prev, s, dense, prefix):
+            explicit.update({n: 1.0 / s for n in names})
+    return explicit
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 128, calib: torch.Tensor | None = None,
+             awq: bool = False, quantize_lm_head: bool = False, dtype: str = "float16") -> nn.Module:
+    """Quantize `model` (LlamaForCausalLM or GPT2LMHeadModel) in place to weight-only int8/int4 and return it.
+
+    calib: int64 token ids [B, T] (or [T]) for the AWQ scale search (required with awq=True). Every argument and
+    every layer is checked before the model is touched. The rest of the model is cast to `dtype`.
+    """
+    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype)
+    arch = arch_of(model)
+    target_paths(model, config)
+    if awq:
+        if calib is None:
+            raise ValueError("automp.llm.quantize: awq=True needs calib (int64 token ids [B, T])")
+        calib = torch.as_tensor(calib)
+        if calib.dtype != torch.int64 or calib.dim() not in (1, 2) or calib.numel() == 0:
+            raise ValueError(f"automp.llm.quantize: calib must be non-empty int64 token ids [B, T], got "
+                             f"{calib.dtype} {tuple(calib.shape)}")
+        calib = calib.reshape(-1, calib.shape[-1])
+    act = DTYPES[dtype]
+    inputs = _collect_inputs(model, arch, calib) if awq else {}
+    blocks = model.get_submodule(arch.blocks)
+    for i, block in enumerate(blocks):
+        prefix = f"{arch.blocks}.{i}."
+        dense = {f"{prefix}{lin}": list(_dense(model.get_submodule(f"{prefix}{lin}"), arch.conv1d))
+                 for g in arch.groups for lin in g.linears}
+        scales: dict[int, torch.Tensor] = {}
+        alphas: dict[str, float] = {}
+        for gi, g in enumerate(arch.groups if awq else ()):  # searched on the unscaled weights, then applied
+            names = [f"{prefix}{lin}" for lin in g.linears]
+            scales[gi], alpha = search_scale(inputs[names[0]], [dense[n][0] for n in names], config.bits,
+                                             group_size)
+            alphas.update({n: alpha for n in names})
+        explicit = scale_block(block, prefix, arch, dense, scales)
+        for name, (w, b) in dense.items():
+            set_module(model, name, QuantLinear.from_weight(w, b, config.bits, group_size, act, explicit.get(name),
+                                                            alphas.get(name)))
+    if quantize_lm_head:
+        head = model.get_submodule("lm_head")
+        w, b = _dense(head, conv1d=False)
+        set_module(model, "lm_head", QuantLinear.from_weight(w, b, config.bits, group_size, act))
+        model.config.tie_word_embeddings = False  # the fp16 input embedding and the quantized head are now separate
+    for p in model.parameters():
+        p.data = p.data.to(act)
+    for attr in ("dtype", "torch_dtype"):
+        if attr in model.config.to_dict():
+            setattr(model.config, attr, act)
+    model.automp_quant = config
+    return model.eval()
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "automp_quant", None), QuantConfig)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer (tied weights once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total

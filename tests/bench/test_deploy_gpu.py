@@ -1,0 +1,33 @@
+"""`automp bench deploy_gpu` argument handling and its pieces that need no GPU (the run itself is the lead's)."""
+import pytest
+import torch
+
+from automp.bench.suites import deploy_gpu
+
+
+def test_defaults_full_and_quick():
+    full = deploy_gpu.parse([])
+    assert (full.models, full.batches, full.seq, full.sentences) == (["minilm", "bert-base"], [1, 64], 128, 256)
+    assert full.modes == list(deploy_gpu.MODES)
+    quick = deploy_gpu.parse(["--quick", "--modes", "int8"])
+    assert quick.modes == ["anchor", "int8"] and quick.batches == [1, 2] and quick.seq == 32  # ratios need it
+
+
+@pytest.mark.parametrize("argv", [["--models", "resnet"], ["--modes", "int2"], ["--batches", "1,x"],
+                                  ["--batches", "0"]])
+def test_bad_arguments_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit):
+        deploy_gpu.parse(argv)
+    assert "error:" in capsys.readouterr().err
+
+
+def test_texts_and_pooling():
+    docs = deploy_gpu.texts(5, seed=0)
+    assert len(docs) == 5 and docs == deploy_gpu.texts(5, seed=0) and all(d.endswith(".") for d in docs)
+
+    class Hidden(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            return type("Out", (), {"last_hidden_state": input_ids[..., None].float().repeat(1, 1, 2)})
+    ids = torch.tensor([[1, 3, 9]])
+    pooled = deploy_gpu.MeanPooled(Hidden())(ids, torch.tensor([[1, 1, 0]]))
+    assert torch.equal(pooled, torch.tensor([[2.0, 2.0]]))  # the padded token is left out

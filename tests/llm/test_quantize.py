@@ -1,0 +1,193 @@
+"""automp.llm.quantize: QuantLinear numerics, AWQ scale folding, architecture/group/backend errors.
+
+Error bounds: symmetric per-group rounding leaves a uniform error of +-s/2 per weight, s = absmax / qmax. For Gaussian
+weights in groups of 32, absmax is about 2.2 sigma, so the relative weight error is 2.2 / (qmax * sqrt(12)): 0.5% for
+int8 (qmax 127) and 9% for int4 (qmax 7). Logits of these tiny random models move by about that much (measured: 0.4-0.6%
+and 8-10%), so the bounds against the fp32 model are 1.5e-2 (int8) and 0.25 (int4). Against a float32 model holding
+the same dequantized weights only fp16 activations differ: 5e-3 for either scheme.
+"""
+import copy
+
+import pytest
+import torch
+
+from automp.llm.quantize import (ARCHS, QuantLinear, _dense, check_backend, quantize, scale_block, search_scale,
+                                 target_paths, QuantConfig)
+from automp.llm.store import build
+
+BOUND = {"int8": 1.5e-2, "int4": 0.25}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a busy 2-core machine: a second intra-op thread makes each op wait for a scheduler slice."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def ids(n: int = 16, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def dequantized_reference(fp_model, q_model):
+    """fp_model (float32) with each quantized layer's dequantized weight: what q_model computes, in float32."""
+    ref = copy.deepcopy(fp_model)
+    conv1d = ARCHS[type(fp_model).__name__].conv1d
+    for name, m in q_model.named_modules():
+        if isinstance(m, QuantLinear):
+            w = m.dequantized()
+            target = ref.get_submodule(name)
+            target.weight.data = w.t().contiguous() if conv1d and name != "lm_head" else w
+    for name, p in q_model.named_parameters():  # norms (AWQ may have folded scales into them)
+        ref.get_parameter(name).data = p.data.float()
+    return ref
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_logits_close_to_float(name, scheme):
+    model = build(name)
+    q = quantize(copy.deepcopy(model), scheme, group_size=32)
+    x = ids()
+    out = logits(q, x)
+    assert out.dtype == torch.float16
+    assert rel(out, logits(dequantized_reference(model, q), x)) < 5e-3
+    assert rel(out, logits(model, x)) < BOUND[scheme]
+    n_quant = sum(isinstance(m, QuantLinear) for m in q.modules())
+    assert n_quant == 2 * (7 if name == "tiny-llama" else 4)
+    assert not isinstance(q.lm_head, QuantLinear)
+
+
+def test_single_row_and_batched_paths_agree():
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    for bits in (8, 4):
+        layer = QuantLinear.from_weight(w, torch.randn(96), bits, 32, torch.float16)
+        x = torch.randn(3, 64, dtype=torch.float16)
+        rows = torch.cat([layer(x[i:i + 1]) for i in range(3)])  # GEMV, one row at a time
+        assert rel(rows, layer(x)) < 2e-3  # GEMM over all rows
+        ref = x.double() @ layer.dequantized().double().t() + layer.bias.double()
+        assert rel(layer(x), ref) < 2e-3
+        assert layer(x.float()).dtype == torch.float32  # casts in and out of an fp32 model
+
+
+@pytest.mark.parametrize("name,overrides", [("tiny-llama", {}), ("tiny-llama", {"num_key_value_heads": 4}),
+                                            ("tiny-gpt2", {})])
+def test_awq_scales_fold_exactly(name, overrides):
+    """Scaling weight columns by s and folding 1/s into the previous op (or an input multiply) changes nothing."""
+    model = build(name, **overrides)
+    x = ids()
+    ref = logits(model, x)
+    arch = ARCHS[type(model).__name__]
+    gen = torch.Generator().manual_seed(0)
+    explicit_all = {}
+    for i, block in enumerate(model.get_submodule(arch.blocks)):
+        prefix = f"{arch.blocks}.{i}."
+        dense = {f"{prefix}{lin}": list(_dense(model.get_submodule(f"{prefix}{lin}"), arch.conv1d))
+                 for g in arch.groups for lin in g.linears}
+        scales = {gi: torch.rand(dense[f"{prefix}{g.linears[0]}"][0].shape[1], generator=gen) * 4 + 0.25
+                  for gi, g in enumerate(arch.groups)}
+        explicit = scale_block(block, prefix, arch, dense, scales)
+        explicit_all.update(explicit)
+        for path, (w, b) in dense.items():
+            if path in explicit:
+                w = w * explicit[path][None, :]
+            m = model.get_submodule(path)
+            m.weight.data = w.t().contiguous() if arch.conv1d else w
+            if b is not None:
+                m.bias.data = b
+    assert rel(logits(model, x), ref) < 1e-5
+    gqa = name == "tiny-llama" and model.config.num_key_value_heads < model.config.num_attention_heads
+    expected = {"tiny-llama": "self_attn.o_proj" if gqa else None, "tiny-gpt2": "mlp.c_proj"}[name]
+    assert sorted({p.split(".", 3)[3] for p in explicit_all}) == ([expected] if expected else [])
+
+
+def test_awq_search_helps_outlier_channels():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=gen)
+    x[:, :4] *= 30  # a few channels with large activations, as in real LLMs
+    w = torch.randn(64, 128, generator=gen)
+    s, alpha = search_scale(x, [w], bits=4, group_size=32)
+
+    def err(scale):
+        from automp.llm.quantize import _fake_quant
+        return float(((x / scale) @ _fake_quant(w * scale, 4, 32).t() - x @ w.t()).pow(2).mean())
+
+    assert alpha > 0
+    assert err(s) < 0.8 * err(torch.ones(128))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_awq_end_to_end(name):
+    model = build(name)
+    calib = ids(64, batch=4, seed=7)
+    q = quantize(copy.deepcopy(model), "int4", group_size=32, calib=calib, awq=True)
+    alphas = [m.awq_alpha for m in q.modules() if isinstance(m, QuantLinear)]
+    assert all(a is not None for a in alphas)
+    assert any(m.input_scale is not None for m in q.modules() if isinstance(m, QuantLinear))
+    x = ids()
+    out = logits(q, x)
+    assert rel(out, logits(dequantized_reference(model, q), x)) < 5e-3
+    assert rel(out, logits(model, x)) < BOUND["int4"]
+
+
+def test_quantized_lm_head_unties_embedding():
+    model = build("tiny-gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    q = quantize(copy.deepcopy(model), "int8", group_size=32, quantize_lm_head=True)
+    assert isinstance(q.lm_head, QuantLinear) and q.transformer.wte.weight.dtype == torch.float16
+    assert q.config.tie_word_embeddings is False
+    x = ids()
+    assert rel(logits(q, x), logits(model, x)) < BOUND["int8"]
+
+
+def test_unsupported_architecture():
+    with pytest.raises(TypeError, match=r"unsupported architecture Linear.*GPT2LMHeadModel, LlamaForCausalLM"):
+        quantize(torch.nn.Linear(64, 64), "int8")
+
+
+def test_group_size_must_divide_k():
+    model = build("tiny-llama", intermediate_size=96)
+    with pytest.raises(ValueError, match=r"group_size 64 does not divide K=96 of layer model.layers.0.mlp.down_proj"):
+        quantize(model, "int4", group_size=64)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # checked before anything changed
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"scheme": "int3"}, "scheme must be one of"),
+    ({"group_size": 48}, "power of two >= 32"),
+    ({"group_size": 16}, "power of two >= 32"),
+    ({"dtype": "float32"}, "dtype must be one of"),
+    ({"awq": True}, "awq=True needs calib"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(build("tiny-llama"), **{"scheme": "int8", "group_size": 32, **kwargs})
+
+
+def test_already_quantized_and_bad_calib():
+    q = quantize(build("tiny-llama"), "int8", group_size=32)
+    with pytest.raises(ValueError, match="already quantized"):
+        target_paths(q, QuantConfig("int8", 32))
+    with pytest.raises(ValueError, match="calib must be non-empty int64"):
+        quantize(build("tiny-llama"), "int4", 32, calib=torch.rand(2, 8), awq=True)
+
+
+def test_int4_needs_cuda_or_interpreter():
+    with pytest.raises(RuntimeError, match=r"int4 weights need a CUDA device, or TRITON_INTERPRET=1.*cpu"):
+        check_backend(4, "cpu", interpret=False)
+    check_backend(8, "cpu", interpret=False)  # int8 has a torch fallback on the CPU
+    check_backend(4, "cpu", interpret=True)
+    check_backend(4, torch.device("cuda"), interpret=False)
