@@ -1,0 +1,107 @@
+"""`automp protect MODEL.onnx -o OUT.onnx [--seed N] [--ratio R] [--key KEYFILE_or_HEX] [--report R.json]`.
+
+User errors (a corrupt or unsupported model, a bad key, an output that cannot be written or would overwrite an
+input) print one line naming the problem and return 1, with nothing written. Output paths are checked before any
+work, and written atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from automp.files import check_writable, same_file
+
+USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from automp.protect.obfuscate import ObfuscateConfig
+
+    p = argparse.ArgumentParser(prog="automp protect", description="Obfuscate (and optionally encrypt) an ONNX "
+                                "model; it computes the same outputs. Obfuscation-grade, not a security audit.")
+    p.add_argument("input", metavar="MODEL.onnx", help="ONNX model to protect")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the protected model")
+    p.add_argument("--seed", type=_seed, default=None,
+                   help="make the result reproducible (keep it secret: with it the scaling can be undone)")
+    p.add_argument("--ratio", type=_ratio, default=ObfuscateConfig.ratio,
+                   help="fraction in [0, 1] of eligible spots given identity ops and of nodes wrapped in opaque "
+                        f"branches (default {ObfuscateConfig.ratio})")
+    p.add_argument("--key", metavar="KEYFILE_or_HEX", default=None,
+                   help="encrypt the weights: a key file, or at least 32 hex digits; load with "
+                        "automp.protect.load(path, key) / automp.protect.session(path, key)")
+    p.add_argument("--report", metavar="R.json", default=None, help="write the JSON report here (keep it private)")
+    p.add_argument("--rename-io", action="store_true", help="rename graph inputs/outputs too (mapping in the report)")
+    p.add_argument("--no-verify", action="store_true", help="skip the onnxruntime check against the input model")
+    return p
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Before any work: each output can be written, and none is an input or the other output."""
+    inputs = {"the input model": args.input}
+    if args.key is not None and os.path.isfile(args.key):
+        inputs["the key file"] = args.key
+    for flag, path in (("-o", args.output), ("--report", args.report)):
+        if path is None:
+            continue
+        for what, src in inputs.items():
+            if same_file(path, src):
+                raise ValueError(f"{flag} {path} is {what}; refusing to overwrite it (write elsewhere)")
+        check_writable(path, flag)
+    if args.report is not None and same_file(args.output, args.report):
+        raise ValueError(f"-o and --report name the same file {args.output}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from automp.deploy import onnx_io
+    from automp.protect.encrypt import read_key
+    from automp.protect.obfuscate import ObfuscateConfig, obfuscate
+
+    check_paths(args)
+    key = read_key(args.key) if args.key is not None else None
+    config = ObfuscateConfig(seed=args.seed, ratio=args.ratio, key=key, rename_io=args.rename_io,
+                             verify=not args.no_verify)
+    model, report = obfuscate(args.input, config)
+    onnx_io.save(model, args.output)
+    report.output = os.fspath(args.output)
+    report.bytes["file"] = os.path.getsize(args.output)
+    if args.report:
+        report.write(args.report)
+    print(f"automp protect: wrote {args.output}")
+    for line in report.summary():
+        print(f"  {line}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except USER_ERRORS as e:
+        print(f"automp protect: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from automp import protect
+from automp.deploy import runtime
+
+from .test_obfuscate import names
+
+
+@pytest.fixture
+def model_file(exported, tmp_path):
+    path = tmp_path / "net.onnx"
+    onnx.save(exported("cnn"), path)
+    return path
+
+
+def test_cli_writes_the_model_and_the_report(model_file, tmp_path, capsys):
+    out, rep = tmp_path / "out.onnx", tmp_path / "r.json"
+    assert protect.main([str(model_file), "-o", str(out), "--seed", "3", "--ratio", "0.5", "--report", str(rep)]) == 0
+    src, got = onnx.load(model_file), onnx.load(out)
+    onnx.checker.check_model(got, full_check=True)
+    feeds = runtime.random_feeds(src, batch=3, seed=1)
+    assert runtime.compare(runtime.run(got, feeds)["logits"], runtime.run(src, feeds)["logits"]).rel_l2 <= 1e-5
+    assert names(got) & names(src) == {"image", "logits"}
+    data = json.loads(rep.read_text())
+    assert data["output"] == str(out) and data["bytes"]["file"] == out.stat().st_size and data["deterministic"]
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_with_a_key_writes_an_encrypted_model(model_file, tmp_path):
+    out, key = tmp_path / "enc.onnx", "ab" * 32
+    assert protect.main([str(model_file), "-o", str(out), "--key", key, "--seed", "0"]) == 0
+    src = onnx.load(model_file)
+    feeds = runtime.random_feeds(src, batch=2, seed=5)
+    got = protect.session(out, key).run(None, feeds)[0]
+    assert runtime.compare(got, runtime.run(src, feeds)["logits"]).rel_l2 <= 1e-5
+
+
+@pytest.mark.parametrize("flag", ["-o", "--report"])
+def test_cli_refuses_to_overwrite_the_input(model_file, tmp_path, capsys, flag):
+    before = model_file.read_bytes()
+    argv = [str(model_file), "-o", str(tmp_path / "o.onnx")] if flag == "--report" else [str(model_file)]
+    argv += [flag, str(model_file)]
+    assert protect.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "refusing to overwrite" in err and "input model" in err
+    assert model_file.read_bytes() == before
+
+
+def test_cli_refuses_to_overwrite_the_key_file_or_one_file_twice(model_file, tmp_path, capsys):
+    key = tmp_path / "key.bin"
+    key.write_bytes(bytes(range(32)))
+    assert protect.main([str(model_file), "-o", str(key), "--key", str(key)]) == 1
+    assert "key file" in capsys.readouterr().err and key.read_bytes() == bytes(range(32))
+    same = str(tmp_path / "x.onnx")
+    assert protect.main([str(model_file), "-o", same, "--report", same]) == 1
+    assert "same file" in capsys.readouterr().err
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(np.random.default_rng(0).bytes(200))
+    assert protect.main([str(bad), "-o", str(tmp_path / "o.onnx")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("automp protect: error:") and "bad.onnx" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o.onnx").exists()
+    assert protect.main([str(bad), "-o", str(tmp_path / "o.onnx"), "--key", "zz"]) == 1
+    assert "key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ratio", ["1.5", "-1", "x"])
+def test_cli_rejects_a_ratio_outside_zero_one(model_file, tmp_path, capsys, ratio):
+    with pytest.raises(SystemExit) as e:
+        protect.main([str(model_file), "-o", str(tmp_path / "o.onnx"), "--ratio", ratio])
+    assert e.value.code == 2 and "--ratio" in capsys.readouterr().err
+
+
+def test_a_seed_gives_the_same_file_in_separate_processes(exported, tmp_path):
+    """Nothing may depend on Python's per-process string hashing (set order): two runs with different
+    PYTHONHASHSEED write byte-identical files, encryption included."""
+    src = tmp_path / "net.onnx"
+    onnx.save(exported("encoder"), src)
+    repo = Path(__file__).resolve().parents[2]
+    procs = []
+    for h in ("1", "2"):
+        env = dict(os.environ, PYTHONPATH=str(repo / "src"), PYTHONHASHSEED=h, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "automp.protect", str(src), "-o", str(tmp_path / f"o{h}.onnx"), "--seed",
+               "5", "--ratio", "0.5", "--key", "00112233445566778899aabbccddeeff"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    assert (tmp_path / "o1.onnx").read_bytes() == (tmp_path / "o2.onnx").read_bytes()
