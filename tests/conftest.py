@@ -1,7 +1,11 @@
 import os
 import sys
 
-# Triton kernels run in the interpreter on CPU: set before anything imports triton (whatever test runs first).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Triton kernels run in the interpreter on a CPU-only machine, compiled on a GPU one. Decided here, before anything
+# imports triton: triton.language's own helpers are decorated at import in the mode of that moment, and a compiled
+# kernel that meets interpreter-mode helpers fails inside Triton (gluon's _import_from_triton assertion).
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 # Tests run from a checkout too (the package need not be installed).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "src"))

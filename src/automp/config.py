@@ -27,7 +27,9 @@ class AutoMPConfig:
     path: "auto" measures the candidate paths in the first iterations and keeps the fastest; "compile", "eager",
     "autocast-compile" or "fp32" force automp's compiled pass, low-precision eager, stock Inductor under autocast,
     or the script as written.
-    cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp)."""
+    cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp).
+    fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
+    (same arithmetic, one kernel per step; see automp.fused_optimizers)."""
 
     dtype: str = "auto"
     loss_scale: Any = "dynamic"
@@ -36,6 +38,7 @@ class AutoMPConfig:
     spec: str | None = None
     path: str = "auto"
     cache_dir: str | None = None
+    fuse_optimizers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -43,6 +46,8 @@ class AutoMPConfig:
         _check_loss_scale(self.loss_scale)
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
+        if not isinstance(self.fuse_optimizers, bool):
+            raise TypeError(f"fuse_optimizers must be True or False, got {self.fuse_optimizers!r}")
         if self.path not in PATHS:
             raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
         if self.spec:

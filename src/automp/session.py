@@ -18,10 +18,12 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
 from automp.config import AutoMPConfig
+from automp.fused_optimizers import OptimizerFuser
+from automp.once_logging import ignore_once_logging
+from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily, restore_outside_graph
 from automp.graph.capture import low_dtype, make_backend
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
@@ -62,6 +64,8 @@ class Session:
     labels: dict[str, int] = field(default_factory=dict)
     unfinished: dict[Trial, list[str]] = field(default_factory=dict)  # labels of modules in trials still running
     calibrations: dict[torch.device, Any] = field(default_factory=dict)
+    fuser: OptimizerFuser | None = None
+    undo_once_logging: Callable[[], None] | None = None
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
 
     def __post_init__(self) -> None:
@@ -69,6 +73,9 @@ class Session:
 
     # -- install / uninstall --------------------------------------------------------------------------------------
     def install(self) -> None:
+        if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
+            self.fuser = OptimizerFuser(self._fused)
+            self.fuser.install()
         self.scaler = _install_scaling(self.config)
         self.saved_flags = _set_capture_flags()
         self.breaks_before = _graph_breaks()
@@ -81,7 +88,13 @@ class Session:
         nn.RNNBase.__call__ = _rnn_call
 
     def uninstall(self) -> dict[str, Any]:
+        if self.fuser is not None:
+            self.fuser.uninstall()
+            self.fuser = None
         nn.Module.__call__ = ORIG_CALL
+        if self.undo_once_logging is not None:
+            self.undo_once_logging()
+            self.undo_once_logging = None
         if "__call__" in vars(nn.RNNBase):
             del nn.RNNBase.__call__
         _restore_capture_flags(self.saved_flags)
@@ -104,6 +117,12 @@ class Session:
                 self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False},
                                          f"trial unfinished: the script ended (or the module was freed) before its "
                                          f"candidates were measured; it ran {trial.current.value} last")
+
+    def _fused(self, optimizer: torch.optim.Optimizer, groups: int) -> None:
+        self.recorder.optimizers.append({
+            "optimizer": type(optimizer).__name__, "groups": groups,
+            "change": f"fused=True on {groups} parameter group(s): torch's one-kernel implementation of the same "
+                      f"update (the script left fused/foreach at their defaults)"})
 
     def settled(self) -> bool:
         return all(r.path is not None or r.aside is not None for r in self.roots.values())
@@ -136,17 +155,20 @@ class Session:
             if path is Path.EAGER_LOW:
                 with torch.autocast(root.device.type, dtype=root.low):
                     out = ORIG_CALL(module, *args, **kwargs)
-                return _restore_float32(out, root.low)
+                return restore_lazily(out)
             if path is Path.COMPILED_AUTOCAST:
                 if root.stock is None:
+                    self._before_compile()
                     root.stock = _compile_stock(module, root)
                 compiled = root.stock
             else:
                 if root.compiled is None:
+                    self._before_compile()
                     root.compiled = self._compile(module, root)
                 compiled = root.compiled
             try:
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
+                return restore_lazily(out) if path is Path.COMPILED_AUTOCAST and is_lazy_candidate(out) else out
             except torch._dynamo.exc.TorchDynamoException as e:
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
@@ -253,6 +275,12 @@ class Session:
         n = self.labels[name] = self.labels.get(name, 0) + 1
         return name if n == 1 else f"{name}#{n}"
 
+    def _before_compile(self) -> None:
+        """At the first compilation, not at install: transformers adds its log-once methods when the script imports
+        it, after automp was enabled."""
+        if self.undo_once_logging is None:
+            self.undo_once_logging = ignore_once_logging()
+
     def _compile(self, module: nn.Module, root: _Root) -> Callable[..., Any]:
         spec = self.config.spec
         config = PrecisionConfig(dtype=root.low, spec=cost.spec_named(spec) if spec else cost.spec_for(root.device))
@@ -269,13 +297,14 @@ class Session:
 
 def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand. The outputs go back to FP32 inside
-    the compiled function (Inductor fuses the cast), as on every other path: the script sees its own dtypes."""
+    the compiled function (Inductor fuses the cast), as on every other path: the script sees its own dtypes; a
+    ModelOutput's fields only when read (automp.outputs)."""
     entry = _entry_point(module)
 
     def autocast_call(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(root.device.type, dtype=root.low):
             out = entry(*args, **kwargs)
-        return _restore_float32(out, root.low)
+        return restore_outside_graph(out)
 
     def counted(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
@@ -324,19 +353,8 @@ def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
         device = next(module.parameters()).device
         with torch.autocast(device.type, dtype=low):
             out = ORIG_CALL(module, *args, **kwargs)
-        return _restore_float32(out, low)
+        return restore_float32(out)
     return nn.Module.__call__(module, *args, **kwargs)  # a root RNN, or another path: the session decides
-
-
-_HALVES = (torch.float16, torch.bfloat16)
-
-
-def _restore_float32(out: Any, low: torch.dtype) -> Any:
-    """Low-precision eager results go back to FP32 at the root's boundary: the user's code after the call (a loss
-    outside the model, a .numpy()) sees the dtypes it was written for. Any half type, not only `low`: autocast runs
-    some ops in its own choice (cuDNN RNNs in fp16 under a bf16 autocast on torch 2.11), and sessions only take this
-    path for FP32 models."""
-    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALVES else t, out)
 
 
 def _device_of(module: nn.Module) -> torch.device:

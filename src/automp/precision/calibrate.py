@@ -12,7 +12,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -83,8 +82,9 @@ def device_name(device: torch.device | str) -> str:
 
 
 def default_timer(device: torch.device) -> Timer:
-    """Median of a few synchronized runs after one warmup; slow benches run fewer times (down to one) so that
-    measure() stays within its budget on slow devices."""
+    """Fastest of a few synchronized runs after one warmup; slow benches run fewer times (down to one) so that
+    measure() stays within its budget on slow devices. The minimum, not the median: noise only ever adds time, and
+    on a shared GPU another process's time slice can stall a sub-millisecond GEMM a hundredfold."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(bench: Bench) -> float:
@@ -96,8 +96,8 @@ def default_timer(device: torch.device) -> Timer:
 
     def timer(bench: Bench) -> float:
         first = once(bench)  # warmup: allocator, kernel selection, page faults
-        runs = max(1, min(3, int(0.1 / max(first, 1e-9))))
-        return statistics.median(once(bench) for _ in range(runs))
+        runs = max(1, min(5, int(0.1 / max(first, 1e-9))))
+        return min(once(bench) for _ in range(runs))
 
     return timer
 

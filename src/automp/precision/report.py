@@ -32,6 +32,7 @@ class Recorder:
     loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "overflow_steps": 0, "steps": 0})
     choices: list[dict[str, Any]] = field(default_factory=list)  # per root module: the path it runs and why
     compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
+    optimizers: list[dict[str, Any]] = field(default_factory=list)  # optimizers automp switched to fused
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -60,7 +61,8 @@ class Recorder:
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
-                "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles}
+                "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
+                "optimizers": self.optimizers}
 
     def save(self, path: str) -> None:
         from automp.files import atomic_output
@@ -148,6 +150,8 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
         graphs = f", {compiles[c['module']]} graph(s) compiled" if c["module"] in compiles else ""
         cached = " (verdict from cache)" if c.get("cached") else ""
         console.print(f"[cyan]{c['module']}[/cyan] runs [bold]{c['path']}[/bold]{cached}{graphs}: {c['reason']}")
+    for o in report.get("optimizers", []):
+        console.print(f"[cyan]{o['optimizer']}[/cyan]: {o['change']}")
     for fb in report.get("fallbacks", []):
         console.print(f"[yellow]FP32 fallback[/yellow] {fb['where']}: {fb['reason']}")
     if show_nodes:

@@ -1,0 +1,130 @@
+"""What a root module returns to the script: its FP32 dtypes back, paid for only where the script reads them.
+
+A script written for FP32 must see FP32 tensors after the call (a loss outside the model, a `.numpy()`), so
+low-precision results are cast back at the module's boundary. For a plain tensor or tuple the cast is fused into the
+compiled graph's last kernel. But a transformers model returns a ModelOutput that often holds a huge tensor nobody
+reads: GPT-2's `model(**batch).loss` leaves 8x1024x50257 logits untouched, and casting them anyway costs 1.6 GB of
+memory at the peak and 2% of the step on an H100 (BENCHMARKS.md). So ModelOutput-like results are cast lazily: each
+low-precision field turns FP32 the first time it is read (attribute, key, values(), to_tuple(), ...), and a field
+never read never costs anything. Read or not, the script only ever sees FP32.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+HALVES = (torch.float16, torch.bfloat16)
+
+
+def _to_float(t: Any) -> Any:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in HALVES else t
+
+
+def restore_float32(out: Any) -> Any:
+    """Every half tensor in `out` cast to FP32, eagerly. Any half type, not only the session's: autocast runs some
+    ops in its own choice (cuDNN RNNs in fp16 under a bf16 autocast on torch 2.11)."""
+    return pytree.tree_map(_to_float, out)
+
+
+def is_lazy_candidate(out: Any) -> bool:
+    """A transformers ModelOutput (an ordered mapping with dataclass fields and to_tuple), whose fields can be cast
+    on first read. Checked by shape, not by import: transformers is optional."""
+    return (isinstance(out, Mapping) and hasattr(out, "to_tuple") and hasattr(type(out), "__dataclass_fields__")
+            and not isinstance(out, _LazyFloat))
+
+
+def restore_outside_graph(out: Any) -> Any:
+    """Inside a compiled function: everything but a ModelOutput is restored now (the cast fuses into the graph);
+    a ModelOutput is left for `restore_lazily`, outside the graph."""
+    return out if is_lazy_candidate(out) else restore_float32(out)
+
+
+def restore_lazily(out: Any) -> Any:
+    """`out` with FP32 promised: a ModelOutput becomes its lazy twin (same object, class swapped), anything else is
+    restored now."""
+    if not is_lazy_candidate(out):
+        return restore_float32(out)
+    if not any(isinstance(v, torch.Tensor) and v.dtype in HALVES for v in dict.values(out)):
+        return out
+    out.__class__ = _lazy_class(type(out))
+    return out
+
+
+_LAZY: dict[type, type] = {}
+
+
+def _lazy_class(cls: type) -> type:
+    lazy = _LAZY.get(cls)
+    if lazy is None:
+        lazy = type(cls.__name__, (_LazyFloat, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                      "__doc__": cls.__doc__})
+        _LAZY[cls] = lazy
+    return lazy
+
+
+class _LazyFloat:
+    """Mixin placed in front of a ModelOutput class. Its fields are both attributes and mapping items (ModelOutput
+    keeps the two in step on assignment), so a field is cast once, where it is first read, and stored back."""
+
+    def _cast_field(self, name: str) -> None:
+        value = dict.get(self, name)
+        if isinstance(value, torch.Tensor) and value.dtype in HALVES:
+            setattr(self, name, value.float())  # ModelOutput.__setattr__ updates the item and the attribute
+
+    def _cast_all(self) -> None:
+        for name in list(dict.keys(self)):
+            self._cast_field(name)
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_") and dict.__contains__(self, name):
+            object.__getattribute__(self, "_cast_field")(name)
+        return super().__getattribute__(name)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            self._cast_field(key)
+            return dict.__getitem__(self, key)  # ModelOutput's own would copy (and so cast) every field
+        self._cast_all()
+        return super().__getitem__(key)
+
+    # every other way to reach the tensors casts them all first
+    def values(self) -> Any:
+        self._cast_all()
+        return super().values()
+
+    def items(self) -> Any:
+        self._cast_all()
+        return super().items()
+
+    def to_tuple(self) -> tuple:
+        self._cast_all()
+        return super().to_tuple()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._cast_all()
+        return super().get(key, default)
+
+    def pop(self, *args: Any) -> Any:
+        self._cast_all()
+        return super().pop(*args)
+
+    def popitem(self, *args: Any) -> Any:
+        self._cast_all()
+        return super().popitem(*args)
+
+    def copy(self) -> Any:
+        self._cast_all()
+        return super().copy()
+
+    def __reduce__(self) -> Any:
+        self._cast_all()
+        return super().__reduce__()
+
+    def __eq__(self, other: Any) -> bool:
+        self._cast_all()
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]  # as dict's
