@@ -65,6 +65,21 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     return int(optimize_main(args.rest) or 0)
 
 
+def _cmd_llm(args: argparse.Namespace) -> int:
+    from automp.llm.cli import main as llm_main  # imports torch: only when `automp llm` runs
+    return int(llm_main(args.rest) or 0)
+
+
+def _cmd_protect(args: argparse.Namespace) -> int:
+    from automp.protect.cli import main as protect_main
+    return int(protect_main(args.rest) or 0)
+
+
+# Sub-commands whose own parser owns every option, before or after the positionals (and -h): main() hands them the
+# rest of the command line untouched instead of letting argparse.REMAINDER drop or misread a leading option.
+_PASSTHROUGH = {"optimize": _cmd_optimize, "llm": _cmd_llm, "protect": _cmd_protect}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="automp", description="Automatic reduced precision for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,14 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("optimize", help="optimize a model for deployment (ONNX in, ONNX out)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_optimize)
+
+    p = sub.add_parser("llm", help="weight-only quantized LLMs: quantize | generate | bench", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_llm)
+
+    p = sub.add_parser("protect", help="obfuscate (and optionally encrypt) an ONNX model (ONNX in, ONNX out)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_protect)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["optimize"]:  # its own parser owns every option, before or after IN (and -h)
-        from automp.deploy.cli import main as optimize_main
-        return int(optimize_main(argv[1:]) or 0)
+    if argv[:1] and argv[0] in _PASSTHROUGH:  # its own parser owns every option, before or after IN (and -h)
+        return _PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

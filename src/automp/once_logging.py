@@ -8,8 +8,9 @@ runs the module eagerly first), so dropping it from compiled graphs loses nothin
 `warning`/`info` calls, which print every time, are left alone.
 
 Dynamo's documented switch for this is `torch._dynamo.config.ignore_logging_functions`. torch 2.11 then fails to
-JSON-dump its own config for its compile metrics and logs that TypeError at error level on every compile (a
-cosmetic bug fixed in later releases); that one record is filtered out while automp holds the setting.
+JSON-dump its own config for its compile metrics (it JSON-dumps, or sorts, the set of functions) and logs that
+TypeError at error level on every compile and every run of a compiled graph (a cosmetic bug fixed in later
+releases); those records are filtered out while automp holds the setting.
 """
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ _METRICS_LOGGER = "torch._dynamo.metrics_context"
 
 
 class _DropConfigDumpError(logging.Filter):
+    """Drops only the metrics logger's "Unexpected exception logging ... metrics" records caused by a TypeError
+    (the config dump); any other record of that logger passes."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, TypeError) and "JSON serializable" in str(exc))
+        return not (isinstance(exc, TypeError) and record.getMessage().startswith("Unexpected exception logging"))
 
 
 def ignore_once_logging() -> Callable[[], None]:

@@ -60,7 +60,7 @@ def _lazy_class(cls: type) -> type:
     lazy = _LAZY.get(cls)
     if lazy is None:
         lazy = type(cls.__name__, (_LazyFloat, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                      "__doc__": cls.__doc__})
+                                                      "__doc__": cls.__doc__, "_original": cls})
         _LAZY[cls] = lazy
     return lazy
 
@@ -120,8 +120,11 @@ class _LazyFloat:
         return super().copy()
 
     def __reduce__(self) -> Any:
+        """Pickled (torch.save, DataLoader workers) as the original class: the twin shares its name, so pickle would
+        find the original by name and refuse the twin; every field is FP32 by then, nothing lazy is lost."""
         self._cast_all()
-        return super().__reduce__()
+        fn, args, *rest = super().__reduce__()
+        return (type(self)._original if fn is type(self) else fn, args, *rest)
 
     def __eq__(self, other: Any) -> bool:
         self._cast_all()

@@ -16,7 +16,7 @@ def _cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_quick_run_writes_consistent_results(tmp_path, dtype):
     threads = torch.get_num_threads()
-    assert distill.main(["--quick", "--seeds", "2", "--dtype", dtype, "--out", str(tmp_path)]) == 0
+    assert distill.main(["--quick", "--seeds", "2", "--dtype", dtype, "--device", "cpu", "--out", str(tmp_path)]) == 0
     assert torch.get_num_threads() == threads  # restored
     data = json.load(open(tmp_path / "distill.json"))
     assert data["meta"]["dtype"] == dtype and data["setup"]["steps"] == distill.QUICK.steps

@@ -9,6 +9,7 @@ from automp.llm.bench import as_tokens, train_lm
 from automp.llm.generate import _ATTR, ByteTokenizer, _decoder, decode_info, generate
 from automp.llm.quantize import quantize
 from automp.llm.store import build
+from tests.llm import DEVICE
 
 TEXT = "Pack my box with five dozen liquor jugs; then the quick brown fox jumps over a lazy dog. "
 
@@ -66,8 +67,8 @@ def test_quantized_models_generate_the_same_greedy_tokens(memorised):
     with torch.no_grad():
         assert torch.equal(memorised.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=0), ref)
     for scheme in ("int8", "int4"):
-        q = quantize(copy.deepcopy(memorised), scheme, group_size=32)
-        assert torch.equal(generate(q, x, 5), ref), scheme
+        q = quantize(copy.deepcopy(memorised).to(DEVICE), scheme, group_size=32)
+        assert torch.equal(generate(q, x.to(DEVICE), 5).cpu(), ref), scheme
 
 
 def test_sampling_is_reproducible_and_top1_is_greedy():

@@ -14,6 +14,7 @@ import torch
 from automp.llm.quantize import (ARCHS, QuantLinear, _dense, check_backend, quantize, scale_block, search_scale,
                                  target_paths, QuantConfig)
 from automp.llm.store import build
+from tests.llm import DEVICE
 
 BOUND = {"int8": 1.5e-2, "int4": 0.25}
 
@@ -57,9 +58,9 @@ def dequantized_reference(fp_model, q_model):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_logits_close_to_float(name, scheme):
-    model = build(name)
+    model = build(name).to(DEVICE)
     q = quantize(copy.deepcopy(model), scheme, group_size=32)
-    x = ids()
+    x = ids().to(DEVICE)
     out = logits(q, x)
     assert out.dtype == torch.float16
     assert rel(out, logits(dequantized_reference(model, q), x)) < 5e-3
@@ -71,10 +72,10 @@ def test_logits_close_to_float(name, scheme):
 
 def test_single_row_and_batched_paths_agree():
     torch.manual_seed(0)
-    w = torch.randn(96, 64)
+    w = torch.randn(96, 64, device=DEVICE)
     for bits in (8, 4):
-        layer = QuantLinear.from_weight(w, torch.randn(96), bits, 32, torch.float16)
-        x = torch.randn(3, 64, dtype=torch.float16)
+        layer = QuantLinear.from_weight(w, torch.randn(96, device=DEVICE), bits, 32, torch.float16)
+        x = torch.randn(3, 64, dtype=torch.float16, device=DEVICE)
         rows = torch.cat([layer(x[i:i + 1]) for i in range(3)])  # GEMV, one row at a time
         assert rel(rows, layer(x)) < 2e-3  # GEMM over all rows
         ref = x.double() @ layer.dequantized().double().t() + layer.bias.double()
@@ -130,13 +131,13 @@ def test_awq_search_helps_outlier_channels():
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 def test_awq_end_to_end(name):
-    model = build(name)
-    calib = ids(64, batch=4, seed=7)
+    model = build(name).to(DEVICE)
+    calib = ids(64, batch=4, seed=7).to(DEVICE)
     q = quantize(copy.deepcopy(model), "int4", group_size=32, calib=calib, awq=True)
     alphas = [m.awq_alpha for m in q.modules() if isinstance(m, QuantLinear)]
     assert all(a is not None for a in alphas)
     assert any(m.input_scale is not None for m in q.modules() if isinstance(m, QuantLinear))
-    x = ids()
+    x = ids().to(DEVICE)
     out = logits(q, x)
     assert rel(out, logits(dequantized_reference(model, q), x)) < 5e-3
     assert rel(out, logits(model, x)) < BOUND["int4"]

@@ -9,6 +9,7 @@ import torch
 from automp.llm import cli
 from automp.llm.quantize import QuantLinear, quantize
 from automp.llm.store import META, WEIGHTS, build, load, load_source, save
+from tests.llm import DEVICE
 
 
 @pytest.fixture(autouse=True)
@@ -34,11 +35,11 @@ def state(model) -> dict:
     ("tiny-gpt2", {"scheme": "int8", "quantize_lm_head": False}),    # lm_head tied to the token embedding
 ])
 def test_round_trip_is_exact(tmp_path, name, kwargs):
-    calib = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    q = quantize(build(name), group_size=32, calib=calib if kwargs.get("awq") else None, **kwargs)
+    calib = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    q = quantize(build(name).to(DEVICE), group_size=32, calib=calib if kwargs.get("awq") else None, **kwargs)
     save(q, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [META, WEIGHTS]  # no temporary files left behind
-    r = load(str(tmp_path))
+    r = load(str(tmp_path), device=DEVICE)
     a, b = state(q), state(r)
     assert a.keys() == b.keys()
     for k in a:
@@ -49,7 +50,7 @@ def test_round_trip_is_exact(tmp_path, name, kwargs):
     if name == "tiny-gpt2":
         assert r.lm_head.weight is r.transformer.wte.weight  # the tie survives
     with torch.no_grad():
-        assert torch.equal(q(input_ids=ids()).logits, r(input_ids=ids()).logits)
+        assert torch.equal(q(input_ids=ids().to(DEVICE)).logits, r(input_ids=ids().to(DEVICE)).logits)
 
 
 def test_failed_save_leaves_previous_model(tmp_path, monkeypatch):

@@ -172,6 +172,8 @@ def _note_report(row: dict[str, Any], report: dict[str, Any]) -> None:
     """What automp chose for each root module (its path) and where it fell back to FP32: the why of a number."""
     if report.get("choices"):
         row["automp_paths"] = {c["module"]: c["path"] for c in report["choices"]}
+        for c in report["choices"]:
+            print(f"    automp: {c['module']} runs {c['path']}: {c['reason'][:300]}", flush=True)
     if report.get("fallbacks"):
         row["automp_fallbacks"] = len(report["fallbacks"])
         for fb in report["fallbacks"][:3]:

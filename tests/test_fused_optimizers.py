@@ -1,0 +1,145 @@
+"""Default Adam/AdamW switched to fused at the first step, only where torch would accept fused=True and the user did
+not choose. No CUDA here: the refusals are tested as they are, and the switch itself with the CUDA clause lifted
+(torch runs fused Adam on CPU too)."""
+import pytest
+import torch
+
+import automp.fused_optimizers as fo
+from automp.fused_optimizers import OptimizerFuser, why_not
+
+
+def params(n: int = 2, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=g)) for _ in range(n)]
+
+
+def set_grads(ps, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.fixture
+def fuser():
+    """An installed fuser recording its reports; always uninstalled (the hook is global)."""
+    calls = []
+    f = OptimizerFuser(lambda opt, n: calls.append((opt, n)))
+    f.install()
+    f.calls = calls
+    yield f
+    f.uninstall()
+
+
+@pytest.fixture
+def cuda_clause_lifted(monkeypatch):
+    """why_not as it is, except that CPU parameters pass: the switching logic runs without a GPU."""
+    real = fo.why_not
+
+    def lifted(optimizer, group):
+        reason = real(optimizer, group)
+        return None if reason is not None and "CUDA" in reason else reason
+
+    monkeypatch.setattr(fo, "why_not", lifted)
+
+
+class MyAdam(torch.optim.Adam):
+    pass
+
+
+class FakeCudaParam:
+    """What why_not reads of a parameter, as a CUDA FP32 one would answer; hashable, as optimizer state keys are."""
+    is_cuda, dtype = True, torch.float32
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "not torch's Adam"),
+    (lambda ps: MyAdam(ps), "not torch's Adam"),  # exact type: a subclass may override step
+    (lambda ps: torch.optim.Adam(ps, foreach=True), "chose fused/foreach"),
+    (lambda ps: torch.optim.AdamW(ps, foreach=False), "chose fused/foreach"),
+    (lambda ps: torch.optim.Adam(ps, fused=True), "chose fused/foreach"),
+    (lambda ps: torch.optim.Adam(ps, differentiable=True), "differentiable"),
+    (lambda ps: torch.optim.AdamW(ps), "CUDA"),
+], ids=["sgd", "subclass", "foreach", "foreach-false", "fused", "differentiable", "cpu-params"])
+def test_why_not_reasons(make, words):
+    """Each refusal names its cause."""
+    opt = make(params())
+    reason = why_not(opt, opt.param_groups[0])
+    assert reason is not None and words in reason
+
+
+def test_why_not_refuses_optimizer_with_state():
+    """Fused keeps step counters on the device; an optimizer that stepped before keeps its implementation. CUDA
+    tensors can't exist here, so the group holds stand-ins that pass the CUDA/dtype clause."""
+    opt = torch.optim.Adam(params())
+    fake = [FakeCudaParam() for _ in range(2)]
+    group = {**opt.param_groups[0], "params": fake}
+    assert why_not(opt, group) is None  # the stand-ins reach the end: the clause below is what refuses
+    opt.state[fake[1]] = {"step": torch.tensor(1.0)}
+    reason = why_not(opt, group)
+    assert reason is not None and "state" in reason
+
+
+def test_cpu_params_left_alone(fuser):
+    """Without CUDA nothing is switched: the group is as the user built it, and nothing is reported."""
+    ps = params()
+    opt = torch.optim.AdamW(ps)
+    before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    set_grads(ps, 1)
+    opt.step()
+    after = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    assert after == before and after["fused"] is None and after["foreach"] is None
+    assert fuser.calls == []
+
+
+def test_switch_at_first_step_reported_once(fuser, cuda_clause_lifted):
+    """First step: fused on, foreach off, amp-scaling flag set, reported with the group count; later steps: nothing."""
+    ps = params()
+    opt = torch.optim.Adam([{"params": ps[:1]}, {"params": ps[1:], "lr": 1e-2}])
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
+    set_grads(ps, 1)
+    opt.step()
+    assert all(g["fused"] is True and g["foreach"] is False for g in opt.param_groups)
+    assert opt._step_supports_amp_scaling is True
+    assert fuser.calls == [(opt, 2)]
+    set_grads(ps, 2)
+    opt.step()
+    assert len(fuser.calls) == 1
+
+
+def test_user_choice_not_overridden(fuser, cuda_clause_lifted):
+    """With the CUDA clause lifted, an explicit foreach=True is still left as chosen and not reported."""
+    ps = params()
+    opt = torch.optim.Adam(ps, foreach=True)
+    set_grads(ps, 1)
+    opt.step()
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is True
+    assert fuser.calls == []
+
+
+def test_uninstall_removes_hook(fuser, cuda_clause_lifted):
+    """After uninstall a new optimizer keeps its default implementation."""
+    fuser.uninstall()
+    ps = params()
+    opt = torch.optim.AdamW(ps)
+    set_grads(ps, 1)
+    opt.step()
+    assert opt.param_groups[0]["fused"] is None and fuser.calls == []
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_switched_matches_foreach(fuser, cuda_clause_lifted, cls):
+    """The switch changes the implementation, not the arithmetic: 5 steps agree with foreach from the same start."""
+    a, b = params(seed=3), params(seed=3)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    switched = cls(a, **kw)
+    reference = cls(b, foreach=True, **kw)  # an explicit choice: the fuser leaves it foreach
+    for step in range(5):
+        set_grads(a, 10 + step)
+        set_grads(b, 10 + step)
+        switched.step()
+        reference.step()
+    assert switched.param_groups[0]["fused"] is True and reference.param_groups[0]["fused"] is None
+    for pa, pb in zip(a, b):
+        rel = ((pa - pb).norm() / pb.norm()).item()
+        assert rel < 1e-5, rel
+    assert not torch.equal(a[0], params(seed=3)[0])  # the steps moved the parameters
