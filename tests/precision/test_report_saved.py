@@ -72,3 +72,15 @@ def test_summarize_names_the_malformed_part():
     with pytest.raises(ValueError, match=r"graphs\[0\]\.nodes\[0\]"):
         summarize(_report(graphs=[{**_report()["graphs"][0], "nodes": [{"op": "aten.mm"}]}]))
     assert summarize(_report())[0]["by_dtype"] == {"bfloat16": 1, "float32": 1}
+
+
+def test_a_report_without_graphs_says_so_instead_of_an_empty_table(capsys):
+    """Every module ran eagerly (a CPU, or FP32 measured fastest): an empty node table would read as a failure."""
+    from automp.precision.report import print_report
+    choices = [{"module": "GPT", "path": "fp32-eager", "reason": "fp32-eager 28.9 ms, low-precision-eager 30.4 ms"}]
+    print_report(_report(graphs=[], choices=choices))
+    out = capsys.readouterr().out
+    assert "no graph went through" in out and "casts +/-/=" not in out and "fp32-eager 28.9 ms" in out
+    print_report(_report())
+    out = capsys.readouterr().out
+    assert "no graph went through" not in out and "casts +/-/=" in out and "g0.forward" in out

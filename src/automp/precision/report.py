@@ -133,6 +133,9 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
     from rich.table import Table
 
     console = Console()
+    if not report.get("graphs"):  # every module ran eagerly (its measured winner, or automp stepped aside)
+        console.print(f"automp precision report — {report['dtype']} on {report['device']}: no graph went through "
+                      f"automp's precision pass (each module's path and why: below)")
     t = Table(title=f"automp precision report — {report['dtype']} on {report['device']}")
     for col in ("graph", "nodes", "low", "fp32", "casts +/-/=", "kept FP32 (unknown/unsupported)"):
         t.add_column(col)
@@ -141,7 +144,8 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
         c = r["casts"]
         t.add_row(r["graph"], str(r["nodes"]), str(low), str(r["by_dtype"].get("float32", 0)),
                   f"{c['inserted']}/{c['eliminated']}/{c['remaining']}", ", ".join(r["unknown"]) or "-")
-    console.print(t)
+    if report.get("graphs"):
+        console.print(t)
     ls = report.get("loss_scale", {})
     console.print(f"loss scale: {ls.get('scale')}  steps: {ls.get('steps')}  overflow steps: "
                   f"{ls.get('overflow_steps')}")
