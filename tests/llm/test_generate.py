@@ -14,15 +14,6 @@ from tests.llm import DEVICE
 TEXT = "Pack my box with five dozen liquor jugs; then the quick brown fox jumps over a lazy dog. "
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a busy 2-core machine: a second intra-op thread makes each op wait for a scheduler slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def prompt(batch: int = 2, n: int = 5, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
 

@@ -19,15 +19,6 @@ from tests.llm import DEVICE
 BOUND = {"int8": 1.5e-2, "int4": 0.25}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a busy 2-core machine: a second intra-op thread makes each op wait for a scheduler slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 

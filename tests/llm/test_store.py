@@ -12,15 +12,6 @@ from automp.llm.store import META, WEIGHTS, build, load, load_source, save
 from tests.llm import DEVICE
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a busy 2-core machine: a second intra-op thread makes each op wait for a scheduler slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def ids(n: int = 8) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(5))
 

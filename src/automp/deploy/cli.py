@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from automp.argtypes import run_main
 from automp.files import check_writable, same_file
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
@@ -88,12 +89,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except USER_ERRORS as e:
-        print(f"automp optimize: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    return run_main("automp optimize", build_parser(), _run, USER_ERRORS, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import ast
 import copy
 import gc
-import json
 import math
 import os
 import random
@@ -305,16 +304,8 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out: str) -> tuple[str, str]:
-    from automp.files import atomic_output
-    os.makedirs(out, exist_ok=True)
-    paths = os.path.join(out, "llm.json"), os.path.join(out, "llm.md")
-    with atomic_output(paths[0]) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-    with atomic_output(paths[1]) as tmp:
-        with open(tmp, "w") as f:
-            f.write(markdown(result))
-    return paths
+    from automp.files import write_json_and_markdown
+    return write_json_and_markdown(out, "llm", result, markdown(result))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from automp.argtypes import int_at_least
+
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
 
 
@@ -29,14 +31,7 @@ def _group(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a power of two >= 32 or 'none', got {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive = int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

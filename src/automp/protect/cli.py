@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Sequence
 
+from automp.argtypes import int_at_least, run_main
 from automp.files import check_writable, same_file
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
@@ -26,14 +27,7 @@ def _ratio(text: str) -> float:
     return value
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_seed = int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,12 +89,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except USER_ERRORS as e:
-        print(f"automp protect: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    return run_main("automp protect", build_parser(), _run, USER_ERRORS, argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import math
 import os
 import sys
@@ -39,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from automp.bench.harness import Result, time_fn, write_results
+from automp.bench.sentences import template_sentences
 
 MODES = ("fp32-eager", "anchor", "int8", "int8-weight", "int4-weight")
 MODELS = ("minilm", "bert-base")
@@ -62,20 +62,10 @@ class MeanPooled(nn.Module):
 def texts(n: int, seed: int) -> list[str]:
     """n documents of 1-6 generated sentences each, so that lengths spread over the sequence."""
     rng = np.random.default_rng(seed)
-    subj = ["the cat", "a young engineer", "my neighbour", "the committee", "an old fisherman", "this startup",
-            "the orchestra", "a tired student", "the river", "our team"]
-    verb = ["quietly watched", "rebuilt", "argued about", "painted", "forgot", "celebrated", "measured",
-            "translated", "sold", "explored"]
-    obj = ["the broken bridge", "a strange melody", "the quarterly budget", "three green apples",
-           "an unfinished novel", "the night sky", "a small wooden boat", "the new algorithm",
-           "their grandmother's recipe", "the mountain trail"]
-    tail = ["", " before sunrise", " with great care", " for no reason at all", " during the storm"]
-    combos = list(itertools.product(subj, verb, obj, tail))
-    docs = []
-    for _ in range(n):
-        picks = rng.choice(len(combos), int(rng.integers(1, 7)), replace=False)
-        docs.append(" ".join("{} {} {}{}.".format(combos[k][0].capitalize(), *combos[k][1:]) for k in picks))
-    return docs
+    sizes = rng.integers(1, 7, n)
+    pool = template_sentences(int(sizes.sum()), seed)
+    ends = np.cumsum(sizes)
+    return [" ".join(pool[e - k:e]) for k, e in zip(sizes, ends)]
 
 
 def load_minilm() -> tuple[nn.Module, Callable[[int, int, int], Inputs]]:

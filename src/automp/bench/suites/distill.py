@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +32,7 @@ from torch import Tensor
 
 from automp.bench.harness import device_name
 from automp.compress.distill import DistillConfig, Distiller
-from automp.files import atomic_output
+from automp.files import write_json_and_markdown
 from automp.models.convergence import Classifier
 
 
@@ -194,15 +192,7 @@ def markdown(summary: dict[str, Any], setup: Setup, meta: dict[str, Any], result
 
 
 def write(out_dir: str, payload: dict[str, Any], md: str) -> tuple[str, str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = os.path.join(out_dir, "distill.json"), os.path.join(out_dir, "distill.md")
-    with atomic_output(paths[0]) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2)
-    with atomic_output(paths[1]) as tmp:
-        with open(tmp, "w") as f:
-            f.write(md)
-    return paths
+    return write_json_and_markdown(out_dir, "distill", payload, md)
 
 
 def main(argv: list[str]) -> int:
