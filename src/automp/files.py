@@ -87,3 +87,18 @@ def write_json_and_markdown(out_dir: PathLike, stem: str, payload: object, md: s
         with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
     return paths
+
+
+def check_outputs(outputs: dict[str, PathLike | None], inputs: dict[str, PathLike | None]) -> None:
+    """Before any work: every output (flag -> path) can be written, none is an input (description -> path), and no
+    two outputs are the same file. A ValueError names the flag and the file."""
+    given = [(flag, path) for flag, path in outputs.items() if path is not None]
+    for flag, path in given:
+        for what, src in inputs.items():
+            if src is not None and same_file(path, src):
+                raise ValueError(f"{flag} {path} is {what}; refusing to overwrite it (write elsewhere)")
+        check_writable(path, flag)
+    for i, (flag_a, a) in enumerate(given):
+        for flag_b, b in given[i + 1:]:
+            if same_file(a, b):
+                raise ValueError(f"{flag_a} and {flag_b} name the same file {a}")

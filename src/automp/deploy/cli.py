@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from automp.argtypes import run_main
-from automp.files import check_writable, same_file
+from automp.files import check_outputs
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
 
@@ -48,17 +48,8 @@ def load_calib(path: str) -> dict[str, np.ndarray]:
 def check_paths(args: argparse.Namespace) -> None:
     """Before any work: each output can be written, and none is an input (the write would destroy it) or the other
     output."""
-    inputs = {"the input model": args.input, "the calibration file": args.calib}
-    outputs = {"-o": args.output, "--report": args.report}
-    for flag, path in outputs.items():
-        if path is None:
-            continue
-        for what, src in inputs.items():
-            if src is not None and same_file(path, src):
-                raise ValueError(f"{flag} {path} is {what}; refusing to overwrite it (write elsewhere)")
-        check_writable(path, flag)
-    if args.report is not None and same_file(args.output, args.report):
-        raise ValueError(f"-o and --report name the same file {args.output}")
+    check_outputs({"-o": args.output, "--report": args.report},
+                  {"the input model": args.input, "the calibration file": args.calib})
 
 
 def _run(args: argparse.Namespace) -> int:

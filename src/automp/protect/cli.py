@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from automp.argtypes import int_at_least, run_main
-from automp.files import check_writable, same_file
+from automp.files import check_outputs
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
 
@@ -53,18 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_paths(args: argparse.Namespace) -> None:
     """Before any work: each output can be written, and none is an input or the other output."""
-    inputs = {"the input model": args.input}
-    if args.key is not None and os.path.isfile(args.key):
-        inputs["the key file"] = args.key
-    for flag, path in (("-o", args.output), ("--report", args.report)):
-        if path is None:
-            continue
-        for what, src in inputs.items():
-            if same_file(path, src):
-                raise ValueError(f"{flag} {path} is {what}; refusing to overwrite it (write elsewhere)")
-        check_writable(path, flag)
-    if args.report is not None and same_file(args.output, args.report):
-        raise ValueError(f"-o and --report name the same file {args.output}")
+    key_file = args.key if args.key is not None and os.path.isfile(args.key) else None
+    check_outputs({"-o": args.output, "--report": args.report},
+                  {"the input model": args.input, "the key file": key_file})
 
 
 def _run(args: argparse.Namespace) -> int:
