@@ -5,10 +5,12 @@ Logger method, so each such call is a graph break: the forward becomes several g
 from the model and Inductor cannot fuse across the seam. Measured on an H100 (BENCHMARKS.md, 2026-11-23): automp's
 compiled GPT-2 124M step went from 34.2 ms with the break to 27.0 ms without it (the hand-written anchor, 34.5 and
 32.8 ms in the same runs, gains nothing from the same switch: 31.9 vs 31.6 ms), at the price of 0.73 GiB more peak
-memory (with the loss in the same graph, a logits-sized buffer apparently lives longer) -- still under half of the
-FP32 script's. A once-only message has been printed by the eager calls that precede compilation (automp's trial runs
-the module eagerly first), so dropping it from compiled graphs loses nothing a user would see again; plain
-`warning`/`info` calls, which print every time, are left alone.
+memory, still under half of the FP32 script's. That price is torch's pytorch/pytorch#131794: with the loss in the
+same graph, the logits become an output nobody differentiates, and AOTAutograd (through torch 2.13) hands the
+backward a materialized zero gradient of their size (checked on a CPU: the single graph's backward takes a [B, T,
+vocab] tangent, the split graphs' do not). A once-only message has been printed by the eager calls that precede
+compilation (automp's trial runs the module eagerly first), so dropping it from compiled graphs loses nothing a user
+would see again; plain `warning`/`info` calls, which print every time, are left alone.
 
 Dynamo's documented switch for this is `torch._dynamo.config.ignore_logging_functions`. torch 2.11 then fails to
 JSON-dump its own config for its compile metrics (it JSON-dumps, or sorts, the set of functions) and logs that
