@@ -143,3 +143,34 @@ def test_switched_matches_foreach(fuser, cuda_clause_lifted, cls):
         rel = ((pa - pb).norm() / pb.norm()).item()
         assert rel < 1e-5, rel
     assert not torch.equal(a[0], params(seed=3)[0])  # the steps moved the parameters
+
+
+def test_checkpoint_is_written_as_the_script_would_and_loads_back_fused(fuser, cuda_clause_lifted):
+    """A checkpoint saved under automp must not carry fused=True (a CPU resume of the plain script would fail), and
+    loaded back into the switched optimizer it must stay fused: steps after a save/load cycle still match foreach."""
+    a, b = params(seed=4), params(seed=4)
+    switched = torch.optim.Adam(a, lr=1e-2)
+    reference = torch.optim.Adam(b, lr=1e-2, foreach=True)
+
+    def step(k):
+        set_grads(a, k)
+        set_grads(b, k)
+        switched.step()
+        reference.step()
+
+    for k in range(3):
+        step(k)
+    saved = switched.state_dict()
+    assert saved["param_groups"][0]["fused"] is None and saved["param_groups"][0]["foreach"] is None
+    assert switched.param_groups[0]["fused"] is True  # the live optimizer is untouched by the hook
+
+    plain = torch.optim.Adam(params(seed=4), lr=1e-2)  # the script without automp, resuming from the checkpoint
+    plain.load_state_dict(saved)
+    assert plain.param_groups[0]["fused"] is None
+
+    switched.load_state_dict(saved)
+    assert switched.param_groups[0]["fused"] is True and switched.param_groups[0]["foreach"] is False
+    for k in range(3, 6):
+        step(k)
+    for pa, pb in zip(a, b):
+        assert ((pa - pb).norm() / pb.norm()).item() < 1e-5

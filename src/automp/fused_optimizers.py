@@ -10,6 +10,12 @@ Only what torch itself would accept as `fused=True` is switched, and only where 
 `fused` and `foreach` left at their default (None), the exact torch classes (a subclass may override step), no
 `differentiable`/`capturable`, every parameter a CUDA floating tensor, and no state yet (fused keeps its step
 counters on the device; a CPU counter from an earlier step would not fit). The switch is reported.
+
+The switch never reaches a checkpoint: `optimizer.state_dict()` reports the groups' fused/foreach as the script set
+them, so a checkpoint saved under automp loads in the plain script, on any device, as one saved without automp would
+(fused=True in a checkpoint would make a CPU resume fail at its first step). Loaded back into a switched optimizer,
+the groups stay fused (their step counters moved to the device, as fused keeps them): a group that silently went back
+to foreach would ignore the found_inf/grad_scale that loss scaling hands to an optimizer it knows as fused.
 """
 from __future__ import annotations
 
@@ -61,12 +67,37 @@ class OptimizerFuser:
         if optimizer in self.seen:  # one look per optimizer: every later step costs a set lookup
             return
         self.seen.add(optimizer)
-        switched = 0
-        for group in optimizer.param_groups:
+        switched = []
+        for i, group in enumerate(optimizer.param_groups):
             if why_not(optimizer, group) is None:
                 group["fused"], group["foreach"] = True, False
-                switched += 1
+                switched.append(i)
         if switched:
+            optimizer.register_state_dict_post_hook(_as_written(switched))
+            optimizer.register_load_state_dict_post_hook(_fused_again(switched))
             optimizer._step_supports_amp_scaling = True  # as __init__(fused=True): GradScaler and loss scaling
             # then hand found_inf to the kernel
-            self.on_switch(optimizer, switched)
+            self.on_switch(optimizer, len(switched))
+
+
+def _as_written(groups: list[int]) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    """A state_dict post-hook: the switched groups' fused/foreach back to the defaults the script left (None)."""
+    def hook(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        for i in groups:
+            state["param_groups"][i]["fused"] = state["param_groups"][i]["foreach"] = None
+        return state
+    return hook
+
+
+def _fused_again(groups: list[int]) -> Callable[[torch.optim.Optimizer], None]:
+    """A load_state_dict post-hook: a checkpoint (written as the script would, see _as_written) loaded into a switched
+    optimizer leaves it fused, with each step counter where the fused kernel reads it."""
+    def hook(optimizer: torch.optim.Optimizer) -> None:
+        for i in groups:
+            group = optimizer.param_groups[i]
+            group["fused"], group["foreach"] = True, False
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if state and torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+    return hook
