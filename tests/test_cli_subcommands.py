@@ -111,3 +111,12 @@ def test_feature_clis_are_imported_lazily():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("suite", ["deploy_gpu", "sparsity", "distill"])
+def test_bench_reaches_every_suite(suite, capsys):
+    """Each suite module is reachable as `automp bench SUITE` (its own --help answers, rc 0)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", suite, "--help"])
+    assert exc.value.code == 0
+    assert "usage" in capsys.readouterr().out.lower()

@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | train | convergence | deploy | zoo")
-    p.add_argument("suite", choices=["kernels", "train", "convergence", "deploy", "zoo"])
+    suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo"]
+    p = sub.add_parser("bench", help="benchmarks: " + " | ".join(suites) + " (LLM decoding: `automp llm bench`)")
+    p.add_argument("suite", choices=suites)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
 
