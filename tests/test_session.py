@@ -241,3 +241,34 @@ def test_loss_scaling_stays_on_for_a_low_precision_path():
     _compile(dtype="fp16")
     net(torch.randn(4, 16)).sum().backward()
     assert autograd_hook.current() is not None  # the first module decided must not switch scaling off
+
+
+def test_session_switches_default_adam_to_fused_reports_it_and_disable_removes_the_hook(monkeypatch):
+    """The switch runs through enable(): reported once per optimizer, off with fuse_optimizers=False, and gone after
+    disable(). No CUDA here, so why_not's CUDA clause is lifted (torch runs fused Adam on a CPU too)."""
+    import automp.fused_optimizers as fo
+    real = fo.why_not
+    monkeypatch.setattr(fo, "why_not", lambda o, g: None if "CUDA" in (real(o, g) or "") else real(o, g))
+
+    def train(opt_kw=None, **enable_kw):
+        torch.manual_seed(0)
+        net = nn.Linear(8, 4)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, **(opt_kw or {}))
+        automp.enable(path="fp32", **enable_kw)
+        for _ in range(2):
+            opt.zero_grad()
+            net(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+        return opt, automp.disable()
+
+    opt, rep = train()
+    assert opt.param_groups[0]["fused"] is True
+    assert [(o["optimizer"], o["groups"]) for o in rep["optimizers"]] == [("AdamW", 1)]
+    opt, rep = train(fuse_optimizers=False)
+    assert opt.param_groups[0]["fused"] is None and rep["optimizers"] == []
+    opt, rep = train({"foreach": True})  # the script chose: left alone, nothing reported
+    assert opt.param_groups[0]["fused"] is None and rep["optimizers"] == []
+    later = torch.optim.AdamW(nn.Linear(8, 4).parameters())  # after disable(): the global hook is gone
+    later.param_groups[0]["params"][0].grad = torch.randn(4, 8)
+    later.step()
+    assert later.param_groups[0]["fused"] is None
