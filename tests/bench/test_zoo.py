@@ -160,3 +160,17 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert "| mlp | automp-bf16 |" in md and "TF32 off" in md
     assert "| gan | fp32-eager |" in capsys.readouterr().out
     assert (tmp_path / "zoo-cpu-quick.png").exists()
+
+
+def test_automp_modes_get_twice_the_time_limit(monkeypatch):
+    """automp compiles two paths before its trial settles; one compile's time limit would cut every slow model."""
+    limits = {}
+
+    def fake(name, mode, quick, device, steps, warmup, max_warmup, timeout=0):
+        limits[mode] = timeout
+        return {"model": name, "mode": mode, "step_ms": 1.0, "peak_gib": None, "loss": 0.5, "compile_s": 0.0}
+
+    monkeypatch.setattr(zoo, "run_mode", fake)
+    zoo.run_model("mlp", ["autocast-bf16-compile", "automp-bf16", "automp-fp16"], True, "cpu", 1, 1, 1, timeout=10)
+    assert limits == {"autocast-bf16-compile": 10, "automp-bf16": 10 * zoo.AUTOMP_TIMEOUT_FACTOR,
+                      "automp-fp16": 10 * zoo.AUTOMP_TIMEOUT_FACTOR} and zoo.AUTOMP_TIMEOUT_FACTOR > 1

@@ -49,6 +49,7 @@ MODELS: dict[str, tuple[Callable[[bool, str], zm.Workload], tuple[str, ...]]] = 
 MODES = ("fp32-eager", "autocast-bf16-eager", "autocast-bf16-compile", "autocast-fp16-compile", "automp-bf16",
          "automp-fp16")
 ANCHOR = "autocast-bf16-compile"
+AUTOMP_TIMEOUT_FACTOR = 2  # automp modes get this many times --mode-timeout: two compiles before the trial settles
 SKIP_HINT = "skipped: pip install automp[zoo]"
 
 
@@ -190,7 +191,9 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
                          "error": f"{SKIP_HINT} ({', '.join(missing)} not installed)"})
             continue
         print(f"[{name}] {mode} ...", flush=True)
-        row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, timeout)
+        # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
+        limit = timeout * AUTOMP_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
+        row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
         gc.collect()  # free this mode's model, optimizer state and compiled graphs before the next one
         torch._dynamo.reset()
         if device == "cuda":
@@ -319,7 +322,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=3, help="warmup steps per mode (automp: more until settled)")
     p.add_argument("--max-warmup", type=int, default=60, help="cap on automp's warmup while it has not settled")
     p.add_argument("--mode-timeout", type=float, default=150,
-                   help="seconds one mode may take (build, compile, steps) before it ends with an error row; 0: none")
+                   help="seconds one mode may take (build, compile, steps) before it ends with an error row; 0: none. "
+                        "automp modes get twice this: they compile two paths before their trial settles")
     p.add_argument("--quick", action="store_true", help="tiny configs (CPU smoke run); writes zoo-<gpu>-quick.*")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
