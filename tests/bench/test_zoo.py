@@ -174,3 +174,24 @@ def test_automp_modes_get_twice_the_time_limit(monkeypatch):
     zoo.run_model("mlp", ["autocast-bf16-compile", "automp-bf16", "automp-fp16"], True, "cpu", 1, 1, 1, timeout=10)
     assert limits == {"autocast-bf16-compile": 10, "automp-bf16": 10 * zoo.AUTOMP_TIMEOUT_FACTOR,
                       "automp-fp16": 10 * zoo.AUTOMP_TIMEOUT_FACTOR} and zoo.AUTOMP_TIMEOUT_FACTOR > 1
+
+
+def test_passes_alternate_the_mode_order_and_take_the_median(monkeypatch):
+    """A host that slows down during the run (here: +1 ms per mode run) must not favour the modes that ran first:
+    with the order reversed on the second pass every mode's median sees the same drift."""
+    order, clock = [], iter(range(100))
+
+    def drifting(name, mode, quick, device, steps, warmup, max_warmup, timeout=0):
+        order.append(mode)
+        return {"model": name, "mode": mode, "step_ms": 10.0 + next(clock), "peak_gib": 1.0 + len(order),
+                "loss": 0.5, "compile_s": 0.0}
+
+    monkeypatch.setattr(zoo, "run_mode", drifting)
+    modes = ["fp32-eager", "autocast-bf16-compile", "automp-bf16"]
+    rows = {r["mode"]: r for r in zoo.run_model("mlp", modes, True, "cpu", 1, 1, 1, passes=2)}
+    assert order == modes + modes[::-1]
+    assert {m: r["step_ms_passes"] for m, r in rows.items()} == {
+        "fp32-eager": [10.0, 15.0], "autocast-bf16-compile": [11.0, 14.0], "automp-bf16": [12.0, 13.0]}
+    assert {r["step_ms"] for r in rows.values()} == {12.5}  # drift cancelled: equal code, equal medians
+    assert rows["fp32-eager"]["peak_gib"] == 7.0  # the largest peak of the passes
+    assert rows["automp-bf16"]["ratio_vs_anchor"] == pytest.approx(1.0)

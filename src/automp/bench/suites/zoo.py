@@ -26,6 +26,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -182,27 +183,47 @@ def _note_report(row: dict[str, Any], report: dict[str, Any]) -> None:
 
 
 def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
-              timeout: float = 0) -> list[dict[str, Any]]:
+              timeout: float = 0, passes: int = 1) -> list[dict[str, Any]]:
+    """One row per mode. With passes > 1 the modes run again in reversed order (A B C, C B A, ...) and each row keeps
+    the median step time of its passes: a host whose speed drifts during the run (seen: 10-40% between modes on the
+    lent GPU machine) then biases no mode more than another."""
     missing = missing_libraries(name)
-    rows = []
-    for mode in modes:
-        if missing:
-            rows.append({"model": name, "mode": mode, "step_ms": None, "peak_gib": None, "loss": None,
-                         "error": f"{SKIP_HINT} ({', '.join(missing)} not installed)"})
-            continue
-        print(f"[{name}] {mode} ...", flush=True)
-        # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
-        limit = timeout * AUTOMP_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
-        row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
-        gc.collect()  # free this mode's model, optimizer state and compiled graphs before the next one
-        torch._dynamo.reset()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        rows.append(row)
-        print(f"[{name}] {mode}: " + (row.get("error") or f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, "
-                                                          f"peak {row['peak_gib']} GiB, warmup {row['compile_s']} s"),
-              flush=True)
-    return add_ratios(rows)
+    if missing:
+        return add_ratios([{"model": name, "mode": mode, "step_ms": None, "peak_gib": None, "loss": None,
+                            "error": f"{SKIP_HINT} ({', '.join(missing)} not installed)"} for mode in modes])
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for p in range(passes):
+        for mode in (modes if p % 2 == 0 else modes[::-1]):
+            print(f"[{name}] {mode} ...", flush=True)
+            # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
+            limit = timeout * AUTOMP_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
+            row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
+            gc.collect()  # free this mode's model, optimizer state and compiled graphs before the next one
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            runs[mode].append(row)
+            print(f"[{name}] {mode}: " + (row.get("error") or f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, "
+                                                              f"peak {row['peak_gib']} GiB, warmup {row['compile_s']} s"),
+                  flush=True)
+    return add_ratios([_median_pass(r) for r in runs.values()])
+
+
+def _median_pass(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first pass's row (its loss, warm-up and notes: later passes of automp start from a cached verdict), with
+    the median step time and the largest peak of the passes that finished; an error in any pass is kept."""
+    row = dict(rows[0])
+    done = [r for r in rows if r.get("step_ms") is not None]
+    if len(rows) > 1:
+        row["step_ms_passes"] = [r.get("step_ms") for r in rows]
+        if done:
+            row["step_ms"] = statistics.median(r["step_ms"] for r in done)
+            peaks = [r["peak_gib"] for r in done if r.get("peak_gib") is not None]
+            row["peak_gib"] = max(peaks) if peaks else None
+        errors = [r["error"] for r in rows if r.get("error")]
+        if errors and not row.get("error"):
+            row["error"] = errors[0]
+    return row
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -324,6 +345,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mode-timeout", type=float, default=150,
                    help="seconds one mode may take (build, compile, steps) before it ends with an error row; 0: none. "
                         "automp modes get twice this: they compile two paths before their trial settles")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run the modes this many times, in alternating order, and report each mode's median step time")
     p.add_argument("--quick", action="store_true", help="tiny configs (CPU smoke run); writes zoo-<gpu>-quick.*")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -334,12 +357,14 @@ def main(argv: list[str]) -> int:
             print(f"{name:9s} {build.__doc__.splitlines()[0]}" + (f"  [{', '.join(libs)}]" if libs else ""))
         return 0
     models, modes = _names(args.models, tuple(MODELS), "model", p), _names(args.modes, MODES, "mode", p)
+    if args.passes < 1:
+        p.error(f"--passes must be at least 1, got {args.passes}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no GPU visible")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     meta = {"device": device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick}
+            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick, "passes": args.passes}
     print(f"automp bench zoo: {meta['device']}, torch {meta['torch']}, TF32 off, {args.steps} timed steps",
           flush=True)
     stem = f"zoo-{gpu_slug(args.device)}" + ("-quick" if args.quick else "")
@@ -349,7 +374,7 @@ def main(argv: list[str]) -> int:
                 torch._functorch.config.patch(enable_autograd_cache=False):
             for name in models:  # written after each model: a run cut off by a time limit keeps what it measured
                 rows = run_model(name, modes, args.quick, args.device, args.steps, args.warmup, args.max_warmup,
-                                 args.mode_timeout)
+                                 args.mode_timeout, args.passes)
                 _, md = write_outputs([dict(r, **meta) for r in rows], args.out, stem)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
