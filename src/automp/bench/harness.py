@@ -5,8 +5,6 @@ so ratios are meaningful even when clocks or neighbours change between runs.
 """
 from __future__ import annotations
 
-import json
-import os
 import platform
 import statistics
 import time
@@ -14,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from automp.files import write_json_and_markdown
 
 
 @dataclass
@@ -80,17 +80,10 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
 
 def write_results(results: list[Result], out_dir: str, suite: str, command: str) -> tuple[str, str]:
     """Write `<suite>.json` and `<suite>.md` (a table with ratios) and return their paths."""
-    os.makedirs(out_dir, exist_ok=True)
     meta = {"suite": suite, "device": device_name(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "command": command}
     rows = [dict(asdict(r), speedup=r.speedup) for r in results]
-    json_path = os.path.join(out_dir, f"{suite}.json")
-    with open(json_path, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
-    md_path = os.path.join(out_dir, f"{suite}.md")
-    with open(md_path, "w") as f:
-        f.write(markdown_table(results, meta))
-    return json_path, md_path
+    return write_json_and_markdown(out_dir, suite, {"meta": meta, "results": rows}, markdown_table(results, meta))
 
 
 def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:

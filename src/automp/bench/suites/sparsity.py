@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import random
 import sys
@@ -38,7 +37,7 @@ from automp.compress.sparse import (SparsityConfig, detect_backend, finalize, ge
                                     to_semi_structured)
 from automp.compress.sparse.masks import is_two_four, two_four_mask
 from automp.compress.sparse.reconstruction import refit
-from automp.files import atomic_output
+from automp.files import write_json_and_markdown
 
 MLP_LAYERS = ("encoder.layer.*[0-9].intermediate.dense", "encoder.layer.*[0-9].output.dense")
 QUICK_LAYERS = ("encoder.layer.[01].intermediate.dense", "encoder.layer.[01].output.dense")  # --quick: 2 of 6
@@ -363,13 +362,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def write(result: dict[str, Any], out_dir: str, stem: str) -> tuple[str, str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = os.path.join(out_dir, stem + ".json"), os.path.join(out_dir, stem + ".md")
-    with atomic_output(paths[0]) as tmp, open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    with atomic_output(paths[1]) as tmp, open(tmp, "w") as f:
-        f.write(markdown(result))
-    return paths
+    return write_json_and_markdown(out_dir, stem, result, markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from automp.bench import zoo_models as zm
 from automp.bench import zoo_scripts as zs
 from automp.bench.harness import device_name
 from automp.bench.suites.train import _time_steps
+from automp.files import write_json_and_markdown
 
 # name -> (builder, libraries it needs): the order of the tables and the plot
 MODELS: dict[str, tuple[Callable[[bool, str], zm.Workload], tuple[str, ...]]] = {
@@ -315,14 +316,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: str, stem: str) -> tuple[list[dict[str, Any]], str]:
     """Merge `rows` into <stem>.json and rewrite <stem>.md and .png from the merged rows; returns them and the md."""
-    os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, stem)
     merged = merge_rows(base + ".json", rows)
-    with open(base + ".json", "w") as f:
-        json.dump(merged, f, indent=1)
     md = markdown(merged)
-    with open(base + ".md", "w") as f:
-        f.write(md)
+    write_json_and_markdown(out_dir, stem, merged, md)
     plot(merged, base + ".png")
     return merged, md
 
