@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from automp.llm.bench import as_tokens, train_lm
-from automp.llm.generate import _ATTR, ByteTokenizer, _decoder, decode_info, generate
+from automp.llm.generate import _ATTR, ByteTokenizer, _decoder, decode_info, generate, sync_warnings
 from automp.llm.quantize import quantize
 from automp.llm.store import build
 from tests.llm import DEVICE
@@ -115,3 +115,12 @@ def test_byte_tokenizer_round_trip():
     text = "naïve café — 数"
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode([104, 105, 300]) == "hi"  # ids outside the byte range are dropped
+
+
+def test_only_real_sync_warnings_block_capture():
+    """The one-off 'prototype feature' notice of sync debugging is not a synchronising op (it once sent the first
+    model of a process to eager decoding)."""
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    sync = "called a synchronizing CUDA operation (Triggered internally at Module.cpp:1003.)"
+    assert sync_warnings([notice]) == []
+    assert sync_warnings([notice, sync]) == [sync]

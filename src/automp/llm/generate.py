@@ -168,7 +168,7 @@ class Decoder(_Unpicklable):
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(self.stream)
-        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        syncs = sync_warnings(str(w.message) for w in caught)
         if syncs:
             self.mode, self.reason = "eager", f"decode step synchronises, not capturable: {syncs[0][:200]}"
         return logits
@@ -185,6 +185,13 @@ class Decoder(_Unpicklable):
         self.graph, self.logits = graph, logits
         graph.replay()
         return logits
+
+
+def sync_warnings(messages) -> list[str]:
+    """The messages that report a synchronising CUDA call. Only those: turning sync debugging on also warns, once
+    per process, that the mode "is a prototype feature", and taking that for a sync sent the first model of a
+    process to eager decoding."""
+    return [m for m in messages if "called a synchronizing cuda operation" in m.lower()]
 
 
 def _decoder(model: nn.Module, batch: int, length: int, mode: str) -> Decoder:
