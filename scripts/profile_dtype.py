@@ -1,0 +1,86 @@
+"""Issue 11 diagnostic: where does automp-fp16 spend the time automp-bf16 does not? One zoo model, one forced path,
+bf16 and fp16 in interleaved blocks (host drift cancels), then a torch.profiler trace of a few steps of each:
+the CUDA kernels that differ most in total time, and the host time per step.
+
+    python scripts/profile_dtype.py bert compile
+"""
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import automp
+from automp.bench.suites import zoo
+
+BLOCK, ROUNDS, PROFILED = 10, 4, 3
+CUDA = torch.cuda.is_available()  # a CPU run (tiny configs) only checks the script
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def block(loop, steps):
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        loop.step()
+    sync()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def kernels(loop, steps):
+    """{kernel name: total CUDA ms per step}, and host ms per step (the profiled wall time)."""
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            loop.step()
+        sync()
+        wall = (time.perf_counter() - t) / steps * 1e3
+    per = Counter()
+    for e in prof.key_averages():
+        cuda_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if cuda_us and e.device_type.name == "CUDA" or not CUDA and e.self_cpu_time_total and "aten::" in e.key:
+            cuda_us = cuda_us or e.self_cpu_time_total
+            per[e.key[:90]] += cuda_us / 1e3 / steps
+    syncs = sum(e.count for e in prof.key_averages() if "Synchronize" in e.key or e.key == "aten::item"
+                or e.key == "aten::_local_scalar_dense")
+    return per, wall, syncs / steps
+
+
+def main(name, path):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    dev = "cuda" if CUDA else "cpu"
+    loops = {d: zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev) for d in ("bf16", "fp16")}
+    times = {d: [] for d in loops}
+    for r in range(ROUNDS + 1):
+        for d in (list(loops) if r % 2 else list(loops)[::-1]):
+            automp.enable(dtype=d, path=path)
+            ms = block(loops[d], BLOCK)
+            automp.disable()
+            if r:
+                times[d].append(ms)
+    print(f"{name} path={path}: median ms/step " + ", ".join(f"{d} {statistics.median(v):.2f}" for d, v in times.items()))
+    prof = {}
+    for d, loop in loops.items():
+        automp.enable(dtype=d, path=path)
+        prof[d] = kernels(loop, PROFILED)
+        automp.disable()
+        per, wall, syncs = prof[d]
+        print(f"{d}: profiled wall {wall:.2f} ms/step, CUDA kernel total {sum(per.values()):.2f} ms/step, "
+              f"{len(per)} distinct kernels, host syncs/step {syncs:.1f}")
+    a, b = prof["bf16"][0], prof["fp16"][0]
+    diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))[:25]
+    print("| kernel | bf16 ms/step | fp16 ms/step |\n|---|---:|---:|")
+    for k in diff:
+        print(f"| {k} | {a.get(k, 0):.3f} | {b.get(k, 0):.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "compile")
