@@ -1,5 +1,5 @@
 """Issue 11 diagnostic: where does automp-fp16 spend the time automp-bf16 does not? One zoo model, one forced path,
-bf16 and fp16 in interleaved blocks (host drift cancels), then a torch.profiler trace of a few steps of each:
+bf16 then fp16 (automp.enable starts afresh: no interleaving), each timed and then a torch.profiler trace of a few steps of each:
 the CUDA kernels that differ most in total time, and the host time per step.
 
     python scripts/profile_dtype.py bert compile
@@ -58,23 +58,17 @@ def main(name, path):
     torch.manual_seed(0)
     dev = "cuda" if CUDA else "cpu"
     loops = {d: zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev) for d in ("bf16", "fp16")}
-    times = {d: [] for d in loops}
-    for r in range(ROUNDS + 1):
-        for d in (list(loops) if r % 2 else list(loops)[::-1]):
-            automp.enable(dtype=d, path=path)
-            ms = block(loops[d], BLOCK)
-            automp.disable()
-            if r:
-                times[d].append(ms)
-    print(f"{name} path={path}: median ms/step " + ", ".join(f"{d} {statistics.median(v):.2f}" for d, v in times.items()))
-    prof = {}
-    for d, loop in loops.items():
+    times, prof = {}, {}
+    for d, loop in loops.items():  # automp.enable() starts fresh (a recompile), so each dtype runs in one piece
         automp.enable(dtype=d, path=path)
-        prof[d] = kernels(loop, PROFILED)
+        block(loop, BLOCK)  # compile, trial-free (forced path), warm-up
+        times[d] = [block(loop, BLOCK) for _ in range(ROUNDS)]
+        per, wall, syncs = kernels(loop, PROFILED)
         automp.disable()
-        per, wall, syncs = prof[d]
-        print(f"{d}: profiled wall {wall:.2f} ms/step, CUDA kernel total {sum(per.values()):.2f} ms/step, "
-              f"{len(per)} distinct kernels, host syncs/step {syncs:.1f}")
+        prof[d] = per, wall, syncs
+        print(f"{d}: median ms/step {statistics.median(times[d]):.2f}; profiled wall {wall:.2f} ms/step, CUDA kernel "
+              f"total {sum(per.values()):.2f} ms/step, {len(per)} distinct kernels, host syncs/step {syncs:.1f}",
+              flush=True)
     a, b = prof["bf16"][0], prof["fp16"][0]
     diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))[:25]
     print("| kernel | bf16 ms/step | fp16 ms/step |\n|---|---:|---:|")
