@@ -64,13 +64,15 @@ def main(name, path):
         block(loop, BLOCK)  # compile, trial-free (forced path), warm-up
         times[d] = [block(loop, BLOCK) for _ in range(ROUNDS)]
         per, wall, syncs = kernels(loop, PROFILED)
-        automp.disable()
+        report = automp.disable()
+        print(f"{d}: optimizers {[(type(o).__name__, [g.get('fused') for g in o.param_groups]) for o in loop.work.optimizers.values()]}; "
+              f"automp switched {report.get('optimizers')}; loss scale {report.get('loss_scale')}", flush=True)
         prof[d] = per, wall, syncs
         print(f"{d}: median ms/step {statistics.median(times[d]):.2f}; profiled wall {wall:.2f} ms/step, CUDA kernel "
               f"total {sum(per.values()):.2f} ms/step, {len(per)} distinct kernels, host syncs/step {syncs:.1f}",
               flush=True)
     a, b = prof["bf16"][0], prof["fp16"][0]
-    diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))[:25]
+    diff = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))[:40]
     print("| kernel | bf16 ms/step | fp16 ms/step |\n|---|---:|---:|")
     for k in diff:
         print(f"| {k} | {a.get(k, 0):.3f} | {b.get(k, 0):.3f} |")

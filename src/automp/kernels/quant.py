@@ -107,6 +107,10 @@ _SUB = tl.constexpr(16)  # bytes of one thread's vector load, reduced in its reg
 _MIN_SPAN = 128  # fewest K per split program: the smallest BLOCK_K below, so some config always tiles a span exactly
 _SPLIT_ROWS = 32  # rows per program the split chooser counts with (a middle BLOCK_N)
 _WAVES = 2  # programs the chooser aims at, in SM counts: every SM busy, with a second program to hide the tail
+# No split below this K: measured on an H100 in a CUDA graph (scripts/qgemv_sweep.py, Llama-1B shapes), a GEMV of K=2048
+# takes 4-6 us, mostly launch latency, and the split's second launch cost more than its extra programs gave back
+# (int4 2048x2048: 4.2 us unsplit, 5.4-5.7 split); at K=5632 six splits won (8.0 us vs 9.8).
+_SPLIT_MIN_K = 4096
 _SUM_BLOCK = 256
 
 
@@ -252,12 +256,14 @@ def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None
 
     A range is a whole number of scale groups (so no two programs share one) and of _MIN_SPAN. The heuristic takes
     the largest power-of-two range that still gives _WAVES * sms programs with _SPLIT_ROWS-row blocks, so every
-    BLOCK_K up to it tiles it exactly; N that fills the SMs alone gets no split. `split_k` asks for that many programs
+    BLOCK_K up to it tiles it exactly; N that fills the SMs alone, or K below _SPLIT_MIN_K, gets no split. `split_k` asks for that many programs
     instead, as even as whole units allow (so possibly fewer).
     """
     unit = _MIN_SPAN if group >= k else max(group, _MIN_SPAN)
     if split_k is not None:
         span = triton.cdiv(triton.cdiv(k, max(split_k, 1)), unit) * unit
+    elif k < _SPLIT_MIN_K:
+        span = k
     else:
         want = triton.cdiv(_WAVES * sms, max(1, triton.cdiv(n, _SPLIT_ROWS)))
         span = unit
