@@ -32,7 +32,7 @@ import torch.nn as nn
 from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
 from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
 from automp.deploy import runtime
-from automp.deploy.quantized import boundary
+from automp.deploy.quantized import boundary, speed
 from automp.deploy.quantized.compile import compile_module
 from automp.deploy.quantized.linear import (GROUPS, Int8Linear, WeightOnlyLinear, int8_static_qparams, nbytes,
                                             smooth_factors, weight_group)
@@ -54,7 +54,8 @@ class TorchQuantConfig:
     error, one model run per layer over the calibration data) or "layer" (each layer's own output error, no extra
     run; see the module docstring for why it is not the default).
     max_calib_batches: calibration batches used (the rest of the iterable is not read). compile: torch.compile the
-    result with `compile_mode` on CUDA (eager on CPU)."""
+    result with `compile_mode` on CUDA (eager on CPU). measure: on CUDA with calib, time the result against the
+    same module in `dtype`, built the same way, and report which is faster (see speed)."""
     activations: str = "dynamic"
     smooth: float | None = 0.5
     sensitivity: str = "isolate"
@@ -66,6 +67,7 @@ class TorchQuantConfig:
     max_calib_batches: int = 8
     compile: bool = True
     compile_mode: str = "reduce-overhead"
+    measure: bool = True
 
     def __post_init__(self) -> None:
         if self.activations not in ("dynamic", "static"):
@@ -324,7 +326,13 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
             name, lin.in_features, lin.out_features, precision if rule is None else DTYPES[config.dtype],
             rule or Rule.QUANTIZED, _reason(rule, precision, config, lin, smoothed),
             getattr(qmods.get(name), "group", None), sens.get(name)))
-    out = compile_module(model, config.compile_mode) if config.compile else model
+    def build(m: nn.Module) -> nn.Module:
+        return compile_module(m, config.compile_mode) if config.compile else m
+
+    out = build(model)
+    why = speed.skipped_because(device, calls, config.measure)
+    report.speed = (speed.SpeedCheck(skipped=why) if why else
+                    speed.check(out, module, config.dtype, io_dtype, calls[0], build)).to_dict()
     return out, report
 
 

@@ -51,6 +51,7 @@ class QuantReport:
     sensitivity: str = "isolate"      # how the budget search ranked layers (TorchQuantConfig.sensitivity)
     fallback_sensitivity: dict[str, float] = field(default_factory=dict)  # model-level, for "isolate" / "drop"
     bytes: dict[str, int] = field(default_factory=dict)
+    speed: dict = field(default_factory=dict)  # quantized vs float timing on the GPU (deploy.quantized.speed)
 
     @property
     def max_rel_error(self) -> float | None:
@@ -69,5 +70,5 @@ class QuantReport:
                 "rules": self.counts(), "error_vs_fp32": {k: e.to_dict() for k, e in self.error.items()},
                 "max_rel_error": self.max_rel_error, "error_data": self.error_data,
                 "fallback_steps": self.fallback_steps, "sensitivity": self.sensitivity,
-                "fallback_sensitivity": self.fallback_sensitivity, "bytes": self.bytes,
+                "fallback_sensitivity": self.fallback_sensitivity, "bytes": self.bytes, "speed": self.speed,
                 "layers_quantized": [d.name for d in self.layers if d.rule is Rule.QUANTIZED]}
