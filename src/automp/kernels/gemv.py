@@ -11,6 +11,7 @@ Launchers here assume validated inputs (ops.py checks dtypes, shapes and devices
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 
@@ -51,10 +52,13 @@ def half_dot(a, b, acc):
     return out
 
 
-def num_sms(device: torch.device) -> int:
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device, cpu: int = 4) -> int:
+    """Streaming multiprocessors of `device`; on a CPU (the interpreter), `cpu`: what a caller's heuristic should
+    assume there."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return cpu
 
 
 def _vec_configs() -> list[triton.Config]:

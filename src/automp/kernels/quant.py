@@ -16,14 +16,12 @@ asymmetric scheme (a = sa * (a_q - za), e.g. za = -128 for post-ReLU activations
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET, mm_configs, prune_by_m, tile_ids
-from automp.kernels.gemv import half_dot, k_range
+from automp.kernels.gemv import half_dot, k_range, num_sms
 
 MIN_GROUP = 32
 
@@ -112,6 +110,7 @@ _WAVES = 2  # programs the chooser aims at, in SM counts: every SM busy, with a 
 # (int4 2048x2048: 4.2 us unsplit, 5.4-5.7 split); at K=5632 six splits won (8.0 us vs 9.8).
 _SPLIT_MIN_K = 4096
 _SUM_BLOCK = 256
+_CPU_SMS = 132  # an H100: CPU runs (the interpreter) split like the GPU they stand in for
 
 
 def _qgemv_configs() -> list[triton.Config]:
@@ -244,13 +243,6 @@ def kernel_group(k: int, n_groups: int) -> int:
     return g
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100: CPU runs (the interpreter) then split like the GPU they stand in for
-
-
 def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
     """(programs along K, K range of each) for an [N, K] GEMV.
 
@@ -280,7 +272,7 @@ def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k:
     n = qw.shape[0]
     bits = 4 if qw.dtype == torch.uint8 else 8
     group = kernel_group(k, scales.shape[1])
-    split, span = _gemv_split(n, k, group, _sm_count(x.device), split_k)
+    split, span = _gemv_split(n, k, group, num_sms(x.device, cpu=_CPU_SMS), split_k)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
