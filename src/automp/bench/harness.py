@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -76,6 +77,11 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
     dst = torch.empty_like(src)
     ms = time_fn(lambda: dst.copy_(src), warmup=3, iters=10)
     return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def command_line(prefix: str, argv: list[str] | None) -> str:
+    """The command a suite was run with, for its results' meta: `prefix` and the arguments (sys.argv's when None)."""
+    return (prefix + " " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
 
 
 def write_results(results: list[Result], out_dir: str, suite: str, command: str) -> tuple[str, str]:

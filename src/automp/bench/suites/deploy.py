@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from automp.bench.harness import Result, time_fn, write_results
+from automp.bench.harness import Result, command_line, time_fn, write_results
 
 
 class EncoderLayer(nn.Module):
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 sp = f"{r.speedup:.2f}x" if r.speedup else ""
                 print(f"{r.name:70s} {r.ms:9.3f} ms  {sp:>7s}  rel err {r.extra['rel_err_vs_fp32']:.2e}", flush=True)
             results.extend(rows)
-    cmd = "automp bench deploy " + " ".join(argv if argv is not None else sys.argv[1:])
-    json_path, md_path = write_results(results, args.out, "deploy", cmd.strip())
+    cmd = command_line("automp bench deploy", argv)
+    json_path, md_path = write_results(results, args.out, "deploy", cmd)
     print(f"wrote {json_path} and {md_path}")
     return 0
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from automp.bench.harness import Result, time_fn, write_results
+from automp.bench.harness import Result, command_line, time_fn, write_results
 from automp.bench.sentences import template_sentences
 
 MODES = ("fp32-eager", "anchor", "int8", "int8-weight", "int4-weight")
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         results += bench_model(f"{label} seq{args.seq}", model, make_inputs, args, device, deadline)
         if device == "cuda":
             torch._dynamo.reset()
-    cmd = "automp bench deploy_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
-    json_path, md_path = write_results(results, args.out, "deploy_gpu", cmd.strip())
+    cmd = command_line("automp bench deploy_gpu", argv)
+    json_path, md_path = write_results(results, args.out, "deploy_gpu", cmd)
     print(f"wrote {json_path} and {md_path}")
     return 0
 

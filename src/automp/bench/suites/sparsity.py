@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from automp.bench.harness import device_name, time_fn
+from automp.bench.harness import command_line, device_name, time_fn
 from automp.bench.sentences import split_sentences
 from automp.compress.sparse import (SparsityConfig, detect_backend, finalize, get_masks, prune,
                                     to_semi_structured)
@@ -400,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no GPU visible")
     if args.steps is not None and args.steps < 0:
         p.error("--steps must be >= 0")
-    cmd = "automp bench sparsity " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = command_line("automp bench sparsity", argv)
     result: dict[str, Any] = {"meta": {"suite": "sparsity", "device": device_name() if args.device == "cuda"
                                        else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                                       "command": cmd.strip(), "quick": args.quick}}
+                                       "command": cmd, "quick": args.quick}}
     if "accuracy" in parts:
         print(f"[sparsity] accuracy: 2:4 MiniLM MLPs on {args.device}", flush=True)
         try:
