@@ -1,6 +1,6 @@
 """Issue 11 diagnostic: where does automp-fp16 spend the time automp-bf16 does not? One zoo model, one forced path,
-bf16 then fp16 (automp.enable starts afresh: no interleaving), each timed and then a torch.profiler trace of a few steps of each:
-the CUDA kernels that differ most in total time, and the host time per step.
+bf16 then fp16 (automp.enable starts afresh: no interleaving), each timed and then traced with torch.profiler for a
+few steps: the CUDA kernels that differ most in total time, and the host time per step.
 
     python scripts/profile_dtype.py bert compile
 """
@@ -65,8 +65,9 @@ def main(name, path):
         times[d] = [block(loop, BLOCK) for _ in range(ROUNDS)]
         per, wall, syncs = kernels(loop, PROFILED)
         report = automp.disable()
-        print(f"{d}: optimizers {[(type(o).__name__, [g.get('fused') for g in o.param_groups]) for o in loop.work.optimizers.values()]}; "
-              f"automp switched {report.get('optimizers')}; loss scale {report.get('loss_scale')}", flush=True)
+        fused = [(type(o).__name__, [g.get("fused") for g in o.param_groups]) for o in loop.work.optimizers.values()]
+        print(f"{d}: optimizers {fused}; automp switched {report.get('optimizers')}; "
+              f"loss scale {report.get('loss_scale')}", flush=True)
         prof[d] = per, wall, syncs
         print(f"{d}: median ms/step {statistics.median(times[d]):.2f}; profiled wall {wall:.2f} ms/step, CUDA kernel "
               f"total {sum(per.values()):.2f} ms/step, {len(per)} distinct kernels, host syncs/step {syncs:.1f}",
