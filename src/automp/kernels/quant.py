@@ -248,8 +248,8 @@ def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None
 
     A range is a whole number of scale groups (so no two programs share one) and of _MIN_SPAN. The heuristic takes
     the largest power-of-two range that still gives _WAVES * sms programs with _SPLIT_ROWS-row blocks, so every
-    BLOCK_K up to it tiles it exactly; N that fills the SMs alone, or K below _SPLIT_MIN_K, gets no split. `split_k` asks for that many programs
-    instead, as even as whole units allow (so possibly fewer).
+    BLOCK_K up to it tiles it exactly; N that fills the SMs alone, or K below _SPLIT_MIN_K, gets no split.
+    `split_k` asks for that many programs instead, as even as whole units allow (so possibly fewer).
     """
     unit = _MIN_SPAN if group >= k else max(group, _MIN_SPAN)
     if split_k is not None:
