@@ -28,3 +28,15 @@ def test_gemm_rejects_bad_inputs():
         K.gemm(a, torch.randn(8, 3, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="a \\[M, K\\] and b \\[K, N\\]"):
         K.gemm(a, torch.randn(7, 3, dtype=torch.float16, device=DEVICE))
+
+
+def test_tile_families_are_pruned_by_m():
+    from automp.kernels.gemm import MID_M, SKINNY_M, _cfg, prune_by_m
+
+    configs = [_cfg(16, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 4, 4), _cfg(128, 256, 64, 8, 3)]
+    rows = lambda m: sorted(c.kwargs["BLOCK_M"] for c in prune_by_m(configs, {"M": m}))  # noqa: E731
+    assert rows(8) == [16]  # skinny M: only tiles near its height
+    assert rows(SKINNY_M) == [16, 64]
+    assert rows(128) == [16, 64, 128, 128]  # the band: a few square tiles would leave SMs idle, both are tuned
+    assert rows(MID_M + 1) == [128, 128]
+    assert prune_by_m([configs[0]], {"M": 4096}) == [configs[0]]

@@ -97,6 +97,15 @@ def test_int8_gemm_epilogue_scales_bias_and_zero_point(poison):
     assert half.dtype == torch.bfloat16 and rel_err(half, ref) < TOL[torch.bfloat16]
 
 
+def test_int8_gemm_one_activation_scale_is_read_by_every_row(poison):
+    m, n, k = 19, 24, 40
+    a, b = _int8_operands(m, n, k)
+    sa, sb = torch.tensor([0.37], device=DEVICE), torch.rand(n, device=DEVICE) + 0.1
+    ref = (a.double() @ b.double()) * 0.37 * sb.double()
+    for one in (sa, sa[0]):  # [1] and a 0-d scalar
+        assert rel_err(K.int8_gemm(a, b, one, sb, out_dtype=torch.float32), ref) < 1e-6
+
+
 def test_asymmetric_activation_quantization_round_trip():
     x = torch.relu(torch.randn(6, 50, device=DEVICE))
     q, s, z = K.quantize_rowwise_int8(x, asymmetric=True)

@@ -152,7 +152,7 @@ def _check_int8(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torc
     m, n = a_q.shape[0], b_q.shape[1]
     _require(sa.dtype in FLOATS and sb.dtype in FLOATS, op, f"scales must be float, got {sa.dtype}/{sb.dtype}",
              TypeError)
-    _require(sa.numel() == m and sa.shape in ((m,), (m, 1)), op, f"sa must be [M] or [M, 1], got {tuple(sa.shape)}")
+    _require(sa.shape in ((m,), (m, 1), (1,), ()), op, f"sa must be [M], [M, 1] or one scale, got {tuple(sa.shape)}")
     _require(sb.numel() == n and sb.shape in ((n,), (1, n)), op, f"sb must be [N] or [1, N], got {tuple(sb.shape)}")
     _require(out_dtype in FLOATS, op, f"out_dtype must be float16/bfloat16/float32, got {out_dtype}", TypeError)
     if bias is not None:
@@ -169,6 +169,7 @@ def int8_gemm_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: tor
                  bias: torch.Tensor | None, a_zero: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     _check_int8(a_q, b_q, sa, sb, bias, a_zero, out_dtype)
     m = a_q.shape[0]
+    # one activation scale (static) stays one element, read by every row (no [M] copy per call)
     sa, sb = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
     bias = bias.reshape(-1).contiguous() if bias is not None else None
     zero = a_zero.reshape(-1).to(torch.int32).expand(m).contiguous() if a_zero is not None else None

@@ -78,10 +78,10 @@ class Int8Linear(nn.Module):
         if self.act_scale is None:
             return kernels.quantize_rowwise_int8(x2)
         lo, hi = (-127, 127) if self.act_zero is None else (-128, 127)
-        q = torch.round(x2.float() / self.act_scale)
+        q = torch.round(x2.float() * (1.0 / self.act_scale))  # a multiply per element, see quantize_rowwise_int8
         if self.act_zero is not None:
             q = q + self.act_zero
-        return q.clamp_(lo, hi).to(torch.int8), self.act_scale.expand(x2.shape[0])
+        return q.clamp_(lo, hi).to(torch.int8), self.act_scale.reshape(1)  # one scale, read by every row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
