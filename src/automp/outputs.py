@@ -42,14 +42,16 @@ def restore_outside_graph(out: Any) -> Any:
     return out if is_lazy_candidate(out) else restore_float32(out)
 
 
-def restore_lazily(out: Any) -> Any:
+def restore_lazily(out: Any, watch: Any = None) -> Any:
     """`out` with FP32 promised: a ModelOutput becomes its lazy twin (same object, class swapped), anything else is
-    restored now."""
+    restored now. `watch.on_read(out, name)` is told of every field read before it happens (automp.unread_outputs)."""
     if not is_lazy_candidate(out):
         return restore_float32(out)
-    if not any(isinstance(v, torch.Tensor) and v.dtype in HALVES for v in dict.values(out)):
+    if watch is None and not any(isinstance(v, torch.Tensor) and v.dtype in HALVES for v in dict.values(out)):
         return out
     out.__class__ = _lazy_class(type(out))
+    if watch is not None:
+        object.__setattr__(out, "_automp_watch", watch)
     return out
 
 
@@ -70,6 +72,9 @@ class _LazyFloat:
     keeps the two in step on assignment), so a field is cast once, where it is first read, and stored back."""
 
     def _cast_field(self, name: str) -> None:
+        watch = object.__getattribute__(self, "__dict__").get("_automp_watch")
+        if watch is not None:
+            watch.on_read(self, name)
         value = dict.get(self, name)
         if isinstance(value, torch.Tensor) and value.dtype in HALVES:
             setattr(self, name, value.float())  # ModelOutput.__setattr__ updates the item and the attribute
@@ -124,6 +129,8 @@ class _LazyFloat:
         find the original by name and refuse the twin; every field is FP32 by then, nothing lazy is lost."""
         self._cast_all()
         fn, args, *rest = super().__reduce__()
+        if rest and isinstance(rest[0], dict) and "_automp_watch" in rest[0]:  # automp's, not the output's state
+            rest[0] = {k: v for k, v in rest[0].items() if k != "_automp_watch"}
         return (type(self)._original if fn is type(self) else fn, args, *rest)
 
     def __eq__(self, other: Any) -> bool:

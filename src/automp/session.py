@@ -28,6 +28,7 @@ from automp.graph.capture import low_dtype, make_backend
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder
+from automp.unread_outputs import FieldReads, FieldWatch, detach_unread
 
 ORIG_CALL = nn.Module.__call__
 _local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
@@ -48,6 +49,7 @@ class _Root:
     stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
+    fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
 
 
 @dataclass
@@ -155,20 +157,20 @@ class Session:
             if path is Path.EAGER_LOW:
                 with torch.autocast(root.device.type, dtype=root.low):
                     out = ORIG_CALL(module, *args, **kwargs)
-                return restore_lazily(out)
+                return self._deliver(root, out, None)
             if path is Path.COMPILED_AUTOCAST:
                 if root.stock is None:
-                    self._before_compile()
+                    self._before_compile(root)
                     root.stock = _compile_stock(module, root)
                 compiled = root.stock
             else:
                 if root.compiled is None:
-                    self._before_compile()
+                    self._before_compile(root)
                     root.compiled = self._compile(module, root)
                 compiled = root.compiled
             try:
                 out = compiled(*args, **kwargs)
-                return restore_lazily(out) if path is Path.COMPILED_AUTOCAST and is_lazy_candidate(out) else out
+                return self._deliver(root, out, lambda: self._run(module, root, path, args, kwargs))
             except torch._dynamo.exc.TorchDynamoException as e:
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
@@ -178,6 +180,18 @@ class Session:
         finally:
             _local.depth, _local.path = 0, None
         return ORIG_CALL(module, *args, **kwargs)
+
+    def _deliver(self, root: _Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
+        """What the script gets: its FP32 dtypes (automp.outputs) and, for a ModelOutput, a watch over which fields
+        it reads (automp.unread_outputs). rerun is None on the eager path, where nothing is detached."""
+        if not is_lazy_candidate(out):
+            return restore_float32(out) if rerun is None else out  # compiled paths restored it inside the graph
+        if root.fields.on_reattach is None:
+            root.fields.on_reattach = lambda why: self.recorder.unread_outputs.setdefault(
+                root.label, {"detached": []}).update(detached=[], reattached=why)
+        root.fields.observe(out)
+        detached = root.fields.detach if rerun is not None else ()
+        return restore_lazily(out, FieldWatch(out, root.fields, detached, rerun))
 
     # -- roots, trials, verdicts ----------------------------------------------------------------------------------
     def _new_root(self, module: nn.Module, args: tuple) -> _Root:
@@ -275,9 +289,11 @@ class Session:
         n = self.labels[name] = self.labels.get(name, 0) + 1
         return name if n == 1 else f"{name}#{n}"
 
-    def _before_compile(self) -> None:
+    def _before_compile(self, root: _Root) -> None:
         """At the first compilation, not at install: transformers adds its log-once methods when the script imports
-        it, after automp was enabled."""
+        it, after automp was enabled. The fields to detach are fixed here, from the calls seen so far."""
+        if root.fields.decide():
+            self.recorder.unread_outputs[root.label] = {"detached": list(root.fields.detach)}
         if self.undo_once_logging is None:
             self.undo_once_logging = ignore_once_logging()
 
@@ -292,14 +308,14 @@ class Session:
             root.graphs += 1
             return backend(gm, example_inputs)
 
-        return torch.compile(_entry_point(module), backend=counted)
+        return torch.compile(_entry_point(module, root), backend=counted)
 
 
 def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand. The outputs go back to FP32 inside
     the compiled function (Inductor fuses the cast), as on every other path: the script sees its own dtypes; a
     ModelOutput's fields only when read (automp.outputs)."""
-    entry = _entry_point(module)
+    entry = _entry_point(module, root)
 
     def autocast_call(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(root.device.type, dtype=root.low):
@@ -328,14 +344,15 @@ def _agree(verdict: Verdict) -> Verdict:
                                     f"{verdict.reason}", verdict.timings_ms)
 
 
-def _entry_point(module: nn.Module) -> Callable[..., Any]:
+def _entry_point(module: nn.Module, root: _Root) -> Callable[..., Any]:
     """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
     recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
-    evict the others' and, past the limit, silently run them uncompiled in FP32."""
+    evict the others' and, past the limit, silently run them uncompiled in FP32. Output fields the script does not
+    read are detached inside it (automp.unread_outputs)."""
     ref = weakref.ref(module)
 
     def call(*args, **kwargs):
-        return ORIG_CALL(ref(), *args, **kwargs)
+        return detach_unread(ORIG_CALL(ref(), *args, **kwargs), root.fields)
 
     code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
     return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)

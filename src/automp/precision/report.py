@@ -33,6 +33,9 @@ class Recorder:
     choices: list[dict[str, Any]] = field(default_factory=list)  # per root module: the path it runs and why
     compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
     optimizers: list[dict[str, Any]] = field(default_factory=list)  # optimizers automp switched to fused
+    # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
+    # "reattached": why that stopped, if it did} (automp.unread_outputs)
+    unread_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -62,7 +65,7 @@ class Recorder:
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
                 "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
-                "optimizers": self.optimizers}
+                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs}
 
     def save(self, path: str) -> None:
         from automp.files import atomic_output
@@ -156,6 +159,12 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
         console.print(f"[cyan]{c['module']}[/cyan] runs [bold]{c['path']}[/bold]{cached}{graphs}: {c['reason']}")
     for o in report.get("optimizers", []):
         console.print(f"[cyan]{o['optimizer']}[/cyan]: {o['change']}")
+    for module, u in report.get("unread_outputs", {}).items():
+        if u.get("detached"):
+            console.print(f"[cyan]{module}[/cyan]: output fields the script does not read are detached in its "
+                          f"compiled graphs (no zero gradient of their size): {', '.join(u['detached'])}")
+        if u.get("reattached"):
+            console.print(f"[cyan]{module}[/cyan]: {u['reattached']}")
     for fb in report.get("fallbacks", []):
         console.print(f"[yellow]FP32 fallback[/yellow] {fb['where']}: {fb['reason']}")
     if show_nodes:
