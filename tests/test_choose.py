@@ -60,6 +60,26 @@ def test_warmup_iterations_are_not_timed():
     assert max(trial.samples[Path.COMPILED]) == pytest.approx(0.005)
 
 
+def test_a_one_off_slow_first_sample_does_not_drop_the_fastest_path():
+    class OneOff(FakeClock):  # the compiled path's first timed iteration is 1.8x its others (seen on an H100)
+        compiled_runs = 0
+
+        def seconds(self, trial):
+            c = self.cost[trial.current]
+            if trial.current is Path.COMPILED:
+                self.compiled_runs += 1
+                if self.compiled_runs == 2:  # after its one warm-up iteration
+                    return 1.8 * c
+            return c
+
+    cost = {Path.EAGER_LOW: 0.0375, Path.COMPILED: 0.031, Path.FP32: 0.145}
+    trial, _ = run_until_verdict(cost, TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1, Path.FP32: 1}),
+                                 clock=OneOff(cost), order=[Path.EAGER_LOW, Path.COMPILED, Path.FP32])
+    assert max(trial.samples[Path.COMPILED]) == pytest.approx(1.8 * 0.031)  # the one-off was timed
+    assert trial.verdict.path is Path.COMPILED and Path.COMPILED not in trial.abandoned
+    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1  # 3.9x: dropped after one round
+
+
 def test_a_clear_loser_is_dropped_after_one_round():
     cost = {Path.EAGER_LOW: 0.010, Path.FP32: 0.050}
     trial, ran = run_until_verdict(cost, TrialConfig(measure=5, give_up=1.3))
