@@ -2,7 +2,7 @@
 and without detaching unread output fields (one eager call first, as in a trial), timed in blocks alternating with the anchor (host drift shows as the
 anchor's own spread). Each automp variant is a fresh automp.enable() (its own compile); peak memory per variant.
 
-    python scripts/compare_paths.py bert [bf16] [paths|fused]
+    python scripts/compare_paths.py bert [bf16] [paths|fused|stock]
 """
 import statistics
 import sys
@@ -62,7 +62,8 @@ VARIANTS = {"paths": (("autocast-compile, detach", Path.COMPILED_AUTOCAST, True,
                       ("compile, no detach", Path.COMPILED, False, True)),
             "fused": (("autocast-compile, fused Adam", Path.COMPILED_AUTOCAST, True, True),
                       ("autocast-compile, Adam as written", Path.COMPILED_AUTOCAST, True, False),
-                      ("compile, Adam as written", Path.COMPILED, True, False))}
+                      ("compile, Adam as written", Path.COMPILED, True, False)),
+            "stock": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),)}
 
 
 def main(name, dtype="bf16", which="paths"):
