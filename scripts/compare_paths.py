@@ -1,6 +1,8 @@
 """Issue 11 diagnostic: one zoo model, the hand-written anchor against automp on each forced compiled path, with
 and without detaching unread output fields (one eager call first, as in a trial), timed in blocks alternating with the anchor (host drift shows as the
-anchor's own spread). Each automp variant is a fresh automp.enable() (its own compile); peak memory per variant.
+anchor's own spread). Each automp variant is a fresh automp.enable() (its own compile); its peak memory is counted
+above what was allocated before its model was built (the anchor's model stays resident: without the subtraction,
+an H100 run read +1.6 GiB for automp that was the anchor's parameters and optimizer state).
 
     python scripts/compare_paths.py bert [bf16] [paths|fused|stock]
 """
@@ -40,6 +42,7 @@ def variant(name, dev, dtype, path, detach, fuse=True):
     is detached), without the trial's timing: the path's warm-up never ends within this script."""
     session.detach_unread = detach_unread if detach else (lambda out, fields: out)
     torch.manual_seed(0)
+    base = torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0  # the anchor's model, resident throughout
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
     session.Session._candidates = lambda self, device, low: ([Path.EAGER_LOW, path], "diagnostic")
     automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp(), fuse_optimizers=fuse)  # no verdict from an earlier run
@@ -49,7 +52,7 @@ def variant(name, dev, dtype, path, detach, fuse=True):
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
         times = [block(loop, BLOCK) for _ in range(ROUNDS)]
-        peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan")
+        peak = torch.cuda.max_memory_allocated() / 2**30 - base if CUDA else float("nan")
     finally:
         rep = automp.disable()
         session.detach_unread = detach_unread
