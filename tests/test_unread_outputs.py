@@ -157,3 +157,14 @@ def test_report_names_the_detached_fields_while_the_script_never_reads_them(monk
     _train(model, 3)
     rep = automp.disable()
     assert rep["unread_outputs"] == {"TinyLM": {"detached": ["logits"]}}
+
+
+def test_reading_a_detached_field_of_a_call_without_gradients_never_reruns():
+    fields = FieldReads(seen={"loss", "logits"}, read={"loss"})
+    fields.decide()
+    w = torch.randn(3, requires_grad=True)
+    with torch.no_grad():  # evaluation: the script reads the logits for its metrics
+        out = detach_unread(Out(loss=(w * 2).sum(), logits=w * 3), fields)
+        out = restore_lazily(out, FieldWatch(out, fields, fields.detach, lambda: pytest.fail("must not rerun")))
+        logits = out.logits
+    assert torch.equal(logits, (w * 3).detach()) and fields.detach == ("logits",)  # training keeps detaching

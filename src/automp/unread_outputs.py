@@ -76,7 +76,10 @@ class FieldWatch:
     def __init__(self, out: Any, fields: FieldReads, detached: tuple[str, ...],
                  rerun: Callable[[], Any] | None) -> None:
         self.fields, self.rerun = fields, rerun
-        self.detached = tuple(n for n in detached if isinstance(dict.get(out, n), torch.Tensor))
+        # A call without any output that requires grad (no_grad, evaluation, frozen model) had no gradient to lose:
+        # its detached fields hold what the script would have had, and reading them never re-runs it.
+        tracked = any(isinstance(v, torch.Tensor) and v.requires_grad for v in dict.values(out))
+        self.detached = tuple(n for n in detached if tracked and isinstance(dict.get(out, n), torch.Tensor))
         self.backward_done = False
         if self.detached:
             fn = next((v.grad_fn for v in dict.values(out) if isinstance(v, torch.Tensor) and v.grad_fn is not None),
