@@ -150,6 +150,8 @@ class Session:
         return self._run(module, root, root.path or root.trial.current, args, kwargs)
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
+        # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
+        outer = getattr(_local, "depth", 0), getattr(_local, "path", None), getattr(_local, "low", None)
         _local.depth, _local.path, _local.low = 1, path, root.low
         try:
             if path is Path.FP32:
@@ -178,7 +180,7 @@ class Session:
                 self._step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
                                        f"{(str(e).strip().splitlines() or [''])[0][:200]}")
         finally:
-            _local.depth, _local.path = 0, None
+            _local.depth, _local.path, _local.low = outer
         return ORIG_CALL(module, *args, **kwargs)
 
     def _deliver(self, root: _Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
