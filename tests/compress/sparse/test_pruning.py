@@ -151,6 +151,29 @@ def test_zeros_survive_training_under_automp(kw):
     assert sparsity_report(model).sparsity == pytest.approx(rep.sparsity)
 
 
+def test_a_pruned_model_freed_without_finalize_does_not_break_other_optimizers():
+    import gc
+
+    model = _model()
+    prune(model, SparsityConfig(pattern="2:4"))
+    del model
+    gc.collect()
+    assert not P._ACTIVE
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = []
+    later = register_optimizer_step_post_hook(lambda *_: steps.append(1))  # registered after pruning's (loss scaling's)
+    try:
+        other = _model(1)
+        opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        before = other.fc1.weight.detach().clone()
+        _train(other, opt, steps=2)  # raised "OrderedDict mutated during iteration" in the step's post-hook loop
+    finally:
+        later.remove()
+    assert steps == [1, 1] and not torch.equal(other.fc1.weight, before)
+    assert (other.fc1.weight != 0).float().mean() > 0.9  # the other model is not pruned
+
+
 def test_masks_follow_the_model_and_apply_masks_restores_zeros():
     model = _model()
     prune(model, SparsityConfig("2:4"))

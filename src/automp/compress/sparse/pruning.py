@@ -110,7 +110,7 @@ class _Pruning:
 
 
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Module, _Pruning]" = weakref.WeakKeyDictionary()
-_step_hook = None  # the one optimizer step post-hook, present while any model has masks
+_step_hook = None  # the one optimizer step post-hook: on while any model has masks, off at the next prune()/finalize()
 
 
 def select_layers(model: nn.Module, config: SparsityConfig) -> dict[str, nn.Module]:
@@ -272,8 +272,10 @@ def _check_unclaimed(model: nn.Module, layers: dict[str, nn.Module]) -> None:
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _ACTIVE:  # every pruned model was freed without finalize()
-        _update_step_hook()
+    # Every pruned model freed without finalize(): nothing to do. The hook stays registered until the next prune() or
+    # finalize() takes it off; removing it here, while torch iterates over the post-hooks, made that loop raise
+    # "OrderedDict mutated during iteration" in the step of whatever optimizer ran next.
+    if not _ACTIVE:
         return
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for state in list(_ACTIVE.values()):
