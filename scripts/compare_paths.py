@@ -1,8 +1,9 @@
 """Issue 11 diagnostic: one zoo model, the hand-written anchor against automp on each forced compiled path, with
-and without detaching unread output fields (one eager call first, as in a trial), timed in blocks alternating with the anchor (host drift shows as the
-anchor's own spread). Each automp variant is a fresh automp.enable() (its own compile); its peak memory is counted
-above what was allocated before its model was built (the anchor's model stays resident: without the subtraction,
-an H100 run read +1.6 GiB for automp that was the anchor's parameters and optimizer state).
+and without detaching unread output fields (one eager call first, as in a trial), timed in blocks alternating with
+the anchor (host drift shows as the anchor's own spread). Each automp variant is a fresh automp.enable() (its own
+compile); its peak memory is counted above what was allocated before its model was built (the anchor's model stays
+resident: without the subtraction, an H100 run read +1.6 GiB for automp that was the anchor's parameters and
+optimizer state).
 
     python scripts/compare_paths.py bert [bf16] [paths|fused|stock]
 """

@@ -6,8 +6,8 @@ Part 1, per linear shape of the model (M = batch x seq): CUDA-graph-replayed tim
 anchor's kernel), automp's int8_gemm as the autotuner picks it, the best of every int8 tile config forced one by one
 (so the config list can be judged), torch._int_mm (cuBLASLt int8, int32 out, no dequant), and the row quantization
 of the input as Inductor compiles it.
-Part 2, the whole model: anchor (fp16, reduce-overhead) against automp int8 (dynamic and static), median ms and the top GPU kernels per
-forward under torch.profiler.
+Part 2, the whole model: anchor (fp16, reduce-overhead) against automp int8 (dynamic and static), median ms and
+the top GPU kernels per forward under torch.profiler.
 """
 from __future__ import annotations
 
