@@ -168,3 +168,46 @@ def test_reading_a_detached_field_of_a_call_without_gradients_never_reruns():
         out = restore_lazily(out, FieldWatch(out, fields, fields.detach, lambda: pytest.fail("must not rerun")))
         logits = out.logits
     assert torch.equal(logits, (w * 3).detach()) and fields.detach == ("logits",)  # training keeps detaching
+
+
+def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(monkeypatch, tmp_path):
+    """Run 1: a trial (eager, then compiled, a clock that makes compiled win) settles and caches the verdict with the
+    detached fields. Run 2 (same cache): the compiled path from the first call, the logits detached at once."""
+    from automp.choose import Path, TrialConfig
+    from automp.session import Session
+
+    cost = {Path.EAGER_LOW: 2.0, Path.COMPILED: 1.0}
+    now = [0.0]
+    run = Session._run
+
+    def timed_run(self, module, root, path, args, kwargs):
+        out = run(self, module, root, path, args, kwargs)
+        now[0] += cost.get(path, 0.0)
+        return out
+
+    monkeypatch.setattr(Session, "_run", timed_run)
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"))
+    torch.manual_seed(0)
+    model = TinyLM()
+    automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))
+    automp._session.clock = lambda: now[0]
+    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1}, measure=2)
+    _train(model, 8)
+    first = automp.disable()
+    assert [c["path"] for c in first["choices"]] == ["automp-compiled"] and not first["choices"][0]["cached"]
+
+    seen = []
+    original = detach_unread
+
+    def spy(out, fields):
+        res = original(out, fields)
+        seen.append(not res.logits.requires_grad)
+        return res
+
+    import automp.session as session
+    monkeypatch.setattr(session, "detach_unread", spy)
+    automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))
+    _train(model, 2)
+    second = automp.disable()
+    assert second["choices"][0]["cached"] and seen[0] is True
+    assert second["unread_outputs"] == {"TinyLM": {"detached": ["logits"]}}

@@ -57,6 +57,7 @@ class Verdict:
     reason: str
     timings_ms: dict[str, float]
     cached: bool = False
+    detach: tuple[str, ...] = ()  # output fields detached when it ran (automp.unread_outputs): cached, not reported
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached}
@@ -164,14 +165,15 @@ class VerdictCache:
     def get(self, key: str) -> Verdict | None:
         entry = self._load().get(key)
         try:
-            return Verdict(Path(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True)
+            return Verdict(Path(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True,
+                           detach=tuple(str(n) for n in entry.get("detach", ())))
         except (TypeError, KeyError, ValueError):
             return None
 
     def put(self, keys: Iterable[str], verdict: Verdict) -> None:
         """One read and one write for all the modules a verdict settles."""
         data = self._load()
-        entry = {**verdict.as_dict(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        entry = {**verdict.as_dict(), "detach": list(verdict.detach), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
         data.update({key: entry for key in keys})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

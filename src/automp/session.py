@@ -213,6 +213,8 @@ class Session:
             return root
         cached = self.cache.get(root.key)
         if cached is not None:
+            if cached.detach:  # what the run that measured it learned the script does not read
+                root.fields.detach, root.fields.decided = cached.detach, True
             self._decide(root, cached)
             return root
         candidates, why = self._candidates(device, root.low)
@@ -258,7 +260,8 @@ class Session:
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
         for root in members:
             self._decide(root, verdict)
-        self.cache.put([r.key for r in members], verdict)
+        for root in members:  # one entry each: the fields a module's script leaves unread are its own
+            self.cache.put([root.key], replace(verdict, detach=root.fields.detach))
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial = verdict.path, None
