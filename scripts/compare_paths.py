@@ -10,7 +10,6 @@ optimizer state).
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -19,23 +18,9 @@ import automp.session as session
 from automp.bench.suites import zoo
 from automp.choose import Path, TrialConfig
 from automp.unread_outputs import detach_unread
+from profile_dtype import CUDA, block  # the same block timing (scripts/ is on sys.path when run as a script)
 
 BLOCK, ROUNDS = 10, 3
-CUDA = torch.cuda.is_available()
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def block(loop, steps):
-    sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        loop.step()
-    sync()
-    return (time.perf_counter() - t) / steps * 1e3
 
 
 def variant(name, dev, dtype, path, detach, fuse=True):

@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Triton kernels run in the interpreter on a CPU-only machine, compiled on a GPU one. Decided here, before anything
@@ -9,3 +10,15 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 # Tests run from a checkout too (the package need not be installed).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "src"))
+
+
+@pytest.fixture
+def fresh_session(tmp_path, monkeypatch):
+    """An automp session test's isolation: its own verdict cache, no compiled graphs from earlier tests, and automp
+    disabled afterwards whatever the test did."""
+    import automp
+
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    yield
+    automp.disable()

@@ -116,13 +116,13 @@ def test_interval_is_timed_on_the_module_called_every_iteration():
 def test_verdict_cache_round_trip_and_corrupt_file(tmp_path):
     cache = VerdictCache(tmp_path)
     v = Verdict(Path.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0})
-    cache.put(["k"], v)
+    cache.put({"k": v})
     got = cache.get("k")
     assert got.path is Path.EAGER_LOW and got.cached and got.timings_ms == v.timings_ms
     assert cache.get("other") is None
     cache.path.write_text("{not json")
     assert cache.get("k") is None  # corrupt: ignored, not fatal
-    cache.put(["k2", "k3"], v)
+    cache.put({"k2": v, "k3": v})
     stored = json.loads(cache.path.read_text())
     assert stored["k2"]["path"] == stored["k3"]["path"] == "low-precision-eager"
     cache.path.write_text(json.dumps({"k": {"path": "warp-drive"}}))

@@ -14,12 +14,7 @@ from automp.graph import capture
 from automp.scaling import autograd_hook
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
-    torch._dynamo.reset()
-    yield
-    automp.disable()
+pytestmark = pytest.mark.usefixtures("fresh_session")
 
 
 def _compile(**kw):

@@ -32,17 +32,27 @@ class TinyLM(nn.Module):
         return Out(loss=F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits=logits)
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
-    torch._dynamo.reset()
-    yield
-    automp.disable()
+pytestmark = pytest.mark.usefixtures("fresh_session")
 
 
 def _batch(seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50, (4, 12), generator=g), torch.randint(0, 50, (4, 12), generator=g)
+
+
+def _spy_detaching(monkeypatch) -> list[bool]:
+    """Whether each compiled call of the session detached the logits, in call order."""
+    import automp.session as session
+
+    seen = []
+
+    def spy(out, fields):
+        res = detach_unread(out, fields)
+        seen.append(not res.logits.requires_grad)
+        return res
+
+    monkeypatch.setattr(session, "detach_unread", spy)
+    return seen
 
 
 def _grads(model):
@@ -126,20 +136,8 @@ def test_session_detaches_unread_logits_and_gradients_match_when_the_script_star
     ref_model.load_state_dict(model.state_dict())
     ref_losses, ref_grads = _train(ref_model, 5, read_logits_at=3)
     _enable_trial(monkeypatch)
-    seen = []
-    original = detach_unread
-
-    def spy(out, fields):
-        res = original(out, fields)
-        seen.append(not res.logits.requires_grad)
-        return res
-
-    import automp.session as session
-    session.detach_unread = spy
-    try:
-        losses, grads = _train(model, 5, read_logits_at=3)
-    finally:
-        session.detach_unread = original
+    seen = _spy_detaching(monkeypatch)
+    losses, grads = _train(model, 5, read_logits_at=3)
     rep = automp.disable()
     # call 0 ran eagerly, calls 1-3 compiled with the logits detached, the read at call 3 re-ran it attached, and
     # call 4 stayed attached
@@ -196,16 +194,7 @@ def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(
     first = automp.disable()
     assert [c["path"] for c in first["choices"]] == ["automp-compiled"] and not first["choices"][0]["cached"]
 
-    seen = []
-    original = detach_unread
-
-    def spy(out, fields):
-        res = original(out, fields)
-        seen.append(not res.logits.requires_grad)
-        return res
-
-    import automp.session as session
-    monkeypatch.setattr(session, "detach_unread", spy)
+    seen = _spy_detaching(monkeypatch)
     automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))
     _train(model, 2)
     second = automp.disable()

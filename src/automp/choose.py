@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path as FsPath
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from automp.files import atomic_output
 
@@ -170,11 +170,11 @@ class VerdictCache:
         except (TypeError, KeyError, ValueError):
             return None
 
-    def put(self, keys: Iterable[str], verdict: Verdict) -> None:
-        """One read and one write for all the modules a verdict settles."""
+    def put(self, verdicts: Mapping[str, Verdict]) -> None:
+        """One read and one write for all the modules a trial settles (key -> its verdict)."""
         data = self._load()
-        entry = {**verdict.as_dict(), "detach": list(verdict.detach), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        data.update({key: entry for key in keys})
+        when = time.strftime("%Y-%m-%dT%H:%M:%S")
+        data.update({key: {**v.as_dict(), "detach": list(v.detach), "when": when} for key, v in verdicts.items()})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_output(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:

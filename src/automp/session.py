@@ -188,9 +188,6 @@ class Session:
         it reads (automp.unread_outputs). rerun is None on the eager path, where nothing is detached."""
         if not is_lazy_candidate(out):
             return restore_float32(out) if rerun is None else out  # compiled paths restored it inside the graph
-        if root.fields.on_reattach is None:
-            root.fields.on_reattach = lambda why: self.recorder.unread_outputs.setdefault(
-                root.label, {"detached": []}).update(detached=[], reattached=why)
         root.fields.observe(out)
         detached = root.fields.detach if rerun is not None else ()
         return restore_lazily(out, FieldWatch(out, root.fields, detached, rerun))
@@ -199,6 +196,8 @@ class Session:
     def _new_root(self, module: nn.Module, args: tuple) -> _Root:
         device = _device_of(module)
         root = self.roots[module] = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
+        root.fields.on_reattach = lambda why: self.recorder.unread_outputs.setdefault(
+            root.label, {"detached": []}).update(detached=[], reattached=why)
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
         if floats and torch.float32 not in floats:
             root.aside = f"its parameters are already {floats[0]}: the model runs in the precision it was given"
@@ -223,7 +222,7 @@ class Session:
         if len(candidates) == 1:
             verdict = Verdict(candidates[0], why, {})
             self._decide(root, verdict)
-            self.cache.put([root.key], verdict)
+            self.cache.put({root.key: verdict})
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -260,8 +259,8 @@ class Session:
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
         for root in members:
             self._decide(root, verdict)
-        for root in members:  # one entry each: the fields a module's script leaves unread are its own
-            self.cache.put([root.key], replace(verdict, detach=root.fields.detach))
+        # one entry each: the fields a module's script leaves unread are its own
+        self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial = verdict.path, None

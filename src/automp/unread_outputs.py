@@ -47,7 +47,7 @@ class FieldReads:
         """The fields to detach, fixed at the first call (the module's first compilation)."""
         if not self.decided:
             self.decided = True
-            self.detach = tuple(sorted(self.seen - self.read)) if self.seen and self.reattached is None else ()
+            self.detach = tuple(sorted(self.seen - self.read))
         return self.detach
 
     def reattach(self, name: str) -> None:
