@@ -5,7 +5,12 @@ compile); its peak memory is counted above what was allocated before its model w
 resident: without the subtraction, an H100 run read +1.6 GiB for automp that was the anchor's parameters and
 optimizer state).
 
-    python scripts/compare_paths.py bert [bf16] [paths|fused|stock]
+    python scripts/compare_paths.py bert [bf16] [paths|fused|stock|profile]
+
+`profile` also traces a few steps of the anchor and of each variant with torch.profiler and prints the CUDA kernels
+whose time differs most (scripts/profile_dtype.py's method), and adds a variant that compiles the module the way
+the anchor does (torch.compile(module), autocast entered outside it) inside automp's session machinery: if that one
+matches the anchor, the gap is in how automp's compiled function is built, not in the session around it.
 """
 import statistics
 import sys
@@ -18,31 +23,50 @@ import automp.session as session
 from automp.bench.suites import zoo
 from automp.choose import Path, TrialConfig
 from automp.unread_outputs import detach_unread
-from profile_dtype import CUDA, block  # the same block timing (scripts/ is on sys.path when run as a script)
+from profile_dtype import CUDA, block, kernels  # the same block timing (scripts/ is on sys.path when run as a script)
 
 BLOCK, ROUNDS = 10, 3
 
 
-def variant(name, dev, dtype, path, detach, fuse=True):
+def _module_compiled(module, root):
+    """The anchor's form: torch.compile of the module itself, autocast entered outside the compiled call."""
+    compiled = torch.compile(module)
+
+    def call(*args, **kwargs):
+        with torch.autocast(root.device.type, dtype=root.low):
+            return compiled(*args, **kwargs)
+    return call
+
+
+def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profiled=0):
     """automp running `path` after one eager call (the order of a real trial, so the reads of that call decide what
-    is detached), without the trial's timing: the path's warm-up never ends within this script."""
+    is detached), then settled on `path` by hand: a trial synchronizes the device at every call it times, and a path
+    left in an endless warm-up (this script's first version) was timed with a sync per step, which charged each step
+    the host's launch latency the anchor hides."""
     session.detach_unread = detach_unread if detach else (lambda out, fields: out)
     torch.manual_seed(0)
     base = torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0  # the anchor's model, resident throughout
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
     session.Session._candidates = lambda self, device, low: ([Path.EAGER_LOW, path], "diagnostic")
+    stock = session._compile_stock
+    if module_form:
+        session._compile_stock = _module_compiled
     automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp(), fuse_optimizers=fuse)  # no verdict from an earlier run
     automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, path: 10**6})
     try:
         block(loop, 4)  # one eager call, then compile + warm-up
+        for root in automp._session.roots.values():
+            root.path, root.trial = path, None
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
         times = [block(loop, BLOCK) for _ in range(ROUNDS)]
         peak = torch.cuda.max_memory_allocated() / 2**30 - base if CUDA else float("nan")
+        prof = kernels(loop, profiled) if profiled else None
     finally:
         rep = automp.disable()
         session.detach_unread = detach_unread
-    return times, peak, rep
+        session._compile_stock = stock
+    return times, peak, rep, prof
 
 
 VARIANTS = {"paths": (("autocast-compile, detach", Path.COMPILED_AUTOCAST, True, True),
@@ -52,7 +76,17 @@ VARIANTS = {"paths": (("autocast-compile, detach", Path.COMPILED_AUTOCAST, True,
             "fused": (("autocast-compile, fused Adam", Path.COMPILED_AUTOCAST, True, True),
                       ("autocast-compile, Adam as written", Path.COMPILED_AUTOCAST, True, False),
                       ("compile, Adam as written", Path.COMPILED, True, False)),
-            "stock": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),)}
+            "stock": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),),
+            "profile": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),
+                        ("torch.compile(module) in automp", Path.COMPILED_AUTOCAST, False, True, True),
+                        ("compile", Path.COMPILED, True, True))}
+PROFILED = 3
+
+
+def diff_table(a, b, top=25):
+    print("| kernel | anchor ms/step | automp ms/step |\n|---|---:|---:|")
+    for k in sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))[:top]:
+        print(f"| {k} | {a.get(k, 0):.3f} | {b.get(k, 0):.3f} |")
 
 
 def main(name, dtype="bf16", which="paths"):
@@ -62,18 +96,25 @@ def main(name, dtype="bf16", which="paths"):
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{dtype}-compile", dev)
     block(anchor, 3)
     rows = []
-    for label, path, detach, fuse in VARIANTS[which]:
+    profiled = PROFILED if which == "profile" else 0
+    for label, path, detach, fuse, *module_form in VARIANTS[which]:
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
         a = [block(anchor, BLOCK) for _ in range(ROUNDS)]
         a_peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan")
-        times, peak, rep = variant(name, dev, dtype, path, detach, fuse)
+        times, peak, rep, prof = variant(name, dev, dtype, path, detach, fuse, bool(module_form), profiled)
         rows.append((label, statistics.median(times), peak, statistics.median(a), a_peak,
                      rep.get("unread_outputs"), rep.get("compiles")))
         print(f"{label:30s} automp {statistics.median(times):7.2f} ms ({min(times):.2f}-{max(times):.2f}) "
               f"peak {peak:.2f} GiB | anchor {statistics.median(a):7.2f} ms ({min(a):.2f}-{max(a):.2f}) peak "
               f"{a_peak:.2f} | ratio {statistics.median(a) / statistics.median(times):.3f} | "
               f"unread {rep.get('unread_outputs')} compiles {rep.get('compiles')}", flush=True)
+        if prof is not None:
+            ref = kernels(anchor, profiled)
+            for who, (per, wall, syncs) in (("anchor", ref), ("automp", prof)):
+                print(f"  {who}: profiled wall {wall:.2f} ms/step, CUDA kernel total {sum(per.values()):.2f} ms/step, "
+                      f"{len(per)} distinct kernels, host syncs/step {syncs:.1f}", flush=True)
+            diff_table(ref[0], prof[0])
         if CUDA:
             torch.cuda.empty_cache()
 
