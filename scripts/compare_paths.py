@@ -12,6 +12,7 @@ whose time differs most (scripts/profile_dtype.py's method), and adds a variant 
 the anchor does (torch.compile(module), autocast entered outside it) inside automp's session machinery: if that one
 matches the anchor, the gap is in how automp's compiled function is built, not in the session around it.
 """
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -38,32 +39,46 @@ def _module_compiled(module, root):
     return call
 
 
-def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profiled=0):
-    """automp running `path` after one eager call (the order of a real trial, so the reads of that call decide what
-    is detached), then settled on `path` by hand: a trial synchronizes the device at every call it times, and a path
-    left in an endless warm-up (this script's first version) was timed with a sync per step, which charged each step
-    the host's launch latency the anchor hides."""
-    session.detach_unread = detach_unread if detach else (lambda out, fields: out)
-    torch.manual_seed(0)
-    base = torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0  # the anchor's model, resident throughout
-    loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
+@contextlib.contextmanager
+def settle_path(dtype, path, loop, fuse=True):
+    """automp enabled around `loop`: one eager call (the order of a real trial, so the reads of that call decide what
+    is detached), then compile and warm-up of `path`, then settled on `path` by hand: a trial synchronizes the device
+    at every call it times, and a path left in an endless warm-up (this script's first version) was timed with a sync
+    per step, which charged each step the host's launch latency the anchor hides. Yields the report, filled in when
+    the block ends."""
+    candidates = session.Session._candidates
     session.Session._candidates = lambda self, device, low: ([Path.EAGER_LOW, path], "diagnostic")
+    automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp(), fuse_optimizers=fuse)  # no verdict from an earlier run
+    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, path: 10**6})
+    report = {}
+    try:
+        block(loop, 4)
+        for root in automp._session.roots.values():
+            root.path, root.trial = path, None
+        automp._session.unfinished.clear()
+        yield report
+    finally:
+        report.update(automp.disable())
+        session.Session._candidates = candidates
+
+
+def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profiled=0):
+    """One automp variant on a fresh model: its block timings, peak memory, report and (profiled > 0) kernels."""
+    session.detach_unread = detach_unread if detach else (lambda out, fields: out)
     stock = session._compile_stock
     if module_form:
         session._compile_stock = _module_compiled
-    automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp(), fuse_optimizers=fuse)  # no verdict from an earlier run
-    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, path: 10**6})
+    torch.manual_seed(0)
+    base = torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0  # the anchor's model, resident throughout
+    loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
     try:
-        block(loop, 4)  # one eager call, then compile + warm-up
-        for root in automp._session.roots.values():
-            root.path, root.trial = path, None
-        if CUDA:
-            torch.cuda.reset_peak_memory_stats()
-        times = [block(loop, BLOCK) for _ in range(ROUNDS)]
-        peak = torch.cuda.max_memory_allocated() / 2**30 - base if CUDA else float("nan")
-        prof = kernels(loop, profiled) if profiled else None
+        with settle_path(dtype, path, loop, fuse) as rep:
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            times = [block(loop, BLOCK) for _ in range(ROUNDS)]
+            peak = torch.cuda.max_memory_allocated() / 2**30 - base if CUDA else float("nan")
+            prof = kernels(loop, profiled) if profiled else None
     finally:
-        rep = automp.disable()
         session.detach_unread = detach_unread
         session._compile_stock = stock
     return times, peak, rep, prof
