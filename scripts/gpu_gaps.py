@@ -6,7 +6,7 @@ few steps (torch.profiler, chrome trace) of the anchor and of automp on one forc
 consecutive GPU kernels, and charges each gap to the host operation that launched the kernel after it (a gap whose
 next kernel was launched late is host time; one launched early is a device-side wait).
 
-    python scripts/gpu_gaps.py gpt2 [bf16|fp16] [autocast-compile|compile]
+    python scripts/gpu_gaps.py gpt2 [bf16|fp16] [autocast-compile|compile] [anchor|no-anchor]
 """
 import collections
 import json
@@ -47,6 +47,12 @@ def gaps(events, steps):
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")
                   and e.get("ph") == "X" and not e["name"].startswith("ProfilerStep")), key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    syncs = collections.Counter()  # host calls that wait for the device, charged to the op they ran in
+    for e in runtime:
+        if any(w in e["name"] for w in ("Synchronize", "cudaMemcpy", "cudaStreamWaitEvent")) and e["dur"] > 5:
+            inside = [o["name"][:70] for o in ops if o["ts"] <= e["ts"] <= o["ts"] + o["dur"]]
+            syncs[(e["name"], " > ".join(inside[:1] + inside[-1:]))] += e["dur"]
     busy = sum(k["dur"] for k in kernels)
     by_op, late_total, idle = collections.Counter(), 0.0, 0.0
     for prev, nxt in zip(kernels, kernels[1:]):
@@ -64,27 +70,30 @@ def gaps(events, steps):
             where = " > ".join(o["name"][:60] for o in named) if named else launch["name"]
         by_op[(where, late)] += gap
         late_total += gap if late else 0.0
-    return busy / 1e3 / steps, idle / 1e3 / steps, late_total / 1e3 / steps, by_op
+    return busy / 1e3 / steps, idle / 1e3 / steps, late_total / 1e3 / steps, by_op, syncs
 
 
 def report(label, loop):
     ms = block(loop, 10)
-    busy, idle, late, by_op = gaps(trace(loop, STEPS), STEPS)
+    busy, idle, late, by_op, syncs = gaps(trace(loop, STEPS), STEPS)
     print(f"{label}: step {ms:.2f} ms (unprofiled); profiled GPU busy {busy:.2f} ms/step, idle in gaps >= {GAP_US:g} us "
           f"{idle:.2f} ms/step, of which next kernel launched late (host-bound) {late:.2f}", flush=True)
     for (where, is_late), us in by_op.most_common(14):
         print(f"    {us / 1e3 / STEPS:6.2f} ms/step  {'host' if is_late else 'device'}  {where}")
+    for (call, where), us in syncs.most_common(8):
+        print(f"    host waits: {us / 1e3 / STEPS:6.2f} ms/step in {call} ({where})")
 
 
-def main(name, dtype="bf16", path="autocast-compile"):
+def main(name, dtype="bf16", path="autocast-compile", anchor_too="anchor"):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
-    anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{dtype}-compile", dev)
-    block(anchor, 3)
-    report(f"anchor autocast-{dtype}-compile", anchor)
-    del anchor
-    torch.cuda.empty_cache() if CUDA else None
+    if anchor_too == "anchor":
+        anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{dtype}-compile", dev)
+        block(anchor, 3)
+        report(f"anchor autocast-{dtype}-compile", anchor)
+        del anchor
+        torch.cuda.empty_cache() if CUDA else None
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
     with settle_path(dtype, PATHS[path], loop):
         report(f"automp-{dtype} {path}", loop)

@@ -242,6 +242,37 @@ def test_autocast_compiled_path_enters_autocast_outside_the_graph(monkeypatch):
     assert 1e-5 < (out - ref).norm() / ref.norm() < 1e-2  # the matmuls did run in bf16
 
 
+class _Breaks(nn.Module):
+    """A forward with a graph break in the middle that records whether it ran under autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.seen = nn.Linear(16, 16), nn.Linear(16, 4), []
+
+    def forward(self, x):
+        h = self.a(x)
+        self._eager(h)
+        return self.b(h)
+
+    @torch._dynamo.disable
+    def _eager(self, h):
+        self.seen.append(torch.is_autocast_enabled("cpu"))
+
+
+@pytest.mark.parametrize("path,how,under_autocast", [("autocast-compile", "under torch.autocast", True),
+                                                     ("compile", "in FP32", False)])
+def test_graph_break_report_says_how_the_eager_part_ran(monkeypatch, path, how, under_autocast):
+    import torch._inductor.compile_fx as compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs: gm.forward)
+    net = _Breaks()
+    automp.enable(dtype="bf16", path=path, inner="eager")
+    net(torch.randn(8, 16)).sum().backward()
+    rep = automp.disable()
+    assert net.seen == [under_autocast]
+    (fallback,) = [f for f in rep["fallbacks"] if f["where"] == "graph break"]
+    assert f"runs eagerly {how} between compiled graphs" in fallback["reason"]
+
+
 def test_loss_scaling_is_taken_off_when_every_module_runs_fp32():
     net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     automp.enable(dtype="fp16", path="fp32")

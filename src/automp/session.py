@@ -416,10 +416,15 @@ _RNN_BREAK = ("_rnn_call", "allow_rnn", "RNN, GRU, or LSTM")
 
 
 def _report_graph_breaks(session: Session) -> None:
-    """Graph breaks seen while enabled: the construct at the break runs eagerly in FP32 (the code before and after it
-    is compiled as separate graphs, each through the pass); the user should know where and why. The break at an
-    nn.LSTM/GRU is ours: it keeps the RNN one fused op (see _rnn_call)."""
+    """Graph breaks seen while enabled: the construct at the break runs eagerly (the code before and after it is
+    compiled as separate graphs); the user should know where and why. On automp's compiled path it runs in FP32 (each
+    graph goes through the pass); on the autocast-compiled path, under the autocast region around the call, as in a
+    hand-written loop. The break at an nn.LSTM/GRU is ours: it keeps the RNN one fused op (see _rnn_call)."""
     rec = session.recorder
+    paths = {r.path for r in session.roots.values() if r.graphs}
+    how = {frozenset({Path.COMPILED_AUTOCAST}): "under torch.autocast"}.get(frozenset(paths), "in FP32")
+    if paths == {Path.COMPILED, Path.COMPILED_AUTOCAST}:
+        how = "in FP32 (automp-compiled modules) or under torch.autocast (autocast-compiled modules)"
     for reason, n in _graph_breaks().items():
         new = n - session.breaks_before.get(reason, 0)
         short = " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:300]
@@ -428,7 +433,7 @@ def _report_graph_breaks(session: Session) -> None:
         if any(k in reason for k in _RNN_BREAK):
             rec.add_fallback("rnn", f"{short} (x{new}): by design, the RNN runs as one fused op in low precision")
         else:
-            rec.add_fallback("graph break", f"{short} (x{new}): runs eagerly in FP32 between compiled graphs")
+            rec.add_fallback("graph break", f"{short} (x{new}): runs eagerly {how} between compiled graphs")
 
 
 def _set_capture_flags() -> dict[str, Any]:
