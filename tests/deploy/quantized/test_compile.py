@@ -59,6 +59,24 @@ def test_compile_module_on_cpu_is_eager_and_checks_mode():
         compile_module(net, mode="fast")
 
 
+@pytest.mark.parametrize("mode,cudagraphs", [("reduce-overhead", True), ("default", False),
+                                             ("max-autotune-no-cudagraphs", False)])
+def test_inductor_options_keep_the_mode_and_add_multi_kernel_reductions(mode, cudagraphs):
+    from automp.deploy.quantized.compile import inductor_options
+    opts = inductor_options(mode)
+    assert opts["triton.multi_kernel"] == 1
+    assert opts.get("triton.cudagraphs", False) is cudagraphs
+    assert opts.get("max_autotune", False) is mode.startswith("max-autotune")
+    with torch._inductor.config.patch(opts):  # every key is a real Inductor setting (an unknown one raises)
+        assert torch._inductor.config.triton.multi_kernel == 1
+
+
+def test_inductor_options_name_real_settings():
+    with pytest.raises((AttributeError, KeyError, RuntimeError)):
+        with torch._inductor.config.patch({"triton.no_such_setting": 1}):
+            pass
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_cuda_graphs_replay_the_int8_model():
     bert = tiny_bert(layers=1)
