@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from automp.llm.quantize import (ARCHS, QuantLinear, _dense, check_backend, quantize, scale_block, search_scale,
-                                 target_paths, QuantConfig)
+from automp.llm.quantize import (ARCHS, QuantEmbedding, QuantLinear, _dense, check_backend, input_embedding,
+                                 quantize, scale_block, search_scale, target_paths, weight_bytes, QuantConfig)
 from automp.llm.store import build
 from tests.llm import DEVICE
 
@@ -142,6 +142,42 @@ def test_quantized_lm_head_unties_embedding():
     assert q.config.tie_word_embeddings is False
     x = ids()
     assert rel(logits(q, x), logits(model, x)) < BOUND["int8"]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_embedding_looks_up_its_dequantized_rows(scheme):
+    """Exactly the dequantized table's rows (odd shapes: the last group short, an odd dim for the int4 packing)."""
+    w = torch.randn(37, 99, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    emb = QuantEmbedding.from_weight(w, {"int8": 8, "int4": 4}[scheme], 32, torch.float16)
+    x = torch.tensor([[0, 36, 5], [5, 17, 2]], device=DEVICE)
+    out = emb(x)
+    assert out.shape == (2, 3, 99) and out.dtype == torch.float16
+    assert torch.equal(out, emb.dequantized()[x].to(torch.float16))
+    assert rel(out, w[x]) < BOUND[scheme]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_embeddings_and_head(scheme):
+    model = build("tiny-llama").to(DEVICE)
+    q = quantize(copy.deepcopy(model), scheme, group_size=32, quantize_lm_head=True, quantize_embeddings=True)
+    assert isinstance(q.get_input_embeddings(), QuantEmbedding) and isinstance(q.lm_head, QuantLinear)
+    x = ids().to(DEVICE)
+    ref = dequantized_reference(model, q)
+    ref.get_input_embeddings().weight.data = q.get_input_embeddings().dequantized()
+    out = logits(q, x)
+    assert rel(out, logits(ref, x)) < 5e-3
+    assert rel(out, logits(model, x)) < BOUND[scheme] * 1.5  # one more rounded layer than the linears alone
+    device, dtype, nbytes, tied = input_embedding(q)
+    assert dtype == torch.float16 and not tied and nbytes == q.model.embed_tokens.qw.numel() + 4 * 256 * 2  # 2 groups
+    alone = quantize(copy.deepcopy(model), scheme, group_size=32, quantize_lm_head=True)
+    assert weight_bytes(q) < weight_bytes(alone)
+
+
+def test_tied_embedding_needs_the_head_quantized_too():
+    with pytest.raises(ValueError, match="tied to lm_head"):
+        quantize(build("tiny-gpt2"), "int8", group_size=32, quantize_embeddings=True)
+    with pytest.raises(ValueError, match="does not divide the embedding dim 64"):
+        quantize(build("tiny-llama"), "int8", group_size=128, quantize_embeddings=True)
 
 
 def test_unsupported_architecture():

@@ -24,6 +24,7 @@ def state(model) -> dict:
 @pytest.mark.parametrize("name,kwargs", [
     ("tiny-llama", {"scheme": "int4", "awq": True}),                 # GQA: o_proj keeps an explicit input scale
     ("tiny-gpt2", {"scheme": "int8", "quantize_lm_head": False}),    # lm_head tied to the token embedding
+    ("tiny-gpt2", {"scheme": "int4", "quantize_lm_head": True, "quantize_embeddings": True}),
 ])
 def test_round_trip_is_exact(tmp_path, name, kwargs):
     calib = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -38,8 +39,9 @@ def test_round_trip_is_exact(tmp_path, name, kwargs):
     assert {n: m.spec() for n, m in q.named_modules() if isinstance(m, QuantLinear)} == \
         {n: m.spec() for n, m in r.named_modules() if isinstance(m, QuantLinear)}
     assert r.automp_quant == q.automp_quant
-    if name == "tiny-gpt2":
+    if name == "tiny-gpt2" and not kwargs.get("quantize_embeddings"):
         assert r.lm_head.weight is r.transformer.wte.weight  # the tie survives
+    assert type(r.get_input_embeddings()) is type(q.get_input_embeddings())
     with torch.no_grad():
         assert torch.equal(q(input_ids=ids().to(DEVICE)).logits, r(input_ids=ids().to(DEVICE)).logits)
 

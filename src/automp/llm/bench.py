@@ -177,11 +177,9 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
 def _decode_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every weight once, except the input embedding (one row per token) unless it is
     also the output head."""
-    from automp.llm.quantize import weight_bytes
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is emb
-    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
+    from automp.llm.quantize import input_embedding, weight_bytes
+    _, _, emb_bytes, tied = input_embedding(model)
+    return weight_bytes(model) - (0 if tied else emb_bytes)
 
 
 def speed_case(name: str, model: torch.nn.Module, run: Callable[[int], torch.Tensor], cfg: BenchConfig,
@@ -262,6 +260,9 @@ def accuracy(cfg: BenchConfig) -> dict:
         "int8": lambda m: quantize(m, "int8", cfg.group),
         "int4": lambda m: quantize(m, "int4", cfg.group),
         "int4-awq": lambda m: quantize(m, "int4", cfg.group, calib=calib, awq=True),
+        # the smallest files: lm_head and the input embedding quantized too (what int4's memory target needs)
+        "int8-all": lambda m: quantize(m, "int8", cfg.group, quantize_lm_head=True, quantize_embeddings=True),
+        "int4-all": lambda m: quantize(m, "int4", cfg.group, quantize_lm_head=True, quantize_embeddings=True),
     }
     rows = []
     for name, make in variants.items():

@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from automp.llm.quantize import QuantLinear, check_backend
+from automp.llm.quantize import QuantLinear, check_backend, input_embedding
 
 MODES = ("auto", "eager", "graph", "compile")
 _ATTR = "_automp_llm_decoder"
@@ -83,8 +83,7 @@ class Decoder(_Unpicklable):
         if mode not in MODES:
             raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
         self.model, self.batch, self.max_len = model, batch, max_len
-        emb = model.get_input_embeddings().weight
-        self.device, self.dtype = emb.device, emb.dtype
+        self.device, self.dtype, _, _ = input_embedding(model)
         self.key = (batch, max_len, mode, _fingerprint(model))
         fwd = inspect.signature(model.forward).parameters
         self.cache_position = "cache_position" in fwd
@@ -252,7 +251,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
         raise ValueError(f"automp.llm.generate: need temperature >= 0 and top_k >= 1, got {temperature}, {top_k}")
     if mode not in MODES:
         raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
-    device = model.get_input_embeddings().weight.device
+    device = input_embedding(model)[0]
     for m in model.modules():
         if isinstance(m, QuantLinear):
             check_backend(m.bits, device)

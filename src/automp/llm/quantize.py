@@ -5,7 +5,9 @@ over memory bandwidth: int8 halves it and int4 quarters it (plus the per-group s
 projection (attention q/k/v/o or GPT-2's c_attn/c_proj, and the MLP) for a `QuantLinear` holding the packed codes;
 the Triton kernels (automp.kernels.quant_gemv / quant_gemm) dequantize in registers, so the weights cross memory in
 their packed form. Embeddings, norms and lm_head stay in fp16/bf16 by default (lm_head optionally quantized): a small
-share of a large model's bytes, and the layers where rounding costs the most accuracy.
+share of a large model's bytes, and the layers where rounding costs the most accuracy. The input embedding can be
+quantized too (`quantize_embeddings`, a `QuantEmbedding`): it costs no time (a decode step reads one row per token),
+but it is 6% of TinyLlama-1.1B's fp16 bytes and with lm_head it is what keeps int4 weights above 30% of fp16 memory.
 
 AWQ (Lin et al. 2023), optional: a few input channels carry much larger activations than the rest, and their weights
 matter more. Scaling weight column k by s_k (and the activation by 1/s_k) gives those columns more of the int grid.
@@ -52,6 +54,7 @@ class QuantConfig:
     awq: bool = False
     quantize_lm_head: bool = False
     dtype: str = "float16"             # activations and the unquantized weights: "float16" | "bfloat16"
+    quantize_embeddings: bool = False  # the input embedding too (QuantEmbedding)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -182,6 +185,59 @@ class QuantLinear(nn.Module):
                 f"group_size={self.group_size}, bias={self.bias is not None}, awq_alpha={self.awq_alpha}")
 
 
+class QuantEmbedding(nn.Module):
+    """An nn.Embedding whose table is stored as QuantLinear stores a weight (rows = tokens, K = embedding dim): the
+    looked-up rows are gathered in their packed form and dequantized (plain torch ops: a handful of rows per decode
+    step, nothing a kernel would win)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int | None,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.bits, self.group_size = num_embeddings, embedding_dim, bits, \
+            group_size
+        self.dtype = dtype
+        cols = embedding_dim if bits == 8 else (embedding_dim + 1) // 2
+        n_groups = 1 if group_size is None else -(-embedding_dim // group_size)
+        self.register_buffer("qw", torch.empty(num_embeddings, cols, dtype=torch.int8 if bits == 8 else torch.uint8,
+                                               device=device))
+        self.register_buffer("scales", torch.empty(num_embeddings, n_groups, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bits: int, group_size: int | None,
+                    dtype: torch.dtype) -> "QuantEmbedding":
+        v, d = weight.shape
+        q = cls(v, d, bits, group_size, dtype, weight.device)
+        quantizer = kernels().quantize_weight_int8 if bits == 8 else kernels().quantize_weight_int4
+        q.qw, q.scales = quantizer(weight.detach().float(), group_size)
+        return q
+
+    def spec(self) -> dict:
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "bits": self.bits,
+                "group_size": self.group_size}
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [V, D] table this module looks rows up in."""
+        return kernels().dequantize_weight(self.qw, self.scales, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = kernels().dequantize_weight(self.qw[flat], self.scales[flat], self.embedding_dim)
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int{self.bits}, group_size={self.group_size}"
+
+
+def input_embedding(model: nn.Module) -> tuple[torch.device, torch.dtype, int, bool]:
+    """(device, activation dtype, bytes, tied to the output head) of the model's input embedding, quantized or not."""
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        return emb.qw.device, emb.dtype, sum(t.numel() * t.element_size() for t in (emb.qw, emb.scales)), False
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    return emb.weight.device, emb.weight.dtype, emb.weight.numel() * emb.weight.element_size(), tied
+
+
 # ----------------------------------------------------------------------------------------------- model surgery
 def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
@@ -203,6 +259,19 @@ def target_paths(model: nn.Module, config: QuantConfig) -> list[str]:
     paths = [f"{arch.blocks}.{i}.{lin}" for i in range(len(blocks)) for g in arch.groups for lin in g.linears]
     if config.quantize_lm_head:
         paths.append("lm_head")
+    if config.quantize_embeddings:
+        emb = model.get_input_embeddings()
+        if isinstance(emb, QuantEmbedding):
+            raise ValueError("automp.llm.quantize: the input embedding is already quantized (quantize the original "
+                             "model)")
+        head = model.get_output_embeddings()
+        if not config.quantize_lm_head and head is not None and head.weight is emb.weight:
+            raise ValueError("automp.llm.quantize: the input embedding is tied to lm_head: quantizing it alone would "
+                             "keep the fp16 matrix for the head (no memory saved); pass quantize_lm_head=True too")
+        d = emb.weight.shape[1]
+        if config.group_size is not None and d % config.group_size:
+            raise ValueError(f"automp.llm.quantize: group_size {config.group_size} does not divide the embedding "
+                             f"dim {d}; use a power of two dividing {d}, or group_size=None (one scale per row)")
     for p in paths:
         m = model.get_submodule(p)
         if isinstance(m, QuantLinear):
@@ -304,13 +373,14 @@ def scale_block(block: nn.Module, prefix: str, arch: Arch, dense: dict[str, list
 
 # ----------------------------------------------------------------------------------------------- entry point
 def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 128, calib: torch.Tensor | None = None,
-             awq: bool = False, quantize_lm_head: bool = False, dtype: str = "float16") -> nn.Module:
+             awq: bool = False, quantize_lm_head: bool = False, dtype: str = "float16",
+             quantize_embeddings: bool = False) -> nn.Module:
     """Quantize `model` (LlamaForCausalLM or GPT2LMHeadModel) in place to weight-only int8/int4 and return it.
 
     calib: int64 token ids [B, T] (or [T]) for the AWQ scale search (required with awq=True). Every argument and
     every layer is checked before the model is touched. The rest of the model is cast to `dtype`.
     """
-    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype)
+    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype, quantize_embeddings)
     arch = arch_of(model)
     target_paths(model, config)
     if awq:
@@ -344,6 +414,9 @@ def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 12
         w, b = _dense(head, conv1d=False)
         set_module(model, "lm_head", QuantLinear.from_weight(w, b, config.bits, group_size, act))
         model.config.tie_word_embeddings = False  # the fp16 input embedding and the quantized head are now separate
+    if quantize_embeddings:
+        emb = model.get_input_embeddings()
+        model.set_input_embeddings(QuantEmbedding.from_weight(emb.weight, config.bits, group_size, act))
     for p in model.parameters():
         p.data = p.data.to(act)
     for attr in ("dtype", "torch_dtype"):

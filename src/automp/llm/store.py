@@ -4,7 +4,7 @@ automp's own save/load format.
 Format (a directory): `model.safetensors` with every parameter and buffer of the quantized model (packed codes,
 scales, fp16 embeddings/norms/lm_head, and non-persistent buffers such as rotary frequencies, so nothing has to be
 recomputed) and `automp_llm.json` with the quantization config, the transformers config and class, each QuantLinear's
-shape, and tied-weight aliases (safetensors stores shared tensors once). `load` builds the architecture on the meta
+shape (and the QuantEmbedding's, if any), and tied-weight aliases (safetensors stores shared tensors once). `load` builds the architecture on the meta
 device (no weight memory, no init), puts empty QuantLinear shells where the quantized layers were and assigns the saved
 tensors: no re-quantization, bitwise-identical buffers. Both files are written through automp.files.atomic_output,
 the JSON last, and carry one save id, so a half-replaced directory is detected rather than loaded.
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from automp.files import atomic_output
-from automp.llm.quantize import ARCHS, DTYPES, QuantConfig, QuantLinear, arch_of, check_backend, is_quantized, \
-    set_module
+from automp.llm.quantize import ARCHS, DTYPES, QuantConfig, QuantEmbedding, QuantLinear, arch_of, check_backend, \
+    is_quantized, set_module
 
 META = "automp_llm.json"
 WEIGHTS = "model.safetensors"
@@ -98,7 +98,8 @@ def save(model: nn.Module, directory: str, tokenizer=None) -> None:
     meta = {"format": FORMAT, "version": VERSION, "save_id": save_id, "architecture": type(model).__name__,
             "config_class": type(model.config).__name__, "model_config": json.loads(model.config.to_json_string()),
             "quant": asdict(model.automp_quant), "aliases": aliases,
-            "layers": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantLinear)}}
+            "layers": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantLinear)},
+            "embeddings": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantEmbedding)}}
     os.makedirs(directory, exist_ok=True)
     with atomic_output(os.path.join(directory, META)) as meta_tmp:
         tmp_dir = os.path.dirname(meta_tmp)
@@ -172,6 +173,8 @@ def load(directory: str, device: torch.device | str = "cpu") -> nn.Module:
         model = getattr(transformers, meta["architecture"])(config)
         for path, spec in meta["layers"].items():
             set_module(model, path, QuantLinear(**spec, dtype=DTYPES[quant.dtype]))
+        for path, spec in meta.get("embeddings", {}).items():  # absent in files saved before embeddings were
+            set_module(model, path, QuantEmbedding(**spec, dtype=DTYPES[quant.dtype]))
     path = os.path.join(directory, WEIGHTS)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"automp.llm.load: {directory} has no {WEIGHTS}")
