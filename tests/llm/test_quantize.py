@@ -156,11 +156,15 @@ def test_quantized_embedding_looks_up_its_dequantized_rows(scheme):
     assert rel(out, w[x]) < BOUND[scheme]
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_embeddings_and_head(scheme):
+@pytest.mark.parametrize("scheme,edge", [("int8", None), ("int4", None), ("int4", "int8")])
+def test_quantized_embeddings_and_head(scheme, edge):
     model = build("tiny-llama").to(DEVICE)
-    q = quantize(copy.deepcopy(model), scheme, group_size=32, quantize_lm_head=True, quantize_embeddings=True)
+    q = quantize(copy.deepcopy(model), scheme, group_size=32, quantize_lm_head=True, quantize_embeddings=True,
+                 edge_scheme=edge)
     assert isinstance(q.get_input_embeddings(), QuantEmbedding) and isinstance(q.lm_head, QuantLinear)
+    edge_bits = {"int8": 8, "int4": 4}[edge or scheme]
+    assert q.get_input_embeddings().bits == q.lm_head.bits == edge_bits
+    assert q.model.layers[0].mlp.up_proj.bits == {"int8": 8, "int4": 4}[scheme]
     x = ids().to(DEVICE)
     ref = dequantized_reference(model, q)
     ref.get_input_embeddings().weight.data = q.get_input_embeddings().dequantized()
@@ -168,7 +172,8 @@ def test_quantized_embeddings_and_head(scheme):
     assert rel(out, logits(ref, x)) < 5e-3
     assert rel(out, logits(model, x)) < BOUND[scheme] * 1.5  # one more rounded layer than the linears alone
     device, dtype, nbytes, tied = input_embedding(q)
-    assert dtype == torch.float16 and not tied and nbytes == q.model.embed_tokens.qw.numel() + 4 * 256 * 2  # 2 groups
+    qw = q.model.embed_tokens.qw
+    assert dtype == torch.float16 and not tied and nbytes == qw.numel() + 4 * 256 * 2  # 2 groups of fp32 scales
     alone = quantize(copy.deepcopy(model), scheme, group_size=32, quantize_lm_head=True)
     assert weight_bytes(q) < weight_bytes(alone)
 
@@ -199,6 +204,7 @@ def test_group_size_must_divide_k():
     ({"group_size": 16}, "power of two >= 32"),
     ({"dtype": "float32"}, "dtype must be one of"),
     ({"awq": True}, "awq=True needs calib"),
+    ({"edge_scheme": "int2"}, "edge_scheme must be one of"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -24,7 +24,7 @@ def state(model) -> dict:
 @pytest.mark.parametrize("name,kwargs", [
     ("tiny-llama", {"scheme": "int4", "awq": True}),                 # GQA: o_proj keeps an explicit input scale
     ("tiny-gpt2", {"scheme": "int8", "quantize_lm_head": False}),    # lm_head tied to the token embedding
-    ("tiny-gpt2", {"scheme": "int4", "quantize_lm_head": True, "quantize_embeddings": True}),
+    ("tiny-gpt2", {"scheme": "int4", "quantize_lm_head": True, "quantize_embeddings": True, "edge_scheme": "int8"}),
 ])
 def test_round_trip_is_exact(tmp_path, name, kwargs):
     calib = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)

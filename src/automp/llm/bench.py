@@ -263,6 +263,8 @@ def accuracy(cfg: BenchConfig) -> dict:
         # the smallest files: lm_head and the input embedding quantized too (what int4's memory target needs)
         "int8-all": lambda m: quantize(m, "int8", cfg.group, quantize_lm_head=True, quantize_embeddings=True),
         "int4-all": lambda m: quantize(m, "int4", cfg.group, quantize_lm_head=True, quantize_embeddings=True),
+        "int4-edges-int8": lambda m: quantize(m, "int4", cfg.group, quantize_lm_head=True, quantize_embeddings=True,
+                                              edge_scheme="int8"),
     }
     rows = []
     for name, make in variants.items():

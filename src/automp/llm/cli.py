@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--lm-head", action="store_true", help="quantize lm_head too (kept fp16 by default)")
     q.add_argument("--embeddings", action="store_true",
                    help="quantize the input embedding too (kept fp16 by default; with --lm-head: the smallest file)")
+    q.add_argument("--edge-bits", type=int, choices=(4, 8), default=None,
+                   help="bits of lm_head and the embedding where quantized (default: --bits; 8 keeps int4 models "
+                        "accurate at <= 30%% of fp16 memory)")
     q.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     q.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
     q.add_argument("-o", "--output", required=True, metavar="DIR")
@@ -111,7 +114,8 @@ def _quantize(args: argparse.Namespace) -> int:
     before = weight_bytes(model)
     scheme = f"int{args.bits}"
     quantize(model, scheme, args.group_size, calib=calib, awq=args.awq, quantize_lm_head=args.lm_head,
-             quantize_embeddings=args.embeddings, dtype=args.dtype)
+             quantize_embeddings=args.embeddings, dtype=args.dtype,
+             edge_scheme=None if args.edge_bits is None else f"int{args.edge_bits}")
     save(model, args.output, tokenizer=tokenizer)
     print(f"{args.model} -> {args.output}: {scheme} group {args.group_size}{' awq' if args.awq else ''}, "
           f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

@@ -55,6 +55,7 @@ class QuantConfig:
     quantize_lm_head: bool = False
     dtype: str = "float16"             # activations and the unquantized weights: "float16" | "bfloat16"
     quantize_embeddings: bool = False  # the input embedding too (QuantEmbedding)
+    edge_scheme: str | None = None     # lm_head and the input embedding, where quantized: None = `scheme`
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -63,12 +64,21 @@ class QuantConfig:
         if g is not None and (not isinstance(g, int) or g < MIN_GROUP or g & (g - 1)):
             raise ValueError(f"automp.llm.quantize: group_size must be a power of two >= {MIN_GROUP} or None "
                              f"(per-channel), got {g!r}")
+        if self.edge_scheme is not None and self.edge_scheme not in SCHEMES:
+            raise ValueError(f"automp.llm.quantize: edge_scheme must be one of {sorted(SCHEMES)} or None, got "
+                             f"{self.edge_scheme!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"automp.llm.quantize: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
     @property
     def bits(self) -> int:
         return SCHEMES[self.scheme]
+
+    @property
+    def edge_bits(self) -> int:
+        """Bits of lm_head and the input embedding: on a small model int4 there cost +2.7% perplexity where int8
+        cost +0.01% (BENCHMARKS.md section 6), for a few percent of a large model's bytes."""
+        return SCHEMES[self.edge_scheme or self.scheme]
 
 
 @dataclass(frozen=True)
@@ -374,13 +384,13 @@ def scale_block(block: nn.Module, prefix: str, arch: Arch, dense: dict[str, list
 # ----------------------------------------------------------------------------------------------- entry point
 def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 128, calib: torch.Tensor | None = None,
              awq: bool = False, quantize_lm_head: bool = False, dtype: str = "float16",
-             quantize_embeddings: bool = False) -> nn.Module:
+             quantize_embeddings: bool = False, edge_scheme: str | None = None) -> nn.Module:
     """Quantize `model` (LlamaForCausalLM or GPT2LMHeadModel) in place to weight-only int8/int4 and return it.
 
     calib: int64 token ids [B, T] (or [T]) for the AWQ scale search (required with awq=True). Every argument and
     every layer is checked before the model is touched. The rest of the model is cast to `dtype`.
     """
-    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype, quantize_embeddings)
+    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype, quantize_embeddings, edge_scheme)
     arch = arch_of(model)
     target_paths(model, config)
     if awq:
@@ -412,11 +422,11 @@ def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 12
     if quantize_lm_head:
         head = model.get_submodule("lm_head")
         w, b = _dense(head, conv1d=False)
-        set_module(model, "lm_head", QuantLinear.from_weight(w, b, config.bits, group_size, act))
+        set_module(model, "lm_head", QuantLinear.from_weight(w, b, config.edge_bits, group_size, act))
         model.config.tie_word_embeddings = False  # the fp16 input embedding and the quantized head are now separate
     if quantize_embeddings:
         emb = model.get_input_embeddings()
-        model.set_input_embeddings(QuantEmbedding.from_weight(emb.weight, config.bits, group_size, act))
+        model.set_input_embeddings(QuantEmbedding.from_weight(emb.weight, config.edge_bits, group_size, act))
     for p in model.parameters():
         p.data = p.data.to(act)
     for attr in ("dtype", "torch_dtype"):
