@@ -76,8 +76,8 @@ def gaps(events, steps):
 def report(label, loop):
     ms = block(loop, 10)
     busy, idle, late, by_op, syncs = gaps(trace(loop, STEPS), STEPS)
-    print(f"{label}: step {ms:.2f} ms (unprofiled); profiled GPU busy {busy:.2f} ms/step, idle in gaps >= {GAP_US:g} us "
-          f"{idle:.2f} ms/step, of which next kernel launched late (host-bound) {late:.2f}", flush=True)
+    print(f"{label}: step {ms:.2f} ms (unprofiled); profiled GPU busy {busy:.2f} ms/step, idle in gaps >= "
+          f"{GAP_US:g} us {idle:.2f} ms/step, of which next kernel launched late (host-bound) {late:.2f}", flush=True)
     for (where, is_late), us in by_op.most_common(14):
         print(f"    {us / 1e3 / STEPS:6.2f} ms/step  {'host' if is_late else 'device'}  {where}")
     for (call, where), us in syncs.most_common(8):

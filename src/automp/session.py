@@ -421,10 +421,9 @@ def _report_graph_breaks(session: Session) -> None:
     graph goes through the pass); on the autocast-compiled path, under the autocast region around the call, as in a
     hand-written loop. The break at an nn.LSTM/GRU is ours: it keeps the RNN one fused op (see _rnn_call)."""
     rec = session.recorder
-    paths = {r.path for r in session.roots.values() if r.graphs}
-    how = {frozenset({Path.COMPILED_AUTOCAST}): "under torch.autocast"}.get(frozenset(paths), "in FP32")
-    if paths == {Path.COMPILED, Path.COMPILED_AUTOCAST}:
-        how = "in FP32 (automp-compiled modules) or under torch.autocast (autocast-compiled modules)"
+    paths = {r.path for r in session.roots.values() if r.graphs and r.path in (Path.COMPILED, Path.COMPILED_AUTOCAST)}
+    how = ("in FP32" if Path.COMPILED_AUTOCAST not in paths else "under torch.autocast" if len(paths) == 1 else
+           "in FP32 (automp-compiled modules) or under torch.autocast (autocast-compiled modules)")
     for reason, n in _graph_breaks().items():
         new = n - session.breaks_before.get(reason, 0)
         short = " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:300]

@@ -4,9 +4,9 @@ automp's own save/load format.
 Format (a directory): `model.safetensors` with every parameter and buffer of the quantized model (packed codes,
 scales, fp16 embeddings/norms/lm_head, and non-persistent buffers such as rotary frequencies, so nothing has to be
 recomputed) and `automp_llm.json` with the quantization config, the transformers config and class, each QuantLinear's
-shape (and the QuantEmbedding's, if any), and tied-weight aliases (safetensors stores shared tensors once). `load` builds the architecture on the meta
-device (no weight memory, no init), puts empty QuantLinear shells where the quantized layers were and assigns the saved
-tensors: no re-quantization, bitwise-identical buffers. Both files are written through automp.files.atomic_output,
+(and QuantEmbedding's) shape, and tied-weight aliases (safetensors stores shared tensors once). `load` builds the
+architecture on the meta device (no weight memory, no init), puts empty shells where the quantized layers were and
+assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files are written through automp.files.atomic_output,
 the JSON last, and carry one save id, so a half-replaced directory is detected rather than loaded.
 """
 from __future__ import annotations
