@@ -57,9 +57,10 @@ def test_quantized_models_generate_the_same_greedy_tokens(memorised):
     assert tok.decode(ref[0]) == TEXT[:21]  # it did memorise the text
     with torch.no_grad():
         assert torch.equal(memorised.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=0), ref)
-    for scheme in ("int8", "int4"):
-        q = quantize(copy.deepcopy(memorised).to(DEVICE), scheme, group_size=32)
-        assert torch.equal(generate(q, x.to(DEVICE), 5).cpu(), ref), scheme
+    for scheme, kw in (("int8", {}), ("int4", {}),
+                       ("int4", dict(quantize_lm_head=True, quantize_embeddings=True, edge_scheme="int8"))):
+        q = quantize(copy.deepcopy(memorised).to(DEVICE), scheme, group_size=32, **kw)
+        assert torch.equal(generate(q, x.to(DEVICE), 5).cpu(), ref), (scheme, kw)
 
 
 def test_sampling_is_reproducible_and_top1_is_greedy():

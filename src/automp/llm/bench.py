@@ -232,10 +232,11 @@ def speed(cfg: BenchConfig, mode: str) -> tuple[list[dict], float]:
             speed_case("automp-fp16", base, lambda n: generate(base, ids, n, mode=mode), cfg, bandwidth, fp16_bytes)]
     base = None  # free it (and its decoder) before the quantized models
     _free()
-    for scheme in ("int8", "int4"):
-        q = quantize(build(cfg.model, device, torch.float16), scheme, cfg.group)
-        rows.append(speed_case(f"automp-{scheme}-g{cfg.group}", q, lambda n, q=q: generate(q, ids, n, mode=mode), cfg,
-                               bandwidth, fp16_bytes))
+    edges = dict(quantize_lm_head=True, quantize_embeddings=True, edge_scheme="int8")  # the <= 30% memory variant
+    for scheme, kw, suffix in (("int8", {}, ""), ("int4", {}, ""), ("int4", edges, "-edges-int8")):
+        q = quantize(build(cfg.model, device, torch.float16), scheme, cfg.group, **kw)
+        run = lambda n, q=q: generate(q, ids, n, mode=mode)  # noqa: E731
+        rows.append(speed_case(f"automp-{scheme}-g{cfg.group}{suffix}", q, run, cfg, bandwidth, fp16_bytes))
         q = None
         _free()
     return rows, bandwidth
