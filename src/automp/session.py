@@ -320,9 +320,9 @@ def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
     region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
     in FP32 that the hand-written loop runs in bf16 (8.4 ms of FP32 GEMM kernels in place of 2.3 ms; kernel profiles,
-    scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The outputs go back to FP32 inside the compiled function
-    (Inductor fuses the cast), as on every other path: the script sees its own dtypes; a ModelOutput's fields only
-    when read (automp.outputs)."""
+    scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The
+    outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
+    sees its own dtypes; a ModelOutput's fields only when read (automp.outputs)."""
     entry = _entry_point(module, root)
 
     def restored(*args: Any, **kwargs: Any) -> Any:
