@@ -5,12 +5,18 @@ compile); its peak memory is counted above what was allocated before its model w
 resident: without the subtraction, an H100 run read +1.6 GiB for automp that was the anchor's parameters and
 optimizer state).
 
-    python scripts/compare_paths.py bert [bf16] [paths|fused|stock|profile]
+    python scripts/compare_paths.py bert [bf16] [paths|fused|stock|profile|interleave]
 
 `profile` also traces a few steps of the anchor and of each variant with torch.profiler and prints the CUDA kernels
 whose time differs most (scripts/profile_dtype.py's method), and adds a variant that compiles the module the way
 the anchor does (torch.compile(module), autocast entered outside it) inside automp's session machinery: if that one
 matches the anchor, the gap is in how automp's compiled function is built, not in the session around it.
+
+`interleave` runs automp as a user does (its own trial on an empty verdict cache, then the path it chose) and then
+alternates blocks of automp and of the anchor (A B, B A, ...) in the same process: the zoo runs its modes minutes
+apart, and this host's speed drifts by 10-40% over minutes. The anchor runs inside the automp session unchanged:
+automp steps aside for a module called under the script's own autocast (the report lists it), and the anchor's
+optimizer, already stepped, is left as written.
 """
 import contextlib
 import statistics
@@ -104,13 +110,39 @@ def diff_table(a, b, top=25):
         print(f"| {k} | {a.get(k, 0):.3f} | {b.get(k, 0):.3f} |")
 
 
+def interleaved(name, dev, dtype, anchor, rounds=8):
+    torch.manual_seed(0)
+    loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
+    automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp())
+    try:
+        for trial_steps in range(1, 201):
+            loop.step()
+            if automp.settled():
+                break
+        block(loop, 3)
+        block(anchor, 3)  # its first calls under the session (automp steps aside; Dynamo may re-check its guards)
+        times = {"anchor": [], "automp": []}
+        for r in range(rounds):
+            for who in (("anchor", "automp") if r % 2 == 0 else ("automp", "anchor")):
+                times[who].append(block(anchor if who == "anchor" else loop, BLOCK))
+    finally:
+        rep = automp.disable()
+    a, m = statistics.median(times["anchor"]), statistics.median(times["automp"])
+    chosen = ", ".join(f"{c['module']}={c['path']}" for c in rep.get("choices", []) if c.get("path"))
+    print(f"interleaved, {rounds} rounds of {BLOCK} steps after a {trial_steps}-step trial: automp {m:.2f} ms "
+          f"({min(times['automp']):.2f}-{max(times['automp']):.2f}) | anchor {a:.2f} ms "
+          f"({min(times['anchor']):.2f}-{max(times['anchor']):.2f}) | ratio {a / m:.3f} | paths {chosen}", flush=True)
+
+
 def main(name, dtype="bf16", which="paths"):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{dtype}-compile", dev)
     block(anchor, 3)
-    rows = []
+    if which == "interleave":
+        interleaved(name, dev, dtype, anchor)
+        return
     profiled = PROFILED if which == "profile" else 0
     for label, path, detach, fuse, *module_form in VARIANTS[which]:
         if CUDA:
@@ -118,8 +150,6 @@ def main(name, dtype="bf16", which="paths"):
         a = [block(anchor, BLOCK) for _ in range(ROUNDS)]
         a_peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan")
         times, peak, rep, prof = variant(name, dev, dtype, path, detach, fuse, bool(module_form), profiled)
-        rows.append((label, statistics.median(times), peak, statistics.median(a), a_peak,
-                     rep.get("unread_outputs"), rep.get("compiles")))
         print(f"{label:30s} automp {statistics.median(times):7.2f} ms ({min(times):.2f}-{max(times):.2f}) "
               f"peak {peak:.2f} GiB | anchor {statistics.median(a):7.2f} ms ({min(a):.2f}-{max(a):.2f}) peak "
               f"{a_peak:.2f} | ratio {statistics.median(a) / statistics.median(times):.3f} | "

@@ -280,6 +280,10 @@ class Session:
         self.scaler, self.scaling_paused = None, True
 
     def _step_aside(self, root: _Root, why: str, user_precision: bool = False) -> None:
+        if root.trial is not None:  # it joined a trial at its first call: it is no longer waiting for a verdict
+            waiting = self.unfinished.get(root.trial, [])
+            if root.label in waiting:
+                waiting.remove(root.label)
         root.aside, root.path, root.trial = why, None, None
         self.recorder.add_choice(root.label, None, why)
         self.scaling_paused = False  # never bring scaling back on top of the script's own
