@@ -10,6 +10,7 @@ next kernel was launched late is host time; one launched early is a device-side 
 """
 import collections
 import json
+import os
 import sys
 import tempfile
 
@@ -32,7 +33,7 @@ def trace(loop, steps):
         for _ in range(steps):
             loop.step()
         torch.cuda.synchronize() if CUDA else None
-    path = tempfile.mktemp(suffix=".json")
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         return json.load(f)["traceEvents"]

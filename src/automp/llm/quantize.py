@@ -127,6 +127,20 @@ def check_backend(bits: int, device: torch.device | str, interpret: bool | None 
                            f"is imported to run the kernels on the CPU (slow); got device {torch.device(device)}")
 
 
+def _quantizer(bits: int):
+    """The weight quantizer for `bits` (int8 per group or row, or packed int4): (codes, scales) of a float [N, K]."""
+    return kernels().quantize_weight_int8 if bits == 8 else kernels().quantize_weight_int4
+
+
+def _register_packed(module: nn.Module, rows: int, k: int, bits: int, group_size: int | None,
+                     device: torch.device | str | None) -> None:
+    """Empty `qw` and `scales` buffers in the layout _quantizer returns for a [rows, k] weight (load fills them)."""
+    cols = k if bits == 8 else (k + 1) // 2
+    n_groups = 1 if group_size is None else -(-k // group_size)
+    module.register_buffer("qw", torch.empty(rows, cols, dtype=torch.int8 if bits == 8 else torch.uint8, device=device))
+    module.register_buffer("scales", torch.empty(rows, n_groups, dtype=torch.float32, device=device))
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequant(qw, scales)^T + bias (an nn.Linear with packed weights; layouts in automp.kernels.quant).
 
@@ -140,11 +154,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
         self.dtype, self.awq_alpha = dtype, awq_alpha
-        cols = in_features if bits == 8 else (in_features + 1) // 2
-        n_groups = 1 if group_size is None else -(-in_features // group_size)
-        self.register_buffer("qw", torch.empty(out_features, cols, dtype=torch.int8 if bits == 8 else torch.uint8,
-                                               device=device))
-        self.register_buffer("scales", torch.empty(out_features, n_groups, dtype=torch.float32, device=device))
+        _register_packed(self, out_features, in_features, bits, group_size, device)
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
         self.register_buffer("input_scale", torch.empty(in_features, dtype=dtype, device=device)
                              if input_scale else None)
@@ -156,8 +166,7 @@ class QuantLinear(nn.Module):
         """From a float [N, K] weight (already multiplied by the AWQ scale when inv_input_scale is given)."""
         n, k = weight.shape
         q = cls(k, n, bits, group_size, bias is not None, inv_input_scale is not None, dtype, weight.device, awq_alpha)
-        quantizer = kernels().quantize_weight_int8 if bits == 8 else kernels().quantize_weight_int4
-        q.qw, q.scales = quantizer(weight, group_size)
+        q.qw, q.scales = _quantizer(bits)(weight, group_size)
         if bias is not None:
             q.bias = bias.detach().to(dtype).clone()
         if inv_input_scale is not None:
@@ -206,19 +215,14 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.bits, self.group_size = num_embeddings, embedding_dim, bits, \
             group_size
         self.dtype = dtype
-        cols = embedding_dim if bits == 8 else (embedding_dim + 1) // 2
-        n_groups = 1 if group_size is None else -(-embedding_dim // group_size)
-        self.register_buffer("qw", torch.empty(num_embeddings, cols, dtype=torch.int8 if bits == 8 else torch.uint8,
-                                               device=device))
-        self.register_buffer("scales", torch.empty(num_embeddings, n_groups, dtype=torch.float32, device=device))
+        _register_packed(self, num_embeddings, embedding_dim, bits, group_size, device)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bits: int, group_size: int | None,
                     dtype: torch.dtype) -> "QuantEmbedding":
         v, d = weight.shape
         q = cls(v, d, bits, group_size, dtype, weight.device)
-        quantizer = kernels().quantize_weight_int8 if bits == 8 else kernels().quantize_weight_int4
-        q.qw, q.scales = quantizer(weight.detach().float(), group_size)
+        q.qw, q.scales = _quantizer(bits)(weight.detach().float(), group_size)
         return q
 
     def spec(self) -> dict:
@@ -274,8 +278,7 @@ def target_paths(model: nn.Module, config: QuantConfig) -> list[str]:
         if isinstance(emb, QuantEmbedding):
             raise ValueError("automp.llm.quantize: the input embedding is already quantized (quantize the original "
                              "model)")
-        head = model.get_output_embeddings()
-        if not config.quantize_lm_head and head is not None and head.weight is emb.weight:
+        if not config.quantize_lm_head and input_embedding(model)[3]:
             raise ValueError("automp.llm.quantize: the input embedding is tied to lm_head: quantizing it alone would "
                              "keep the fp16 matrix for the head (no memory saved); pass quantize_lm_head=True too")
         d = emb.weight.shape[1]
@@ -296,7 +299,7 @@ def target_paths(model: nn.Module, config: QuantConfig) -> list[str]:
 # ----------------------------------------------------------------------------------------------- AWQ
 def _fake_quant(w: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
     k = kernels()
-    q, s = (k.quantize_weight_int8 if bits == 8 else k.quantize_weight_int4)(w, group_size)
+    q, s = _quantizer(bits)(w, group_size)
     return k.dequantize_weight(q, s, w.shape[1])
 
 

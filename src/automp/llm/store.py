@@ -6,8 +6,9 @@ scales, fp16 embeddings/norms/lm_head, and non-persistent buffers such as rotary
 recomputed) and `automp_llm.json` with the quantization config, the transformers config and class, each QuantLinear's
 (and QuantEmbedding's) shape, and tied-weight aliases (safetensors stores shared tensors once). `load` builds the
 architecture on the meta device (no weight memory, no init), puts empty shells where the quantized layers were and
-assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files are written through automp.files.atomic_output,
-the JSON last, and carry one save id, so a half-replaced directory is detected rather than loaded.
+assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files are written through
+automp.files.atomic_output, the JSON last, and carry one save id, so a half-replaced directory is detected rather
+than loaded.
 """
 from __future__ import annotations
 
