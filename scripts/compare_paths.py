@@ -5,12 +5,15 @@ compile); its peak memory is counted above what was allocated before its model w
 resident: without the subtraction, an H100 run read +1.6 GiB for automp that was the anchor's parameters and
 optimizer state).
 
-    python scripts/compare_paths.py bert [bf16] [paths|fused|stock|profile|interleave]
+    python scripts/compare_paths.py bert [bf16] [paths|fused|stock|profile|profile-one|interleave] [anchor dtype]
 
 `profile` also traces a few steps of the anchor and of each variant with torch.profiler and prints the CUDA kernels
 whose time differs most (scripts/profile_dtype.py's method), and adds a variant that compiles the module the way
 the anchor does (torch.compile(module), autocast entered outside it) inside automp's session machinery: if that one
 matches the anchor, the gap is in how automp's compiled function is built, not in the session around it.
+
+`profile-one` profiles the autocast-compiled path alone; with `fp16 profile-one bf16` the anchor is the bf16 loop, so
+the kernel diff is what fp16 (loss scaling) adds.
 
 `interleave` runs automp as a user does (its own trial on an empty verdict cache, then the path it chose) and then
 alternates blocks of automp and of the anchor (A B, B A, ...) in the same process: the zoo runs its modes minutes
@@ -98,6 +101,7 @@ VARIANTS = {"paths": (("autocast-compile, detach", Path.COMPILED_AUTOCAST, True,
                       ("autocast-compile, Adam as written", Path.COMPILED_AUTOCAST, True, False),
                       ("compile, Adam as written", Path.COMPILED, True, False)),
             "stock": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),),
+            "profile-one": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),),
             "profile": (("autocast-compile", Path.COMPILED_AUTOCAST, True, True),
                         ("torch.compile(module) in automp", Path.COMPILED_AUTOCAST, False, True, True),
                         ("compile", Path.COMPILED, True, True))}
@@ -134,16 +138,16 @@ def interleaved(name, dev, dtype, anchor, rounds=8):
           f"({min(times['anchor']):.2f}-{max(times['anchor']):.2f}) | ratio {a / m:.3f} | paths {chosen}", flush=True)
 
 
-def main(name, dtype="bf16", which="paths"):
+def main(name, dtype="bf16", which="paths", anchor_dtype=None):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
-    anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{dtype}-compile", dev)
+    anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{anchor_dtype or dtype}-compile", dev)
     block(anchor, 3)
     if which == "interleave":
         interleaved(name, dev, dtype, anchor)
         return
-    profiled = PROFILED if which == "profile" else 0
+    profiled = PROFILED if which.startswith("profile") else 0
     for label, path, detach, fuse, *module_form in VARIANTS[which]:
         if CUDA:
             torch.cuda.reset_peak_memory_stats()

@@ -6,7 +6,9 @@ few steps (torch.profiler, chrome trace) of the anchor and of automp on one forc
 consecutive GPU kernels, and charges each gap to the host operation that launched the kernel after it (a gap whose
 next kernel was launched late is host time; one launched early is a device-side wait).
 
-    python scripts/gpu_gaps.py gpt2 [bf16|fp16] [autocast-compile|compile] [anchor|no-anchor]
+    python scripts/gpu_gaps.py gpt2 [bf16|fp16] [autocast-compile|compile|eager] [anchor|no-anchor]
+
+With `eager` the anchor is the hand-written autocast eager loop (the small scripts' bar), else autocast + compile.
 """
 import collections
 import json
@@ -90,9 +92,10 @@ def main(name, dtype="bf16", path="autocast-compile", anchor_too="anchor"):
     dev = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     if anchor_too == "anchor":
-        anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{dtype}-compile", dev)
+        mode = f"autocast-{dtype}-{'eager' if path == 'eager' else 'compile'}"  # eager: the small scripts' bar
+        anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), mode, dev)
         block(anchor, 3)
-        report(f"anchor autocast-{dtype}-compile", anchor)
+        report(f"anchor {mode}", anchor)
         del anchor
         torch.cuda.empty_cache() if CUDA else None
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from automp.autocast_cache import SharedCasts
 from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
@@ -50,6 +51,7 @@ class _Root:
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
+    params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Session:
     fuser: OptimizerFuser | None = None
     undo_once_logging: Callable[[], None] | None = None
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
+    casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -94,6 +97,7 @@ class Session:
             self.fuser.uninstall()
             self.fuser = None
         nn.Module.__call__ = ORIG_CALL
+        self.casts.clear()
         if self.undo_once_logging is not None:
             self.undo_once_logging()
             self.undo_once_logging = None
@@ -138,6 +142,8 @@ class Session:
             if not any(True for _ in module.parameters()):
                 return ORIG_CALL(module, *args, **kwargs)
             root = self._new_root(module, args)
+        if torch.is_autocast_enabled(root.device.type):
+            self.casts.check()  # the script's own region must not find a stale copy automp cached
         if root.aside is None and torch.is_autocast_enabled(root.device.type):
             self._step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
                                    "(and loss scaling) to the script", user_precision=True)
@@ -157,7 +163,9 @@ class Session:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
             if path is Path.EAGER_LOW:
-                with torch.autocast(root.device.type, dtype=root.low):
+                if root.params is None:
+                    root.params = list(module.parameters())
+                with self.casts.region(root.device.type, root.low, root.params):
                     out = ORIG_CALL(module, *args, **kwargs)
                 return self._deliver(root, out, None)
             if path is Path.COMPILED_AUTOCAST:

@@ -1,0 +1,93 @@
+"""The eager path keeps autocast's weight casts across root-module calls until a parameter changes."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import automp
+
+pytestmark = pytest.mark.usefixtures("fresh_session")
+
+
+class CastsOf(TorchDispatchMode):
+    """Counts the dtype casts whose source is one of `params`' storage."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ptrs = {p.data_ptr() for p in params}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 1))
+
+
+def _reference(net, x):
+    """What a hand-written autocast region computes with the weights as they are now."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return net(x).float()
+
+
+def test_two_calls_before_backward_cast_the_weights_once():
+    d = _net()
+    real, fake = torch.randn(8, 24), torch.randn(8, 24)
+    automp.enable(dtype="bf16", path="eager")
+    with CastsOf(d.parameters()) as casts:
+        a, b = d(real), d(fake)  # the GAN's D(real), D(fake.detach())
+    assert casts.count == 4  # two weights and two biases, once (eight before: each call cast them again)
+    (a.mean() + b.mean()).backward()
+    assert d[0].weight.grad is not None and d[0].weight.grad.dtype == torch.float32
+    automp.disable()
+
+
+@pytest.mark.parametrize("change", ["optimizer", "in_place"])
+def test_a_changed_parameter_is_cast_again(change):
+    d = _net()
+    x = torch.randn(8, 24)
+    opt = torch.optim.SGD(d.parameters(), lr=0.5)
+    automp.enable(dtype="bf16", path="eager")
+    d(x).pow(2).mean().backward()
+    before = d(x).detach().clone()
+    if change == "optimizer":
+        opt.step()
+    else:
+        with torch.no_grad():
+            d[0].weight.mul_(-1.5)
+    with CastsOf(d.parameters()) as casts:
+        after = d(x)
+    automp.disable()
+    ref = _reference(d, x)
+    assert casts.count >= 1
+    assert not torch.equal(after, before)
+    assert torch.equal(after, ref), (after - ref).abs().max()
+
+
+def test_the_scripts_own_autocast_never_sees_a_stale_copy():
+    d, other = _net(), nn.Linear(4, 4)
+    x = torch.randn(8, 24)
+    automp.enable(dtype="bf16", path="eager")
+    other(torch.randn(2, 4))  # a second root stays on automp's eager path
+    d(x)  # automp cached d's bf16 weights
+    with torch.no_grad():
+        d[0].weight.add_(1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the script takes d over (automp steps aside)
+        out = d(x).float()
+    automp.disable()
+    assert torch.equal(out, _reference(d, x))
+
+
+def test_disable_drops_the_cache():
+    d = _net()
+    x = torch.randn(8, 24)
+    automp.enable(dtype="bf16", path="eager")
+    d(x)
+    automp.disable()
+    with CastsOf(d.parameters()) as casts:  # no copy of automp's left for the next region to find
+        _reference(d, x)
+    assert casts.count == 4
