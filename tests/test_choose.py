@@ -137,3 +137,12 @@ def test_module_key_depends_on_shapes_not_values():
     assert module_key(a, (x,), "bf16", "cpu") != module_key(c, (x,), "bf16", "cpu")
     assert module_key(a, (x,), "bf16", "cpu") != module_key(a, (torch.randn(3, 4),), "bf16", "cpu")
     assert module_key(a, (x,), "bf16", "cpu") != module_key(a, (x,), "fp16", "cpu")
+
+
+@pytest.mark.parametrize("lead, chosen", [(0.01, Path.COMPILED_AUTOCAST), (0.10, Path.COMPILED)])
+def test_automp_compiled_must_beat_the_hand_written_path_by_more_than_the_noise(lead, chosen):
+    cost = {Path.COMPILED: 0.100, Path.COMPILED_AUTOCAST: 0.100 * (1 + lead), Path.EAGER_LOW: 0.2}
+    trial, _ = run_until_verdict(cost)
+    assert trial.verdict.path is chosen
+    assert ("hand-written loop's own path is kept" in trial.verdict.reason) == (chosen is Path.COMPILED_AUTOCAST)
+    assert trial.verdict.timings_ms[Path.COMPILED.value] == pytest.approx(100.0)  # the measured timings, unchanged
