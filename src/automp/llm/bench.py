@@ -4,6 +4,8 @@ Speed, batch 1 (GPU: TinyLlama-1.1B-shaped random model, prompt 32, 128 new toke
   hf-generate-fp16   transformers' generate (dynamic cache, eager): the anchor
   automp-fp16        automp.llm.generate with fp16 weights (static cache, compiled + CUDA-graph decode step)
   automp-int8-g128   the same with int8 weights,  automp-int4-g128  with int4 weights
+  automp-int4-g128-unfused  int4 with q/k/v and gate/up as separate GEMV calls (quantize(fuse=False)): what the
+                     fused calls (automp.llm.fuse; 4 GEMVs per Llama layer instead of 7) gain
 Each row: tokens/s over the whole call (prompt included), decode ms/token = (t(N) - t(1)) / (N - 1), peak memory,
 weight bytes and their ratio to fp16, and the fraction of the bandwidth roofline: the decode step must read every
 weight but the input embedding once, so its floor is those bytes / the device-to-device copy bandwidth measured here.
@@ -233,7 +235,8 @@ def speed(cfg: BenchConfig, mode: str) -> tuple[list[dict], float]:
     base = None  # free it (and its decoder) before the quantized models
     _free()
     edges = dict(quantize_lm_head=True, quantize_embeddings=True, edge_scheme="int8")  # the <= 30% memory variant
-    for scheme, kw, suffix in (("int8", {}, ""), ("int4", {}, ""), ("int4", edges, "-edges-int8")):
+    cases = (("int8", {}, ""), ("int4", {}, ""), ("int4", {"fuse": False}, "-unfused"), ("int4", edges, "-edges-int8"))
+    for scheme, kw, suffix in cases:
         q = quantize(build(cfg.model, device, torch.float16), scheme, cfg.group, **kw)
         run = lambda n, q=q: generate(q, ids, n, mode=mode)  # noqa: E731
         rows.append(speed_case(f"automp-{scheme}-g{cfg.group}{suffix}", q, run, cfg, bandwidth, fp16_bytes))

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits of lm_head and the embedding where quantized (default: --bits; 8 keeps int4 models "
                         "accurate at <= 30%% of fp16 memory)")
     q.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    q.add_argument("--no-fuse", action="store_true",
+                   help="keep q/k/v and gate/up as separate kernel calls (default: one call per group, same results; "
+                        "saved with the model)")
     q.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
     q.add_argument("-o", "--output", required=True, metavar="DIR")
     g = sub.add_parser("generate", help="generate text with a saved quantized model")
@@ -115,7 +118,7 @@ def _quantize(args: argparse.Namespace) -> int:
     scheme = f"int{args.bits}"
     quantize(model, scheme, args.group_size, calib=calib, awq=args.awq, quantize_lm_head=args.lm_head,
              quantize_embeddings=args.embeddings, dtype=args.dtype,
-             edge_scheme=None if args.edge_bits is None else f"int{args.edge_bits}")
+             edge_scheme=None if args.edge_bits is None else f"int{args.edge_bits}", fuse=not args.no_fuse)
     save(model, args.output, tokenizer=tokenizer)
     print(f"{args.model} -> {args.output}: {scheme} group {args.group_size}{' awq' if args.awq else ''}, "
           f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

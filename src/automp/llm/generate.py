@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import QuantLinear, check_backend, input_embedding
 
 MODES = ("auto", "eager", "graph", "compile")
@@ -83,6 +84,7 @@ class Decoder(_Unpicklable):
         if mode not in MODES:
             raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
         self.model, self.batch, self.max_len = model, batch, max_len
+        fuse_projections(model)  # a model moved since quantize() lost its fused groups; before the fingerprint
         self.device, self.dtype, _, _ = input_embedding(model)
         self.key = (batch, max_len, mode, _fingerprint(model))
         fwd = inspect.signature(model.forward).parameters

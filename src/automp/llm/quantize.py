@@ -8,6 +8,8 @@ their packed form. Embeddings, norms and lm_head stay in fp16/bf16 by default (l
 share of a large model's bytes, and the layers where rounding costs the most accuracy. The input embedding can be
 quantized too (`quantize_embeddings`, a `QuantEmbedding`): it costs no time (a decode step reads one row per token),
 but it is 6% of TinyLlama-1.1B's fp16 bytes and with lm_head it is what keeps int4 weights above 30% of fp16 memory.
+The linears that read one activation (q/k/v, gate/up) then share one kernel call per group (automp.llm.fuse: at
+batch 1 each call costs its latency whatever its size), their buffers row slices of one tensor, saved as before.
 
 AWQ (Lin et al. 2023), optional: a few input channels carry much larger activations than the rest, and their weights
 matter more. Scaling weight column k by s_k (and the activation by 1/s_k) gives those columns more of the int grid.
@@ -56,6 +58,7 @@ class QuantConfig:
     dtype: str = "float16"             # activations and the unquantized weights: "float16" | "bfloat16"
     quantize_embeddings: bool = False  # the input embedding too (QuantEmbedding)
     edge_scheme: str | None = None     # lm_head and the input embedding, where quantized: None = `scheme`
+    fuse: bool = True                  # q/k/v and gate/up as one kernel call each (automp.llm.fuse)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -141,6 +144,24 @@ def _register_packed(module: nn.Module, rows: int, k: int, bits: int, group_size
     module.register_buffer("scales", torch.empty(rows, n_groups, dtype=torch.float32, device=device))
 
 
+def project(x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+            input_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x @ dequant(qw, scales)^T + bias in x's dtype, computed in `dtype`: one row through the GEMV kernel, more
+    through the GEMM kernel."""
+    k = _KERNELS or kernels()
+    out_dtype = x.dtype
+    a = x.reshape(-1, x.shape[-1]).to(dtype)
+    if input_scale is not None:
+        a = a * input_scale
+    if a.shape[0] == 1:
+        y = k.quant_gemv(qw, scales, a[0])[None]
+    else:
+        y = k.quant_gemm(a, qw, scales)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], qw.shape[0]).to(out_dtype)
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequant(qw, scales)^T + bias (an nn.Linear with packed weights; layouts in automp.kernels.quant).
 
@@ -158,6 +179,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
         self.register_buffer("input_scale", torch.empty(in_features, dtype=dtype, device=device)
                              if input_scale else None)
+        self._fused, self._fused_slot = None, 0  # a FusedGroup (automp.llm.fuse, a plain object) and this row block
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int | None,
@@ -186,18 +208,34 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_backend(self.bits, x.device)
-        k = _KERNELS or kernels()
-        out_dtype = x.dtype
-        a = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.input_scale is not None:
-            a = a * self.input_scale
-        if a.shape[0] == 1:
-            y = k.quant_gemv(self.qw, self.scales, a[0])[None]
-        else:
-            y = k.quant_gemm(a, self.qw, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
+        group = getattr(self, "_fused", None)
+        if group is not None and group.active:  # one call for the whole group (automp.llm.fuse.FusedGroup)
+            return group(self._fused_slot, x)
+        return project(x, self.qw, self.scales, self.bias, self.input_scale, self.dtype)
+
+    # A fused member's qw / scales / bias are row slices of its group's tensors (automp.llm.fuse). Anything that
+    # replaces one of them (.to / .cuda / .half through _apply, an assignment, load_state_dict(assign=True)) would
+    # leave the group computing from the old tensors, so it dissolves the group: every member then computes from
+    # its own buffers (still right, one call each) until fuse_projections fuses it again. In-place writes
+    # (load_state_dict's copy_) go through the views into the group's tensors: nothing to do.
+    def _unfuse(self) -> None:
+        group = self.__dict__.get("_fused")
+        if group is not None:
+            group.dissolve()
+            self.__dict__["_fused"] = None
+
+    def _apply(self, fn, *args, **kwargs):
+        before = (self.qw, self.scales, self.bias)
+        try:
+            return super()._apply(fn, *args, **kwargs)
+        finally:
+            if any(a is not b for a, b in zip(before, (self.qw, self.scales, self.bias))):
+                self._unfuse()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("qw", "scales", "bias", "input_scale"):
+            self._unfuse()
+        super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
@@ -387,13 +425,14 @@ def scale_block(block: nn.Module, prefix: str, arch: Arch, dense: dict[str, list
 # ----------------------------------------------------------------------------------------------- entry point
 def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 128, calib: torch.Tensor | None = None,
              awq: bool = False, quantize_lm_head: bool = False, dtype: str = "float16",
-             quantize_embeddings: bool = False, edge_scheme: str | None = None) -> nn.Module:
+             quantize_embeddings: bool = False, edge_scheme: str | None = None, fuse: bool = True) -> nn.Module:
     """Quantize `model` (LlamaForCausalLM or GPT2LMHeadModel) in place to weight-only int8/int4 and return it.
 
     calib: int64 token ids [B, T] (or [T]) for the AWQ scale search (required with awq=True). Every argument and
-    every layer is checked before the model is touched. The rest of the model is cast to `dtype`.
+    every layer is checked before the model is touched. The rest of the model is cast to `dtype`. fuse: the linears
+    that read one activation (q/k/v, gate/up) run as one kernel call each (automp.llm.fuse; same results).
     """
-    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype, quantize_embeddings, edge_scheme)
+    config = QuantConfig(scheme, group_size, awq, quantize_lm_head, dtype, quantize_embeddings, edge_scheme, fuse)
     arch = arch_of(model)
     target_paths(model, config)
     if awq:
@@ -436,6 +475,8 @@ def quantize(model: nn.Module, scheme: str = "int4", group_size: int | None = 12
         if attr in model.config.to_dict():
             setattr(model.config, attr, act)
     model.automp_quant = config
+    from automp.llm.fuse import fuse_projections
+    fuse_projections(model)
     return model.eval()
 
 

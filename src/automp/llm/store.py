@@ -4,7 +4,8 @@ automp's own save/load format.
 Format (a directory): `model.safetensors` with every parameter and buffer of the quantized model (packed codes,
 scales, fp16 embeddings/norms/lm_head, and non-persistent buffers such as rotary frequencies, so nothing has to be
 recomputed) and `automp_llm.json` with the quantization config, the transformers config and class, each QuantLinear's
-(and QuantEmbedding's) shape, and tied-weight aliases (safetensors stores shared tensors once). `load` builds the
+(and QuantEmbedding's) shape, and tied-weight aliases (safetensors stores shared tensors once). Fused projections
+(automp.llm.fuse) are saved as their members' own tensors, and `load` fuses them again. `load` builds the
 architecture on the meta device (no weight memory, no init), puts empty shells where the quantized layers were and
 assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files are written through
 automp.files.atomic_output, the JSON last, and carry one save id, so a half-replaced directory is detected rather
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from automp.files import atomic_output
+from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import ARCHS, DTYPES, QuantConfig, QuantEmbedding, QuantLinear, arch_of, check_backend, \
     is_quantized, set_module
 
@@ -185,6 +187,7 @@ def load(directory: str, device: torch.device | str = "cpu") -> nn.Module:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     _assign(model, tensors, meta["aliases"])
     model.automp_quant = quant
+    fuse_projections(model)  # the saved tensors are per layer: fusing again makes the views (quant.fuse permitting)
     return model.eval()
 
 
