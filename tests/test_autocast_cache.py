@@ -91,3 +91,17 @@ def test_disable_drops_the_cache():
     with CastsOf(d.parameters()) as casts:  # no copy of automp's left for the next region to find
         _reference(d, x)
     assert casts.count == 4
+
+
+def test_an_optimizer_step_drops_the_copies_before_it_runs():
+    d = _net()
+    opt = torch.optim.SGD(d.parameters(), lr=0.1)
+    seen = []
+    opt.register_step_pre_hook(lambda *_: seen.append(torch.is_autocast_cache_enabled() and
+                                                      bool(automp._session.casts._cast)))
+    automp.enable(dtype="bf16", path="eager")
+    d(torch.randn(8, 24)).mean().backward()
+    assert automp._session.casts._cast  # held after the backward (the next call may reuse them)
+    opt.step()  # automp's global pre-hook runs before the optimizer's own ones
+    automp.disable()
+    assert seen == [False]

@@ -13,7 +13,9 @@ so before each call the parameters cast so far are checked against their version
 in-place update bumps them) and the cache is dropped when one moved. Writes through `param.data` bump no version
 counter; like a hand-written region, a `.data` write between two calls with no optimizer step in between is not seen.
 The cache is also checked when a module runs under the script's own autocast (which would otherwise find automp's
-copies in the same thread-local cache), and dropped when automp is disabled.
+copies in the same thread-local cache), dropped before any optimizer step (the step changes the weights anyway, and
+the copies, which the backward no longer needs, would sit in memory while the step allocates its state), and
+dropped when automp is disabled.
 """
 from __future__ import annotations
 

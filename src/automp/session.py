@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp.autocast_cache import SharedCasts
 from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
@@ -72,6 +73,7 @@ class Session:
     undo_once_logging: Callable[[], None] | None = None
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
     casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
+    step_hook: Any = None  # drops those casts when any optimizer steps
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -82,6 +84,7 @@ class Session:
             self.fuser = OptimizerFuser(self._fused)
             self.fuser.install()
         self.scaler = _install_scaling(self.config)
+        self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
         self.saved_flags = _set_capture_flags()
         self.breaks_before = _graph_breaks()
         session = self
@@ -97,6 +100,9 @@ class Session:
             self.fuser.uninstall()
             self.fuser = None
         nn.Module.__call__ = ORIG_CALL
+        if self.step_hook is not None:
+            self.step_hook.remove()
+            self.step_hook = None
         self.casts.clear()
         if self.undo_once_logging is not None:
             self.undo_once_logging()
