@@ -174,15 +174,19 @@ def _leaves(roots: tuple) -> list[Tensor]:
             stack.append(t.grad_fn)
         elif t.requires_grad:
             found[id(t)] = t
+    push, pop, mark = stack.extend, stack.pop, seen.add  # a host cost of every fp16 backward: kept lean
     while stack:
-        node = stack.pop()
+        node = pop()
         if node in seen:
             continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            found[id(var)] = var
-        stack.extend(f for f, _ in node.next_functions if f is not None)
+        mark(node)
+        nexts = node.next_functions
+        if nexts:
+            push([f for f, _ in nexts if f is not None and f not in seen])
+        else:  # AccumulateGrad nodes have no successors; only they hold a variable
+            var = getattr(node, "variable", None)
+            if var is not None:
+                found[id(var)] = var
     return list(found.values())
 
 
