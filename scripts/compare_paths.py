@@ -15,11 +15,9 @@ matches the anchor, the gap is in how automp's compiled function is built, not i
 `profile-one` profiles the autocast-compiled path alone; with `fp16 profile-one bf16` the anchor is the bf16 loop, so
 the kernel diff is what fp16 (loss scaling) adds.
 
-`interleave` runs automp as a user does (its own trial on an empty verdict cache, then the path it chose) and then
-alternates blocks of automp and of the anchor (A B, B A, ...) in the same process: the zoo runs its modes minutes
-apart, and this host's speed drifts by 10-40% over minutes. The anchor runs inside the automp session unchanged:
-automp steps aside for a module called under the script's own autocast (the report lists it), and the anchor's
-optimizer, already stepped, is left as written.
+`interleave` runs automp as a user does (its own trial, then the path it chose) and then alternates blocks of automp
+and of the anchor (A B, B A, ...) in the same process: automp.bench.suites.zoo_interleave, which `automp bench zoo
+--interleave` also uses.
 """
 import contextlib
 import statistics
@@ -30,7 +28,7 @@ import torch
 
 import automp
 import automp.session as session
-from automp.bench.suites import zoo
+from automp.bench.suites import zoo, zoo_interleave
 from automp.choose import Path, TrialConfig
 from automp.unread_outputs import detach_unread
 from profile_dtype import CUDA, block, kernels  # the same block timing (scripts/ is on sys.path when run as a script)
@@ -114,39 +112,27 @@ def diff_table(a, b, top=25):
         print(f"| {k} | {a.get(k, 0):.3f} | {b.get(k, 0):.3f} |")
 
 
-def interleaved(name, dev, dtype, anchor, rounds=8):
-    torch.manual_seed(0)
-    loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
-    automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp())
-    try:
-        for trial_steps in range(1, 201):
-            loop.step()
-            if automp.settled():
-                break
-        block(loop, 3)
-        block(anchor, 3)  # its first calls under the session (automp steps aside; Dynamo may re-check its guards)
-        times = {"anchor": [], "automp": []}
-        for r in range(rounds):
-            for who in (("anchor", "automp") if r % 2 == 0 else ("automp", "anchor")):
-                times[who].append(block(anchor if who == "anchor" else loop, BLOCK))
-    finally:
-        rep = automp.disable()
-    a, m = statistics.median(times["anchor"]), statistics.median(times["automp"])
-    chosen = ", ".join(f"{c['module']}={c['path']}" for c in rep.get("choices", []) if c.get("path"))
-    print(f"interleaved, {rounds} rounds of {BLOCK} steps after a {trial_steps}-step trial: automp {m:.2f} ms "
-          f"({min(times['automp']):.2f}-{max(times['automp']):.2f}) | anchor {a:.2f} ms "
-          f"({min(times['anchor']):.2f}-{max(times['anchor']):.2f}) | ratio {a / m:.3f} | paths {chosen}", flush=True)
+def interleaved(name, dev, dtype):
+    if dtype != "bf16":
+        raise SystemExit("interleave: bf16 only (automp steps aside for the fp16 anchor's autocast, and its loss "
+                         "scaling with it)")
+    got = zoo_interleave.interleaved(name, not CUDA, dev, BLOCK, 3, 200, rounds=8)
+    b = got["blocks"]
+    print(f"interleaved, 8 rounds of {BLOCK} steps after automp's trial (settled: {got['settled']}): automp "
+          f"{got['automp_ms']:.2f} ms ({min(b['automp']):.2f}-{max(b['automp']):.2f}) | anchor {got['anchor_ms']:.2f} "
+          f"ms ({min(b['anchor']):.2f}-{max(b['anchor']):.2f}) | ratio {got['ratio']:.3f} | paths {got['paths']}",
+          flush=True)
 
 
 def main(name, dtype="bf16", which="paths", anchor_dtype=None):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if CUDA else "cpu"
+    if which == "interleave":
+        interleaved(name, dev, dtype)
+        return
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{anchor_dtype or dtype}-compile", dev)
     block(anchor, 3)
-    if which == "interleave":
-        interleaved(name, dev, dtype, anchor)
-        return
     profiled = PROFILED if which.startswith("profile") else 0
     for label, path, detach, fuse, *module_form in VARIANTS[which]:
         if CUDA:

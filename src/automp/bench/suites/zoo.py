@@ -184,10 +184,11 @@ def _note_report(row: dict[str, Any], report: dict[str, Any]) -> None:
 
 
 def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
-              timeout: float = 0, passes: int = 1) -> list[dict[str, Any]]:
+              timeout: float = 0, passes: int = 1, interleave: bool = False) -> list[dict[str, Any]]:
     """One row per mode. With passes > 1 the modes run again in reversed order (A B C, C B A, ...) and each row keeps
     the median step time of its passes: a host whose speed drifts during the run (seen: 10-40% between modes on the
-    lent GPU machine) then biases no mode more than another."""
+    lent GPU machine) then biases no mode more than another. interleave: automp-bf16's row also gets its ratio to
+    the anchor timed in alternating blocks in one process (zoo_interleave)."""
     missing = missing_libraries(name)
     if missing:
         return add_ratios([{"model": name, "mode": mode, "step_ms": None, "peak_gib": None, "loss": None,
@@ -207,7 +208,12 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
             print(f"[{name}] {mode}: " + (row.get("error") or f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, "
                                                               f"peak {row['peak_gib']} GiB, warmup {row['compile_s']} s"),
                   flush=True)
-    return add_ratios([_median_pass(r) for r in runs.values()])
+    rows = add_ratios([_median_pass(r) for r in runs.values()])
+    if interleave and "automp-bf16" in modes:
+        from automp.bench.suites.zoo_interleave import add_to_row
+        add_to_row(next(r for r in rows if r["mode"] == "automp-bf16"), name, quick, device, steps, warmup,
+                   max_warmup, timeout * (1 + AUTOMP_TIMEOUT_FACTOR))
+    return rows
 
 
 def _median_pass(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -286,6 +292,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             notes.append(f"{r['automp_fallbacks']} automp FP32 fallback(s)")
         if r.get("settled") is False:
             notes.append("automp not settled")
+        if r.get("ratio_interleaved") is not None:
+            notes.append(f"interleaved with the anchor: {r['ratio_interleaved']:.2f}x ({r['step_ms_interleaved']:.2f} "
+                         f"vs {r['anchor_ms_interleaved']:.2f} ms)")
+        if r.get("interleave_error"):
+            notes.append(f"interleaved: {r['interleave_error']}")
         lines.append(f"| {r['model']} | {r['mode']} | {_fmt(r['step_ms'], '.2f')} | "
                      f"{_fmt(r.get('ratio_vs_anchor'), '.2f')} | {_fmt(r['peak_gib'], '.2f')} | "
                      f"{_fmt(r['loss'], '.4f')} | {_fmt(r.get('loss_vs_fp32'), '+.4f')} | "
@@ -344,6 +355,9 @@ def main(argv: list[str]) -> int:
                         "automp modes get twice this: they compile two paths before their trial settles")
     p.add_argument("--passes", type=int, default=1,
                    help="run the modes this many times, in alternating order, and report each mode's median step time")
+    p.add_argument("--interleave", action="store_true",
+                   help="also time automp-bf16 against the anchor in alternating blocks in one process (a ratio the "
+                        "host's drift between modes cannot bias; compiles both once more)")
     p.add_argument("--quick", action="store_true", help="tiny configs (CPU smoke run); writes zoo-<gpu>-quick.*")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -361,7 +375,8 @@ def main(argv: list[str]) -> int:
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     meta = {"device": device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick, "passes": args.passes}
+            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick, "passes": args.passes,
+            "interleave": args.interleave}
     print(f"automp bench zoo: {meta['device']}, torch {meta['torch']}, TF32 off, {args.steps} timed steps",
           flush=True)
     stem = f"zoo-{gpu_slug(args.device)}" + ("-quick" if args.quick else "")
@@ -371,7 +386,7 @@ def main(argv: list[str]) -> int:
                 torch._functorch.config.patch(enable_autograd_cache=False):
             for name in models:  # written after each model: a run cut off by a time limit keeps what it measured
                 rows = run_model(name, modes, args.quick, args.device, args.steps, args.warmup, args.max_warmup,
-                                 args.mode_timeout, args.passes)
+                                 args.mode_timeout, args.passes, args.interleave)
                 _, md = write_outputs([dict(r, **meta) for r in rows], args.out, stem)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

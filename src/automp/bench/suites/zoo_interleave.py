@@ -1,0 +1,92 @@
+"""Drift-free ratios for `automp bench zoo --interleave`: automp-bf16 and the anchor in alternating blocks, one process.
+
+The zoo runs its modes one after another, minutes apart, and the lent H100 host drifts by 10-40% over minutes: the
+same BERT anchor ran 34.0 ms in one run and 45.8 ms in another; EfficientNet's automp row read 1.37x in one run and
+0.88x in the next (BENCHMARKS.md section 0). Here both loops live in one process: the anchor (autocast-bf16 +
+torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would, then blocks of
+steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block hits both.
+
+Both models are resident, so this measures time only: peak memory and loss stay the separate rows'. bf16 only: the
+anchor runs inside the automp session (automp steps aside for a module called under the script's own autocast, as
+the report says), and under fp16 that step-aside would also take automp's loss scaling off for the automp loop.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from automp.bench.suites import zoo
+
+ROUNDS = 6  # even: each side leads in half of them
+
+
+def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
+    """Mean ms per step over `steps` back-to-back steps (one sync at each end, as a training loop runs)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
+                rounds: int = ROUNDS, timer: Callable[[Callable[[], Any], int, str], float] = block_ms
+                ) -> dict[str, Any]:
+    """{"anchor_ms", "automp_ms", "ratio" (anchor / automp), "blocks": {side: [ms, ...]}, "paths"} for one model."""
+    import automp
+    torch.manual_seed(0)
+    anchor = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), zoo.ANCHOR, device)
+    for _ in range(warmup):
+        anchor.step()
+    torch.manual_seed(0)
+    loop = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), "fp32-eager", device)
+    automp.enable(dtype="bf16", inner=os.environ.get("AUTOMP_INNER", "inductor"))
+    try:
+        n = 0
+        while n < warmup or (not automp.settled() and n < max_warmup):
+            loop.step()
+            n += 1
+        settled = automp.settled()
+        steps_of = {"anchor": anchor.step, "automp": loop.step}
+        for side in steps_of:  # the anchor's first calls under the session: automp notes it and steps aside
+            timer(steps_of[side], 1, device)
+        blocks: dict[str, list[float]] = {"anchor": [], "automp": []}
+        for r in range(rounds):
+            for side in (("anchor", "automp") if r % 2 == 0 else ("automp", "anchor")):
+                blocks[side].append(timer(steps_of[side], steps, device))
+    finally:
+        report = automp.disable()
+    a, m = statistics.median(blocks["anchor"]), statistics.median(blocks["automp"])
+    paths = {c["module"]: c["path"] for c in report.get("choices", []) if c.get("path")}
+    return {"anchor_ms": round(a, 3), "automp_ms": round(m, 3), "ratio": round(a / m, 3), "blocks": blocks,
+            "paths": paths, "settled": settled}
+
+
+def add_to_row(row: dict[str, Any], name: str, quick: bool, device: str, steps: int, warmup: int,
+               max_warmup: int, timeout: float) -> None:
+    """automp-bf16's zoo row gets ratio_interleaved (anchor ms / automp ms), step_ms_interleaved and
+    anchor_ms_interleaved; or interleave_error, the separate rows standing without it."""
+    print(f"[{name}] automp-bf16 interleaved with {zoo.ANCHOR} ...", flush=True)
+    try:
+        with zoo.time_limit(timeout) as expired:
+            got = interleaved(name, quick, device, steps, warmup, max_warmup)
+    except Exception as e:  # noqa: BLE001 - the separate rows stand without it
+        row["interleave_error"] = str(expired[0]) if expired else f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"[{name}] interleaved: {row['interleave_error']}", flush=True)
+        return
+    finally:
+        gc.collect()
+        torch._dynamo.reset()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    row.update(ratio_interleaved=got["ratio"], step_ms_interleaved=got["automp_ms"],
+               anchor_ms_interleaved=got["anchor_ms"])
+    print(f"[{name}] interleaved: automp-bf16 {got['automp_ms']:.2f} ms vs anchor {got['anchor_ms']:.2f} ms: "
+          f"{got['ratio']:.3f}x (paths: {got['paths']})", flush=True)
