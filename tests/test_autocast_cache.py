@@ -105,3 +105,20 @@ def test_an_optimizer_step_drops_the_copies_before_it_runs():
     opt.step()  # automp's global pre-hook runs before the optimizer's own ones
     automp.disable()
     assert seen == [False]
+
+
+def test_gradient_accumulation_casts_once_and_accumulates_the_same_gradients():
+    import copy
+    d = _net()
+    ref = copy.deepcopy(d)
+    xs = [torch.randn(8, 24) for _ in range(3)]
+    automp.enable(dtype="bf16", path="eager")
+    with CastsOf(d.parameters()) as casts:
+        for x in xs:  # micro-batches, each with its backward, one optimizer step later
+            d(x).pow(2).mean().backward()
+    automp.disable()
+    for x in xs:
+        _reference(ref, x).pow(2).mean().backward()
+    assert casts.count == 4  # once per optimizer step, not per micro-batch
+    for p, q in zip(d.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
