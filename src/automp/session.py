@@ -27,6 +27,7 @@ from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily, restore_outside_graph
 from automp.graph.capture import low_dtype, make_backend
+from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder
@@ -86,7 +87,7 @@ class Session:
         self.scaler = _install_scaling(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
         self.saved_flags = _set_capture_flags()
-        self.breaks_before = _graph_breaks()
+        self.breaks_before = graph_breaks()
         session = self
 
         def patched_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -121,7 +122,7 @@ class Session:
     def update_report(self) -> None:
         if self.scaler is not None:
             self.recorder.loss_scale = self.scaler.summary()
-        _report_graph_breaks(self)
+        report_graph_breaks(self.recorder, self.roots.values(), self.breaks_before)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
         for trial, labels in self.unfinished.items():  # the script ended (or the module died) mid-trial
             timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
@@ -423,34 +424,6 @@ def _install_scaling(config: AutoMPConfig):
     from automp.scaling import autograd_hook
     from automp.scaling.loss_scale import LossScaler
     return autograd_hook.install(LossScaler.from_spec(config.loss_scale))
-
-
-def _graph_breaks() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-    return dict(counters["graph_break"])
-
-
-_RNN_BREAK = ("_rnn_call", "allow_rnn", "RNN, GRU, or LSTM")
-
-
-def _report_graph_breaks(session: Session) -> None:
-    """Graph breaks seen while enabled: the construct at the break runs eagerly (the code before and after it is
-    compiled as separate graphs); the user should know where and why. On automp's compiled path it runs in FP32 (each
-    graph goes through the pass); on the autocast-compiled path, under the autocast region around the call, as in a
-    hand-written loop. The break at an nn.LSTM/GRU is ours: it keeps the RNN one fused op (see _rnn_call)."""
-    rec = session.recorder
-    paths = {r.path for r in session.roots.values() if r.graphs and r.path in (Path.COMPILED, Path.COMPILED_AUTOCAST)}
-    how = ("in FP32" if Path.COMPILED_AUTOCAST not in paths else "under torch.autocast" if len(paths) == 1 else
-           "in FP32 (automp-compiled modules) or under torch.autocast (autocast-compiled modules)")
-    for reason, n in _graph_breaks().items():
-        new = n - session.breaks_before.get(reason, 0)
-        short = " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:300]
-        if new <= 0 or any(fb["reason"].startswith(short) for fb in rec.fallbacks):
-            continue
-        if any(k in reason for k in _RNN_BREAK):
-            rec.add_fallback("rnn", f"{short} (x{new}): by design, the RNN runs as one fused op in low precision")
-        else:
-            rec.add_fallback("graph break", f"{short} (x{new}): runs eagerly {how} between compiled graphs")
 
 
 def _set_capture_flags() -> dict[str, Any]:
