@@ -1,4 +1,4 @@
-"""automp.llm.quantize: QuantLinear numerics, AWQ scale folding, architecture/group/backend errors.
+"""automp.llm.quantize: QuantLinear numerics, architecture/group/backend errors (AWQ: test_awq.py).
 
 Error bounds: symmetric per-group rounding leaves a uniform error of +-s/2 per weight, s = absmax / qmax. For Gaussian
 weights in groups of 32, absmax is about 2.2 sigma, so the relative weight error is 2.2 / (qmax * sqrt(12)): 0.5% for
@@ -11,40 +11,10 @@ import copy
 import pytest
 import torch
 
-from automp.llm.quantize import (ARCHS, QuantEmbedding, QuantLinear, _dense, check_backend, input_embedding,
-                                 quantize, scale_block, search_scale, target_paths, weight_bytes, QuantConfig)
+from automp.llm.quantize import (QuantEmbedding, QuantLinear, check_backend, input_embedding, quantize, target_paths,
+                                 weight_bytes, QuantConfig)
 from automp.llm.store import build
-from tests.llm import DEVICE
-
-BOUND = {"int8": 1.5e-2, "int4": 0.25}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def ids(n: int = 16, batch: int = 1, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, x):
-    with torch.no_grad():
-        return model(input_ids=x).logits
-
-
-def dequantized_reference(fp_model, q_model):
-    """fp_model (float32) with each quantized layer's dequantized weight: what q_model computes, in float32."""
-    ref = copy.deepcopy(fp_model)
-    conv1d = ARCHS[type(fp_model).__name__].conv1d
-    for name, m in q_model.named_modules():
-        if isinstance(m, QuantLinear):
-            w = m.dequantized()
-            target = ref.get_submodule(name)
-            target.weight.data = w.t().contiguous() if conv1d and name != "lm_head" else w
-    for name, p in q_model.named_parameters():  # norms (AWQ may have folded scales into them)
-        ref.get_parameter(name).data = p.data.float()
-    return ref
-
+from tests.llm import BOUND, DEVICE, dequantized_reference, ids, logits, rel
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -72,66 +42,6 @@ def test_single_row_and_batched_paths_agree():
         ref = x.double() @ layer.dequantized().double().t() + layer.bias.double()
         assert rel(layer(x), ref) < 2e-3
         assert layer(x.float()).dtype == torch.float32  # casts in and out of an fp32 model
-
-
-@pytest.mark.parametrize("name,overrides", [("tiny-llama", {}), ("tiny-llama", {"num_key_value_heads": 4}),
-                                            ("tiny-gpt2", {})])
-def test_awq_scales_fold_exactly(name, overrides):
-    """Scaling weight columns by s and folding 1/s into the previous op (or an input multiply) changes nothing."""
-    model = build(name, **overrides)
-    x = ids()
-    ref = logits(model, x)
-    arch = ARCHS[type(model).__name__]
-    gen = torch.Generator().manual_seed(0)
-    explicit_all = {}
-    for i, block in enumerate(model.get_submodule(arch.blocks)):
-        prefix = f"{arch.blocks}.{i}."
-        dense = {f"{prefix}{lin}": list(_dense(model.get_submodule(f"{prefix}{lin}"), arch.conv1d))
-                 for g in arch.groups for lin in g.linears}
-        scales = {gi: torch.rand(dense[f"{prefix}{g.linears[0]}"][0].shape[1], generator=gen) * 4 + 0.25
-                  for gi, g in enumerate(arch.groups)}
-        explicit = scale_block(block, prefix, arch, dense, scales)
-        explicit_all.update(explicit)
-        for path, (w, b) in dense.items():
-            if path in explicit:
-                w = w * explicit[path][None, :]
-            m = model.get_submodule(path)
-            m.weight.data = w.t().contiguous() if arch.conv1d else w
-            if b is not None:
-                m.bias.data = b
-    assert rel(logits(model, x), ref) < 1e-5
-    gqa = name == "tiny-llama" and model.config.num_key_value_heads < model.config.num_attention_heads
-    expected = {"tiny-llama": "self_attn.o_proj" if gqa else None, "tiny-gpt2": "mlp.c_proj"}[name]
-    assert sorted({p.split(".", 3)[3] for p in explicit_all}) == ([expected] if expected else [])
-
-
-def test_awq_search_helps_outlier_channels():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 128, generator=gen)
-    x[:, :4] *= 30  # a few channels with large activations, as in real LLMs
-    w = torch.randn(64, 128, generator=gen)
-    s, alpha = search_scale(x, [w], bits=4, group_size=32)
-
-    def err(scale):
-        from automp.llm.quantize import _fake_quant
-        return float(((x / scale) @ _fake_quant(w * scale, 4, 32).t() - x @ w.t()).pow(2).mean())
-
-    assert alpha > 0
-    assert err(s) < 0.8 * err(torch.ones(128))
-
-
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
-def test_awq_end_to_end(name):
-    model = build(name).to(DEVICE)
-    calib = ids(64, batch=4, seed=7).to(DEVICE)
-    q = quantize(copy.deepcopy(model), "int4", group_size=32, calib=calib, awq=True)
-    alphas = [m.awq_alpha for m in q.modules() if isinstance(m, QuantLinear)]
-    assert all(a is not None for a in alphas)
-    assert any(m.input_scale is not None for m in q.modules() if isinstance(m, QuantLinear))
-    x = ids().to(DEVICE)
-    out = logits(q, x)
-    assert rel(out, logits(dequantized_reference(model, q), x)) < 5e-3
-    assert rel(out, logits(model, x)) < BOUND["int4"]
 
 
 def test_quantized_lm_head_unties_embedding():
