@@ -122,3 +122,17 @@ def test_gradient_accumulation_casts_once_and_accumulates_the_same_gradients():
     assert casts.count == 4  # once per optimizer step, not per micro-batch
     for p, q in zip(d.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_dropped_model_is_not_kept_alive():
+    import gc
+    import weakref
+    d, other = _net(), _net()
+    automp.enable(dtype="bf16", path="eager")
+    d(torch.randn(8, 24))
+    gone = weakref.ref(d[0].weight)
+    del d  # the autocast cache's copies still reach the parameters (their autograd edge)
+    other(torch.randn(8, 24))  # the next call finds the dropped module and lets the cache go
+    gc.collect()
+    assert gone() is None
+    automp.disable()

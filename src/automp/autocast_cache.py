@@ -14,12 +14,14 @@ in-place update bumps them) and the cache is dropped when one moved. Writes thro
 counter; like a hand-written region, a `.data` write between two calls with no optimizer step in between is not seen.
 The cache is also checked when a module runs under the script's own autocast (which would otherwise find automp's
 copies in the same thread-local cache), dropped before any optimizer step (the step changes the weights anyway, and
-the copies, which the backward no longer needs, would sit in memory while the step allocates its state), and
+the copies, which the backward no longer needs, would sit in memory while the step allocates its state), dropped
+when a module that filled it has been freed (the copies' autograd edges would keep its parameters alive), and
 dropped when automp is disabled.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterable, Iterator
 
 import torch
@@ -27,25 +29,38 @@ import torch
 
 class SharedCasts:
     def __init__(self) -> None:
-        self._cast: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (parameter, its version when last used)
+        self._cast: dict[int, tuple[weakref.ref, int]] = {}  # id -> (parameter, its version when last used)
+        # The modules whose calls filled the cache. A cached copy's autograd edge keeps its parameter alive, so a model
+        # the script drops would live on in the cache: a dead owner clears it.
+        self._owners: dict[int, weakref.ref] = {}
 
     def check(self) -> None:
-        """Drop the cache if a parameter cast through it changed since."""
-        if any(p._version != v for p, v in self._cast.values()):
+        """Drop the cache if a parameter cast through it changed since, or a module that filled it was freed."""
+        if any(owner() is None for owner in self._owners.values()):
             self.clear()
+            return
+        for ref, version in self._cast.values():
+            p = ref()
+            if p is None or p._version != version:
+                self.clear()
+                return
 
     def clear(self) -> None:
         if self._cast:
             torch.clear_autocast_cache()
             self._cast.clear()
+        self._owners.clear()
 
     @contextlib.contextmanager
-    def region(self, device_type: str, dtype: torch.dtype, params: Iterable[torch.Tensor]) -> Iterator[None]:
-        """torch.autocast(device_type, dtype) whose exit leaves the cast cache to the next call."""
+    def region(self, device_type: str, dtype: torch.dtype, owner: torch.nn.Module,
+               params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """torch.autocast(device_type, dtype) around a call of `owner`, whose exit leaves the cast cache to the next
+        call."""
         self.check()
+        self._owners[id(owner)] = weakref.ref(owner)
         for p in params:
             if p.requires_grad:  # autocast caches only leaves that require grad; recorded first, so a call that
-                self._cast[id(p)] = (p, p._version)  # raises still leaves its casts checked
+                self._cast[id(p)] = (weakref.ref(p), p._version)  # raises still leaves its casts checked
         torch.autocast_increment_nesting()
         try:
             with torch.autocast(device_type, dtype=dtype):

@@ -172,7 +172,7 @@ class Session:
             if path is Path.EAGER_LOW:
                 if root.params is None:
                     root.params = list(module.parameters())
-                with self.casts.region(root.device.type, root.low, root.params):
+                with self.casts.region(root.device.type, root.low, module, root.params):
                     out = ORIG_CALL(module, *args, **kwargs)
                 return self._deliver(root, out, None)
             if path is Path.COMPILED_AUTOCAST:
