@@ -136,3 +136,21 @@ def test_a_dropped_model_is_not_kept_alive():
     gc.collect()
     assert gone() is None
     automp.disable()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_evaluation_without_grad_leaves_no_copy_the_next_training_step_would_use(mode):
+    """A copy cast under no_grad has no autograd edge to its parameter: reused by a training forward, the weights
+    would silently get no gradient."""
+    import copy
+    d = _net()
+    ref = copy.deepcopy(d)
+    x, val = torch.randn(8, 24), torch.randn(8, 24)
+    automp.enable(dtype="bf16", path="eager")
+    with getattr(torch, mode)():
+        d(val)  # the validation pass between two epochs
+    d(x).pow(2).mean().backward()
+    automp.disable()
+    _reference(ref, x).pow(2).mean().backward()
+    for p, q in zip(d.parameters(), ref.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)

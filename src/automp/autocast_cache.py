@@ -16,7 +16,9 @@ The cache is also checked when a module runs under the script's own autocast (wh
 copies in the same thread-local cache), dropped before any optimizer step (the step changes the weights anyway, and
 the copies, which the backward no longer needs, would sit in memory while the step allocates its state), dropped
 when a module that filled it has been freed (the copies' autograd edges would keep its parameters alive), and
-dropped when automp is disabled.
+dropped when automp is disabled. Calls without grad (an evaluation pass) keep nothing: torch before
+pytorch/pytorch#165068 cached copies cast there without their autograd edge, and the next training call would have
+reused them and left the weights without gradient (#112583).
 """
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ class SharedCasts:
                params: Iterable[torch.Tensor]) -> Iterator[None]:
         """torch.autocast(device_type, dtype) around a call of `owner`, whose exit leaves the cast cache to the next
         call."""
+        if not torch.is_grad_enabled():  # an evaluation pass: a plain region, whose exit empties the cache. Before
+            self.clear()                 # pytorch#165068 a copy cast here had no autograd edge, and a training call
+            with torch.autocast(device_type, dtype=dtype):  # reusing it left the weights without gradient (#112583)
+                yield
+            return
         self.check()
         self._owners[id(owner)] = weakref.ref(owner)
         for p in params:
