@@ -154,3 +154,14 @@ def test_an_evaluation_without_grad_leaves_no_copy_the_next_training_step_would_
     _reference(ref, x).pow(2).mean().backward()
     for p, q in zip(d.parameters(), ref.parameters()):
         assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_a_parameter_whose_data_was_swapped_is_cast_again():
+    d = _net()
+    x = torch.randn(8, 24)
+    automp.enable(dtype="bf16", path="eager")
+    d(x)
+    d[0].weight.data = torch.randn_like(d[0].weight)  # what Module.to() does, with no version bump
+    out = d(x)
+    automp.disable()
+    assert torch.equal(out, _reference(d, x))

@@ -31,7 +31,8 @@ import torch
 
 class SharedCasts:
     def __init__(self) -> None:
-        self._cast: dict[int, tuple[weakref.ref, int]] = {}  # id -> (parameter, its version when last used)
+        # id -> (parameter, its version and storage address when last used; `.to()` swaps `.data` with no version bump)
+        self._cast: dict[int, tuple[weakref.ref, int, int]] = {}
         # The modules whose calls filled the cache. A cached copy's autograd edge keeps its parameter alive, so a model
         # the script drops would live on in the cache: a dead owner clears it.
         self._owners: dict[int, weakref.ref] = {}
@@ -41,9 +42,9 @@ class SharedCasts:
         if any(owner() is None for owner in self._owners.values()):
             self.clear()
             return
-        for ref, version in self._cast.values():
+        for ref, version, ptr in self._cast.values():
             p = ref()
-            if p is None or p._version != version:
+            if p is None or p._version != version or p.data_ptr() != ptr:
                 self.clear()
                 return
 
@@ -67,7 +68,7 @@ class SharedCasts:
         self._owners[id(owner)] = weakref.ref(owner)
         for p in params:
             if p.requires_grad:  # autocast caches only leaves that require grad; recorded first, so a call that
-                self._cast[id(p)] = (weakref.ref(p), p._version)  # raises still leaves its casts checked
+                self._cast[id(p)] = (weakref.ref(p), p._version, p.data_ptr())  # raises still leaves its casts checked
         torch.autocast_increment_nesting()
         try:
             with torch.autocast(device_type, dtype=dtype):
