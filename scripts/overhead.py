@@ -11,23 +11,14 @@ where this script, with no trial in the process, measured 0.99x: if the second t
 both variants, or for automp only), the trial leaves something behind that costs time afterwards."""
 import statistics
 import sys
-import time
 
 import torch
 
 import automp
 from automp.bench.suites import zoo
+from automp.bench.suites.zoo_interleave import block_ms
 
 BLOCK, ROUNDS = 15, 6
-
-
-def block(loop, steps, device):
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        loop.step()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - t) / steps * 1e3
 
 
 def run(name):
@@ -41,7 +32,7 @@ def run(name):
         for k in (order if r % 2 else order[::-1]):
             if k != "hand":
                 automp.enable(dtype="bf16", path="eager", fuse_optimizers=(k == "automp"))
-            ms = block(loops[k], BLOCK, "cuda")
+            ms = block_ms(loops[k].step, BLOCK, "cuda")
             if k != "hand":
                 automp.disable()
             if r:  # round 0 warms up

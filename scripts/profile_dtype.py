@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import automp
 from automp.bench.suites import zoo
+from automp.bench.suites.zoo_interleave import block_ms
 
 BLOCK, ROUNDS, PROFILED = 10, 4, 3
 CUDA = torch.cuda.is_available()  # a CPU run (tiny configs) only checks the script
@@ -25,12 +26,8 @@ def sync():
 
 
 def block(loop, steps):
-    sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        loop.step()
-    sync()
-    return (time.perf_counter() - t) / steps * 1e3
+    """ms per step of `steps` back-to-back steps (the zoo's interleaved block timing)."""
+    return block_ms(loop.step, steps, "cuda" if CUDA else "cpu")
 
 
 def kernels(loop, steps):

@@ -149,9 +149,10 @@ class Session:
             if not any(True for _ in module.parameters()):
                 return ORIG_CALL(module, *args, **kwargs)
             root = self._new_root(module, args)
-        if torch.is_autocast_enabled(root.device.type):
+        scripts_autocast = torch.is_autocast_enabled(root.device.type)
+        if scripts_autocast:
             self.casts.check()  # the script's own region must not find a stale copy automp cached
-        if root.aside is None and torch.is_autocast_enabled(root.device.type):
+        if root.aside is None and scripts_autocast:
             self._step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
                                    "(and loss scaling) to the script", user_precision=True)
         if root.aside is not None:
