@@ -40,7 +40,7 @@ def test_script_with_its_own_autocast_runs_and_automp_steps_aside():
 def test_module_under_the_scripts_autocast_is_not_reported_as_an_unfinished_trial(monkeypatch):
     from automp.choose import Path
     monkeypatch.setattr(automp.session.Session, "_candidates",
-                        lambda self, device, low: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
+                        lambda self, device, low, param_bytes: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
     net, x = nn.Linear(8, 8), torch.randn(4, 8)
     automp.enable(dtype="bf16")
     with torch.autocast("cpu", dtype=torch.bfloat16):
