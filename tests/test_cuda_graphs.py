@@ -35,6 +35,39 @@ def test_outputs_survive_the_next_replay_and_carry_gradients():
     assert x1.grad is not None and torch.equal(x1.grad, torch.zeros(5))  # 0 * x: the graph is there, not cut
 
 
+class PoolGrad(torch.autograd.Function):
+    """Its backward returns the gradient in one persistent buffer, as a graph replay returns it in its pool."""
+    pool = torch.empty(6)
+
+    @staticmethod
+    def forward(ctx, w):
+        return w * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        PoolGrad.pool.copy_(g * 3)
+        return PoolGrad.pool.view(6)  # a new tensor over the pool's memory, as a replay's output is
+
+
+def test_gradients_taken_from_the_pool_are_copied_and_accumulate_correctly():
+    w = torch.randn(6, requires_grad=True)
+    PoolGrad.apply(w).sum().backward()
+    assert w.grad.data_ptr() == PoolGrad.pool.data_ptr()  # what autograd does: the pool's tensor becomes .grad
+    w.grad = None
+    grads = cuda_graphs.StableGrads()
+    grads.watch([w])
+    PoolGrad.apply(w).sum().backward()
+    assert w.grad.data_ptr() != PoolGrad.pool.data_ptr() and torch.equal(w.grad, torch.full((6,), 3.0))
+    copy = w.grad.data_ptr()
+    PoolGrad.pool.fill_(-1e9)  # the next replay overwrites the pool
+    (2 * PoolGrad.apply(w)).sum().backward()  # accumulates into the copy
+    assert torch.equal(w.grad, torch.full((6,), 9.0)) and w.grad.data_ptr() == copy
+    grads.remove()
+    w.grad = None
+    PoolGrad.apply(w).sum().backward()
+    assert w.grad.data_ptr() == PoolGrad.pool.data_ptr()  # hooks gone
+
+
 def _cuda_candidates(monkeypatch, **config):
     from automp.precision import calibrate
     monkeypatch.setattr(calibrate, "load_or_measure", lambda device, cache_dir=None: None)
@@ -87,22 +120,23 @@ def _trial(monkeypatch, graphed_cost):
             clock.now += clock.cost[root.path or root.trial.current]  # the path this call ran
             F.cross_entropy(out, y).backward()
         root = session.roots[net]
-        return root, session.uninstall(), released
+        watched = len(session.grads.handles)
+        return root, session.uninstall(), released, watched
     finally:
         if nn.Module.__call__ is not automp.session.ORIG_CALL:
             session.uninstall()
 
 
 def test_graphs_that_lose_their_trial_give_their_memory_back(monkeypatch):
-    root, report, released = _trial(monkeypatch, graphed_cost=0.020)
+    root, report, released, watched = _trial(monkeypatch, graphed_cost=0.020)
     assert root.path is Path.FP32
-    assert root.graphed is None and released == [True]
+    assert root.graphed is None and released == [True] and watched == 0  # gradient hooks removed too
     assert report["cuda_graphs"] == {}
 
 
 def test_graphs_that_win_are_kept_and_reported(monkeypatch):
-    root, report, released = _trial(monkeypatch, graphed_cost=0.002)
-    assert root.path is Path.GRAPHED and root.graphed is not None and released == []
+    root, report, released, watched = _trial(monkeypatch, graphed_cost=0.002)
+    assert root.path is Path.GRAPHED and root.graphed is not None and released == [] and watched == 4
     assert report["cuda_graphs"]["modules"] == ["Sequential"]
     (choice,) = report["choices"]
     assert choice["path"] == "automp-compiled-cudagraphs"

@@ -78,6 +78,7 @@ class Session:
     casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
     step_hook: Any = None  # drops those casts when any optimizer steps
     graph_skips: int = 0  # Inductor's count of graphs it declined to record as CUDA graphs, at install
+    grads: cuda_graphs.StableGrads = field(default_factory=cuda_graphs.StableGrads)  # of modules tried graphed
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -109,6 +110,7 @@ class Session:
             self.step_hook.remove()
             self.step_hook = None
         self.casts.clear()
+        self.grads.remove()
         if self.undo_once_logging is not None:
             self.undo_once_logging()
             self.undo_once_logging = None
@@ -192,6 +194,7 @@ class Session:
                 if root.graphed is None:
                     self._before_compile(root)
                     root.graphed = cuda_graphs.owned_outputs(self._compile(module, root, cudagraphs=True))
+                    self.grads.watch(module.parameters())
                 compiled = root.graphed
             else:
                 if root.compiled is None:
@@ -302,6 +305,7 @@ class Session:
             return
         for r in self.roots.values():
             r.graphed = None
+        self.grads.remove()
         cuda_graphs.release()
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
