@@ -100,13 +100,16 @@ class Clock:
         return self.now
 
 
-def _trial(monkeypatch, graphed_cost):
+def _trial(monkeypatch, graphed_cost, compiled_cost=None):
     """A CPU session whose trial runs FP32 and the graphed path (automp's graph pass run op by op; on a CPU
     Inductor would record no graph anyway), timed by a clock that charges each path its given cost."""
     released = []
     monkeypatch.setattr(cuda_graphs, "release", lambda: released.append(True))
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low, nbytes: ([Path.FP32, Path.GRAPHED], "test"))
-    clock = Clock({Path.FP32: 0.010, Path.GRAPHED: graphed_cost})
+    cost = {Path.FP32: 0.010, Path.GRAPHED: graphed_cost}
+    if compiled_cost is not None:
+        cost[Path.COMPILED] = compiled_cost
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low, nbytes: (list(cost), "test"))
+    clock = Clock(cost)
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), trial_config=TrialConfig(give_up=10),
                       clock=clock)
     session.install()
@@ -128,8 +131,8 @@ def _trial(monkeypatch, graphed_cost):
 
 
 def test_graphs_that_lose_their_trial_give_their_memory_back(monkeypatch):
-    root, report, released, watched = _trial(monkeypatch, graphed_cost=0.020)
-    assert root.path is Path.FP32
+    root, report, released, watched = _trial(monkeypatch, graphed_cost=0.020, compiled_cost=0.015)
+    assert root.path is Path.FP32 and root.compiled is None  # the losing compiled path is dropped too
     assert root.graphed is None and released == [True] and watched == 0  # gradient hooks removed too
     assert report["cuda_graphs"] == {}
 

@@ -310,6 +310,11 @@ class Session:
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial = verdict.path, None
+        # the compiled paths that lost: their graphs (and whatever memory they hold) go with them
+        if root.path is not Path.COMPILED:
+            root.compiled = None
+        if root.path is not Path.COMPILED_AUTOCAST:
+            root.stock = None
         self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
         self._pause_scaling_if_fp32()
 
