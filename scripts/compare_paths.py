@@ -54,7 +54,7 @@ def settle_path(dtype, path, loop, fuse=True):
     per step, which charged each step the host's launch latency the anchor hides. Yields the report, filled in when
     the block ends."""
     candidates = session.Session._candidates
-    session.Session._candidates = lambda self, device, low, nbytes: ([Path.EAGER_LOW, path], "diagnostic")
+    session.Session._candidates = lambda self, device, low: ([Path.EAGER_LOW, path], "diagnostic")
     automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp(), fuse_optimizers=fuse)  # no verdict from an earlier run
     automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, path: 10**6})
     report = {}

@@ -146,22 +146,3 @@ def test_automp_compiled_must_beat_the_hand_written_path_by_more_than_the_noise(
     assert trial.verdict.path is chosen
     assert ("hand-written loop's own path is kept" in trial.verdict.reason) == (chosen is Path.COMPILED_AUTOCAST)
     assert trial.verdict.timings_ms[Path.COMPILED.value] == pytest.approx(100.0)  # the measured timings, unchanged
-
-
-@pytest.mark.parametrize("lead, chosen", [(0.02, Path.EAGER_LOW), (0.30, Path.GRAPHED)])
-def test_cuda_graphs_must_beat_the_best_other_path_by_their_margin(lead, chosen):
-    # a graphed module holds a private memory pool: a lead inside the noise keeps the path that needs none
-    cost = {Path.GRAPHED: 0.010, Path.EAGER_LOW: 0.010 * (1 + lead), Path.COMPILED: 0.02, Path.FP32: 0.02}
-    trial, _ = run_until_verdict(cost, TrialConfig(give_up=10.0, give_up_first=10.0))
-    assert trial.verdict.path is chosen
-    assert ("which needs no graph memory pool" in trial.verdict.reason) == (chosen is Path.EAGER_LOW)
-
-
-def test_graphed_path_warms_up_through_its_recording_iterations():
-    # cudagraph trees run a graph eagerly once, then record it, then replay: those iterations are not timed
-    config = TrialConfig(give_up=10.0)
-    assert config.warmup[Path.GRAPHED] >= 3
-    trial, ran = run_until_verdict({Path.GRAPHED: 0.01, Path.FP32: 0.02}, config)
-    assert ran[:config.warmup[Path.GRAPHED]] == [Path.GRAPHED] * config.warmup[Path.GRAPHED]
-    assert len(trial.samples[Path.GRAPHED]) == len(trial.samples[Path.FP32]) == config.measure
-    assert trial.verdict.path is Path.GRAPHED

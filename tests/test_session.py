@@ -40,7 +40,7 @@ def test_script_with_its_own_autocast_runs_and_automp_steps_aside():
 def test_module_under_the_scripts_autocast_is_not_reported_as_an_unfinished_trial(monkeypatch):
     from automp.choose import Path
     monkeypatch.setattr(automp.session.Session, "_candidates",
-                        lambda self, device, low, param_bytes: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
+                        lambda self, device, low: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
     net, x = nn.Linear(8, 8), torch.randn(4, 8)
     automp.enable(dtype="bf16")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -333,3 +333,33 @@ def test_session_switches_default_adam_to_fused_reports_it_and_disable_removes_t
     later.param_groups[0]["params"][0].grad = torch.randn(4, 8)
     later.step()
     assert later.param_groups[0]["fused"] is None
+
+
+def test_compiled_paths_that_lose_the_trial_are_dropped(monkeypatch):
+    """A trial compiles every candidate; the losers' graphs (and the device memory they hold) must not stay alive
+    for the rest of the run beside the winner's."""
+    from automp.choose import Path, TrialConfig
+    from automp.config import AutoMPConfig
+    from automp.session import Session
+
+    cost = {Path.FP32: 0.010, Path.COMPILED: 0.020, Path.COMPILED_AUTOCAST: 0.030}
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
+    now = [0.0]
+    session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
+                      trial_config=TrialConfig(give_up=10, give_up_first=10), clock=lambda: now[0])
+    session.install()
+    try:
+        net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
+        seen = set()
+        for _ in range(40):
+            out = net(x)
+            root = session.roots[net]
+            path = root.path or root.trial.current  # the path this call ran on
+            seen.add((root.compiled is not None, root.stock is not None))
+            now[0] += cost[path]
+            out.sum().backward()
+        assert root.path is Path.FP32
+        assert (True, True) in seen  # both compiled paths existed during the trial
+        assert root.compiled is None and root.stock is None
+    finally:
+        session.uninstall()

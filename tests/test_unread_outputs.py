@@ -124,7 +124,7 @@ def _enable_trial(monkeypatch):
     from automp.choose import Path, TrialConfig
     from automp.session import Session
 
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low, nbytes: ([Path.EAGER_LOW, Path.COMPILED], "test"))
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"))
     automp.enable(dtype="bf16", inner="eager", spec="h100")
     automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 10})
 
@@ -184,7 +184,7 @@ def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(
         return out
 
     monkeypatch.setattr(Session, "_run", timed_run)
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low, nbytes: ([Path.EAGER_LOW, Path.COMPILED], "test"))
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"))
     torch.manual_seed(0)
     model = TinyLM()
     automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))

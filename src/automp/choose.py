@@ -4,8 +4,7 @@ A cost model predicts; only the device knows. Small scripts are launch- or host-
 graphs buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like
 PAI's online feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate
 path (FP32 eager as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast —
-what a careful user would hand-write, so automp is never slower than that either; for small models also automp's
-compiled graphs replayed as CUDA graphs), timed from one call of the
+what a careful user would hand-write, so automp is never slower than that either), timed from one call of the
 module to its next call — forward, backward, optimizer step and the data loading in between, everything the user
 waits for. The fastest path is kept for the rest of the run and the verdict is cached on disk per module shape,
 dtype and device, so the next run of the same script starts on the winner and pays nothing.
@@ -32,7 +31,6 @@ class Path(enum.Enum):
     EAGER_LOW = "low-precision-eager"  # torch.autocast with automp's dtype: cuDNN/cuBLAS low-precision kernels
     COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
     COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
-    GRAPHED = "automp-compiled-cudagraphs"  # automp's compiled graphs, replayed as CUDA graphs (small models)
 
 
 @dataclass
@@ -47,22 +45,15 @@ class TrialConfig:
     Inductor under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph
     pass replaces it only when it measured faster by more than the margin. Two identical loops measured 3-6% apart
     on an H100 host (BENCHMARKS.md section 0), and trials chose automp-compiled on leads of 0.2% that an interleaved
-    run then showed 3% slower (ResNet-50). graph_margin: the same for CUDA graphs, over the best other path: a
-    graphed module holds a private memory pool and copies its outputs, so it must pay clearly to be kept.
-    graphs_max_param_bytes: CUDA graphs are tried only for modules with at most this many bytes of parameters
-    (0: never). Replaying a graph saves the host's per-kernel launch cost (Inductor's Python launcher: ~1 ms per
-    call of a 3-layer MLP's compiled step on an H100, where its GPU work takes a fraction of that); a model large
-    enough to keep the GPU busy gains little from it, and would pay another compilation in its trial."""
+    run then showed 3% slower (ResNet-50)."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
-                                                             Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3})
+                                                             Path.COMPILED_AUTOCAST: 2})
     measure: int = 6  # even: alternating rounds then cancel a linear drift exactly
     give_up: float = 1.3
     give_up_first: float = 2.5
     switch_after: int = 4  # another module called this often between two calls of the timed one: time that one
     anchor_margin: float = 0.03  # automp-compiled must beat autocast-compiled by more than this to be kept
-    graph_margin: float = 0.05  # CUDA graphs must beat the best other path by more than this to be kept
-    graphs_max_param_bytes: int = 64 << 20
 
 
 @dataclass
@@ -159,20 +150,12 @@ class Trial:
                           for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
         why = f"{self.note}; " if self.note else ""
         tie = ""
-        if winner is Path.GRAPHED:
-            others = [p for p in self.alive if p is not Path.GRAPHED and self.samples[p]]
-            if others:
-                second = min(others, key=lambda p: timings[p.value])
-                if timings[second.value] <= (1 + self.config.graph_margin) * timings[winner.value]:
-                    tie = (f"; {winner.value} was within {100 * self.config.graph_margin:g}% of {second.value}, "
-                           f"which needs no graph memory pool, so that is kept")
-                    winner = second
         anchor = timings.get(Path.COMPILED_AUTOCAST.value)
         if winner is Path.COMPILED and Path.COMPILED_AUTOCAST in self.alive and anchor is not None and \
                 anchor <= (1 + self.config.anchor_margin) * timings[winner.value]:
             winner = Path.COMPILED_AUTOCAST
-            tie += (f"; {Path.COMPILED.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
-                    f"noise), so the hand-written loop's own path is kept")
+            tie = (f"; {Path.COMPILED.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
+                   f"noise), so the hand-written loop's own path is kept")
         self.verdict = Verdict(winner, f"{why}measured per iteration: {parts}{tie}", timings)
 
 

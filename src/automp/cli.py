@@ -18,14 +18,10 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-scale", default="dynamic",
                    help="dynamic | off | a constant such as 1024 (only matters for fp16)")
     p.add_argument("--report", default=None, help="write the precision report JSON here")
-    p.add_argument("--path", default="auto", choices=["auto", "compile", "eager", "autocast-compile", "fp32",
-                                                      "compile-cudagraphs"],
-                   help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast, "
-                        "FP32 and (small models) CUDA graphs in the first iterations and keep the fastest (cached "
-                        "per model and device); or force one")
-    p.add_argument("--no-cudagraphs", dest="cudagraphs", action="store_false",
-                   help="never try CUDA graphs (default: tried for small models, kept only where they measure "
-                        "faster)")
+    p.add_argument("--path", default="auto", choices=["auto", "compile", "eager", "autocast-compile", "fp32"],
+                   help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast and "
+                        "FP32 in the first iterations and keep the fastest (cached per model and device); or force "
+                        "one")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")
@@ -37,7 +33,7 @@ _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback
 def _cmd_run(args: argparse.Namespace) -> int:
     from automp.launcher import run_script
     return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report,
-                      path=args.path, fuse_optimizers=args.fuse_optimizers, cudagraphs=args.cudagraphs)
+                      path=args.path, fuse_optimizers=args.fuse_optimizers)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

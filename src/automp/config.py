@@ -14,7 +14,7 @@ from automp.choose import Path
 DTYPES = ("auto", "fp16", "float16", "half", "bf16", "bfloat16")
 INNERS = ("inductor", "eager")
 PATHS = {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
-         "autocast-compile": Path.COMPILED_AUTOCAST, "compile-cudagraphs": Path.GRAPHED}
+         "autocast-compile": Path.COMPILED_AUTOCAST}
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,7 @@ class AutoMPConfig:
     or the script as written.
     cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp).
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
-    (same arithmetic, one kernel per step; see automp.fused_optimizers).
-    cudagraphs: let a trial try replaying a small model's compiled graphs as CUDA graphs (choose.TrialConfig)."""
+    (same arithmetic, one kernel per step; see automp.fused_optimizers)."""
 
     dtype: str = "auto"
     loss_scale: Any = "dynamic"
@@ -40,7 +39,6 @@ class AutoMPConfig:
     path: str = "auto"
     cache_dir: str | None = None
     fuse_optimizers: bool = True
-    cudagraphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,9 +46,8 @@ class AutoMPConfig:
         _check_loss_scale(self.loss_scale)
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
-        for name in ("fuse_optimizers", "cudagraphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.fuse_optimizers, bool):
+            raise TypeError(f"fuse_optimizers must be True or False, got {self.fuse_optimizers!r}")
         if self.path not in PATHS:
             raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
         if self.spec:

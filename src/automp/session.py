@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from automp import cuda_graphs
 from automp.autocast_cache import SharedCasts
 from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
 from automp.config import AutoMPConfig
@@ -51,7 +50,6 @@ class _Root:
     trial: Trial | None = None
     compiled: Callable[..., Any] | None = None
     stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
-    graphed: Callable[..., Any] | None = None  # automp's compiled graphs as CUDA graphs (Path.GRAPHED)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
@@ -77,8 +75,6 @@ class Session:
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
     casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
     step_hook: Any = None  # drops those casts when any optimizer steps
-    graph_skips: int = 0  # Inductor's count of graphs it declined to record as CUDA graphs, at install
-    grads: cuda_graphs.StableGrads = field(default_factory=cuda_graphs.StableGrads)  # of modules tried graphed
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -91,7 +87,6 @@ class Session:
         self.scaler = _install_scaling(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
         self.saved_flags = _set_capture_flags()
-        self.graph_skips = cuda_graphs.skipped()
         self.breaks_before = graph_breaks()
         session = self
 
@@ -110,7 +105,6 @@ class Session:
             self.step_hook.remove()
             self.step_hook = None
         self.casts.clear()
-        self.grads.remove()
         if self.undo_once_logging is not None:
             self.undo_once_logging()
             self.undo_once_logging = None
@@ -130,9 +124,6 @@ class Session:
             self.recorder.loss_scale = self.scaler.summary()
         report_graph_breaks(self.recorder, self.roots.values(), self.breaks_before)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
-        graphed = [r.label for r in self.roots.values() if r.path is Path.GRAPHED]
-        self.recorder.cuda_graphs = {"modules": graphed, "not_recorded": cuda_graphs.skipped() - self.graph_skips
-                                     } if graphed else {}
         for trial, labels in self.unfinished.items():  # the script ended (or the module died) mid-trial
             timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
             for label in labels:
@@ -190,12 +181,6 @@ class Session:
                     self._before_compile(root)
                     root.stock = _compile_stock(module, root)
                 compiled = root.stock
-            elif path is Path.GRAPHED:
-                if root.graphed is None:
-                    self._before_compile(root)
-                    root.graphed = cuda_graphs.owned_outputs(self._compile(module, root, cudagraphs=True))
-                    self.grads.watch(module.parameters())
-                compiled = root.graphed
             else:
                 if root.compiled is None:
                     self._before_compile(root)
@@ -247,7 +232,7 @@ class Session:
                 root.fields.detach, root.fields.decided = cached.detach, True
             self._decide(root, cached)
             return root
-        candidates, why = self._candidates(device, root.low, _param_bytes(module))
+        candidates, why = self._candidates(device, root.low)
         if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
             self.scaler, self.scaling_paused = _install_scaling(self.config), False
         if len(candidates) == 1:
@@ -263,11 +248,10 @@ class Session:
         self.unfinished[self.trial].append(root.label)
         return root
 
-    def _candidates(self, device: torch.device, low: torch.dtype, param_bytes: int) -> tuple[list[Path], str]:
+    def _candidates(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
         """Which paths can win here. A device whose low-precision GEMMs (measured once, cached) are not clearly
         faster than FP32 gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
-        compiled graphs can save, so only the eager paths are timed. CUDA graphs are tried for small models only
-        (TrialConfig.graphs_max_param_bytes), where the host's launches can cost more than the GPU's work."""
+        compiled graphs can save, so only the eager paths are timed."""
         from automp.precision import calibrate
         try:
             if device not in self.calibrations:  # once per session and device, not per module
@@ -282,10 +266,8 @@ class Session:
         if device.type != "cuda":
             return [Path.FP32, Path.EAGER_LOW], (f"{name} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled "
                                                  f"graphs not tried on a CPU (compile time)")
-        paths = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32]
-        if self.config.cudagraphs and param_bytes <= self.trial_config.graphs_max_param_bytes:
-            paths.append(Path.GRAPHED)
-        return paths, f"{name} GEMMs measured {gain:.1f}x FP32"
+        return ([Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32],
+                f"{name} GEMMs measured {gain:.1f}x FP32")
 
     def _settle(self, trial: Trial) -> None:
         verdict = _agree(trial.verdict)
@@ -293,24 +275,12 @@ class Session:
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
         for root in members:
             self._decide(root, verdict)
-        self._release_graphs()
         # one entry each: the fields a module's script leaves unread are its own
         self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
 
-    def _release_graphs(self) -> None:
-        """A trial that tried CUDA graphs and chose another path leaves their recordings in a private memory pool
-        of the device: give it back once no module runs, or may still run, graphed."""
-        if any(r.path is Path.GRAPHED or (r.path is None and r.trial is not None and Path.GRAPHED in r.trial.alive)
-               for r in self.roots.values()) or not any(r.graphed is not None for r in self.roots.values()):
-            return
-        for r in self.roots.values():
-            r.graphed = None
-        self.grads.remove()
-        cuda_graphs.release()
-
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial = verdict.path, None
-        # the compiled paths that lost: their graphs (and whatever memory they hold) go with them
+        # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
         if root.path is not Path.COMPILED:
             root.compiled = None
         if root.path is not Path.COMPILED_AUTOCAST:
@@ -356,13 +326,12 @@ class Session:
         if self.undo_once_logging is None:
             self.undo_once_logging = ignore_once_logging()
 
-    def _compile(self, module: nn.Module, root: _Root, cudagraphs: bool = False) -> Callable[..., Any]:
+    def _compile(self, module: nn.Module, root: _Root) -> Callable[..., Any]:
         spec = self.config.spec
         config = PrecisionConfig(dtype=root.low, spec=cost.spec_named(spec) if spec else cost.spec_for(root.device))
         self.recorder.device = config.spec.name if root.device.type == "cuda" else f"cpu (planned for {config.spec.name})"
         self.recorder.dtype = str(root.low).replace("torch.", "")
-        backend = make_backend(config, self.recorder, inner=self.config.inner, label=root.label,
-                               cudagraphs=cudagraphs)
+        backend = make_backend(config, self.recorder, inner=self.config.inner, label=root.label)
 
         def counted(gm: Any, example_inputs: Any) -> Any:
             root.graphs += 1
@@ -396,10 +365,6 @@ def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return autocast_call
-
-
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _agree(verdict: Verdict) -> Verdict:
@@ -437,7 +402,7 @@ def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
     leaves the rest of the forward uncompiled). As a Dynamo-disabled function called straight from the user's
     forward, it makes a clean graph break at the call: the code before and after is compiled through the pass,
     and the RNN runs here as ONE fused cuDNN op in low precision, returning FP32 as the graph expects."""
-    if getattr(_local, "depth", 0) > 0 and getattr(_local, "path", None) in (Path.COMPILED, Path.GRAPHED):
+    if getattr(_local, "depth", 0) > 0 and getattr(_local, "path", None) is Path.COMPILED:
         low = _local.low
         device = next(module.parameters()).device
         with torch.autocast(device.type, dtype=low):

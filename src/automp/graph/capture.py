@@ -36,9 +36,8 @@ class _PrecisionPass:
 
 
 def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inner: str = "inductor",
-                 label: str = "graph", cudagraphs: bool = False) -> Callable[[fx.GraphModule, list[Any]], Callable]:
-    """The backend for `torch.compile(..., backend=make_backend(...))`. cudagraphs: Inductor records the compiled
-    graphs as CUDA graphs and replays them (its cudagraph trees, what mode="reduce-overhead" turns on).
+                 label: str = "graph") -> Callable[[fx.GraphModule, list[Any]], Callable]:
+    """The backend for `torch.compile(..., backend=make_backend(...))`.
 
     Anything that goes wrong inside our pass or the inner compiler falls back to running that graph as captured,
     in FP32, and the report names the graph and the error: a training run must never die of an optimisation."""
@@ -51,10 +50,7 @@ def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inne
     if inner == "inductor":
         def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
             from torch._inductor.compile_fx import compile_fx
-            patches: dict[str, Any] = {"joint_custom_pre_pass": precision_pass}
-            if cudagraphs:
-                patches["triton.cudagraphs"] = True
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            return compile_fx(gm, example_inputs, config_patches={"joint_custom_pre_pass": precision_pass})
     elif inner == "eager":
         compile_graph = _eager_aot(precision_pass)
     else:

@@ -36,9 +36,6 @@ class Recorder:
     # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
     # "reattached": why that stopped, if it did} (automp.unread_outputs)
     unread_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # {"modules": root modules replayed as CUDA graphs, "not_recorded": compiled graphs Inductor declined to record,
-    # which run as compiled kernels} (automp.cuda_graphs); empty when none runs graphed
-    cuda_graphs: dict[str, Any] = field(default_factory=dict)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -68,7 +65,7 @@ class Recorder:
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
                 "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
-                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "cuda_graphs": self.cuda_graphs}
+                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs}
 
     def save(self, path: str) -> None:
         from automp.files import atomic_output
