@@ -212,8 +212,9 @@ class Session:
     def _new_root(self, module: nn.Module, args: tuple) -> _Root:
         device = _device_of(module)
         root = self.roots[module] = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
-        root.fields.on_reattach = lambda why: self.recorder.unread_outputs.setdefault(
-            root.label, {"detached": []}).update(detached=[], reattached=why)
+        label, recorder = root.label, self.recorder  # not root: see _entry_point
+        root.fields.on_reattach = lambda why: recorder.unread_outputs.setdefault(
+            label, {"detached": []}).update(detached=[], reattached=why)
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
         if floats and torch.float32 not in floats:
             root.aside = f"its parameters are already {floats[0]}: the model runs in the precision it was given"
@@ -332,9 +333,10 @@ class Session:
         self.recorder.device = config.spec.name if root.device.type == "cuda" else f"cpu (planned for {config.spec.name})"
         self.recorder.dtype = str(root.low).replace("torch.", "")
         backend = make_backend(config, self.recorder, inner=self.config.inner, label=root.label)
+        count = _graph_counter(root)
 
         def counted(gm: Any, example_inputs: Any) -> Any:
-            root.graphs += 1
+            count()
             return backend(gm, example_inputs)
 
         return torch.compile(_entry_point(module, root), backend=counted)
@@ -349,13 +351,14 @@ def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
     outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
     sees its own dtypes; a ModelOutput's fields only when read (automp.outputs)."""
     entry = _entry_point(module, root)
+    count = _graph_counter(root)
 
     def restored(*args: Any, **kwargs: Any) -> Any:
         return restore_outside_graph(entry(*args, **kwargs))
 
     def counted(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
-        root.graphs += 1
+        count()
         return compile_fx(gm, example_inputs)
 
     compiled = torch.compile(restored, backend=counted)
@@ -381,15 +384,33 @@ def _agree(verdict: Verdict) -> Verdict:
                                     f"{verdict.reason}", verdict.timings_ms)
 
 
+def _graph_counter(root: _Root) -> Callable[[], None]:
+    """root.graphs += 1, through a weak reference: see _entry_point."""
+    ref = weakref.ref(root)
+
+    def count() -> None:
+        r = ref()
+        if r is not None:
+            r.graphs += 1
+
+    return count
+
+
 def _entry_point(module: nn.Module, root: _Root) -> Callable[..., Any]:
     """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
     recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
     evict the others' and, past the limit, silently run them uncompiled in FP32. Output fields the script does not
-    read are detached inside it (automp.unread_outputs)."""
-    ref = weakref.ref(module)
+    read are detached inside it (automp.unread_outputs).
+
+    Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
+    process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
+    parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
+    outlived the script's last reference to it with its parameters and gradients (H100, the zoo's LSTM: +0.28 GiB in
+    the next model's run)."""
+    ref, fields = weakref.ref(module), root.fields
 
     def call(*args, **kwargs):
-        return detach_unread(ORIG_CALL(ref(), *args, **kwargs), root.fields)
+        return detach_unread(ORIG_CALL(ref(), *args, **kwargs), fields)
 
     code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
     return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
