@@ -37,12 +37,13 @@ def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
 
 
 def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
-                rounds: int = ROUNDS, timer: Callable[[Callable[[], Any], int, str], float] = block_ms
-                ) -> dict[str, Any]:
-    """{"anchor_ms", "automp_ms", "ratio" (anchor / automp), "blocks": {side: [ms, ...]}, "paths"} for one model."""
+                rounds: int = ROUNDS, timer: Callable[[Callable[[], Any], int, str], float] = block_ms,
+                anchor_mode: str = zoo.ANCHOR) -> dict[str, Any]:
+    """{"anchor_ms", "automp_ms", "ratio" (anchor / automp), "blocks": {side: [ms, ...]}, "paths"} for one model.
+    anchor_mode: the zoo mode automp is timed against (the small scripts' bar is eager: "autocast-bf16-eager")."""
     import automp
     torch.manual_seed(0)
-    anchor = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), zoo.ANCHOR, device)
+    anchor = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), anchor_mode, device)
     for _ in range(warmup):
         anchor.step()
     torch.manual_seed(0)
