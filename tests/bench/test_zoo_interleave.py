@@ -64,3 +64,9 @@ def test_a_failing_interleaved_run_keeps_the_rows(monkeypatch):
                                                  1, interleave=True)}
     assert rows["automp-bf16"]["step_ms"] == 10.0 and rows["automp-bf16"]["ratio_vs_anchor"] == 1.0
     assert "out of memory" in rows["automp-bf16"]["interleave_error"]
+
+
+def test_an_anchor_automp_would_take_over_is_refused():
+    # inside the session, an FP32 anchor's modules would run automp's paths: the ratio would compare automp to itself
+    with pytest.raises(ValueError, match="autocast-bf16 anchor"):
+        zoo_interleave.interleaved("mlp", True, "cpu", 1, 1, 1, anchor_mode="fp32-eager")

@@ -40,7 +40,12 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
                 rounds: int = ROUNDS, timer: Callable[[Callable[[], Any], int, str], float] = block_ms,
                 anchor_mode: str = zoo.ANCHOR) -> dict[str, Any]:
     """{"anchor_ms", "automp_ms", "ratio" (anchor / automp), "blocks": {side: [ms, ...]}, "paths"} for one model.
-    anchor_mode: the zoo mode automp is timed against (the small scripts' bar is eager: "autocast-bf16-eager")."""
+    anchor_mode: the zoo mode automp is timed against (the small scripts' bar is eager: "autocast-bf16-eager").
+    Only the script's own autocast modes: the anchor runs inside automp's session, which leaves a module called
+    under the script's autocast as written, but would take over an FP32 loop's modules too."""
+    if not anchor_mode.startswith("autocast-bf16"):
+        raise ValueError(f"anchor {anchor_mode!r}: interleaving needs an autocast-bf16 anchor (automp's session "
+                         f"would also run an FP32 anchor's modules)")
     import automp
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), anchor_mode, device)
