@@ -28,6 +28,7 @@ import torch
 
 import automp
 import automp.session as session
+from automp import compiled_paths
 from automp.bench.suites import zoo, zoo_interleave
 from automp.choose import Path, TrialConfig
 from automp.unread_outputs import detach_unread
@@ -71,10 +72,10 @@ def settle_path(dtype, path, loop, fuse=True):
 
 def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profiled=0):
     """One automp variant on a fresh model: its block timings, peak memory, report and (profiled > 0) kernels."""
-    session.detach_unread = detach_unread if detach else (lambda out, fields: out)
-    stock = session._compile_stock
+    compiled_paths.detach_unread = detach_unread if detach else (lambda out, fields: out)
+    stock = compiled_paths.stock
     if module_form:
-        session._compile_stock = _module_compiled
+        compiled_paths.stock = _module_compiled
     torch.manual_seed(0)
     base = torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0  # the anchor's model, resident throughout
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
@@ -86,8 +87,8 @@ def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profil
             peak = torch.cuda.max_memory_allocated() / 2**30 - base if CUDA else float("nan")
             prof = kernels(loop, profiled) if profiled else None
     finally:
-        session.detach_unread = detach_unread
-        session._compile_stock = stock
+        compiled_paths.detach_unread = detach_unread
+        compiled_paths.stock = stock
     return times, peak, rep, prof
 
 

@@ -42,7 +42,7 @@ def _batch(seed):
 
 def _spy_detaching(monkeypatch) -> list[bool]:
     """Whether each compiled call of the session detached the logits, in call order."""
-    import automp.session as session
+    from automp import compiled_paths
 
     seen = []
 
@@ -51,7 +51,7 @@ def _spy_detaching(monkeypatch) -> list[bool]:
         seen.append(not res.logits.requires_grad)
         return res
 
-    monkeypatch.setattr(session, "detach_unread", spy)
+    monkeypatch.setattr(compiled_paths, "detach_unread", spy)
     return seen
 
 

@@ -8,10 +8,8 @@ the model is already half precision). Every such choice lands in the report with
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-import types
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -20,22 +18,22 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from automp import compiled_paths
 from automp.autocast_cache import SharedCasts
 from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
-from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily, restore_outside_graph
+from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.graph.capture import low_dtype, make_backend
 from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder
-from automp.unread_outputs import FieldReads, FieldWatch, detach_unread
+from automp.unread_outputs import FieldReads, FieldWatch
 
-ORIG_CALL = nn.Module.__call__
+ORIG_CALL = compiled_paths.ORIG_CALL
 _local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
-_entry_ids = itertools.count()
 # A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
 MIN_GAIN = 1.2
 
@@ -179,7 +177,7 @@ class Session:
             if path is Path.COMPILED_AUTOCAST:
                 if root.stock is None:
                     self._before_compile(root)
-                    root.stock = _compile_stock(module, root)
+                    root.stock = compiled_paths.stock(module, root)
                 compiled = root.stock
             else:
                 if root.compiled is None:
@@ -212,7 +210,7 @@ class Session:
     def _new_root(self, module: nn.Module, args: tuple) -> _Root:
         device = _device_of(module)
         root = self.roots[module] = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
-        label, recorder = root.label, self.recorder  # not root: see _entry_point
+        label, recorder = root.label, self.recorder  # not root: see compiled_paths.entry_point
         root.fields.on_reattach = lambda why: recorder.unread_outputs.setdefault(
             label, {"detached": []}).update(detached=[], reattached=why)
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
@@ -332,42 +330,8 @@ class Session:
         config = PrecisionConfig(dtype=root.low, spec=cost.spec_named(spec) if spec else cost.spec_for(root.device))
         self.recorder.device = config.spec.name if root.device.type == "cuda" else f"cpu (planned for {config.spec.name})"
         self.recorder.dtype = str(root.low).replace("torch.", "")
-        backend = make_backend(config, self.recorder, inner=self.config.inner, label=root.label)
-        count = _graph_counter(root)
-
-        def counted(gm: Any, example_inputs: Any) -> Any:
-            count()
-            return backend(gm, example_inputs)
-
-        return torch.compile(_entry_point(module, root), backend=counted)
-
-
-def _compile_stock(module: nn.Module, root: _Root) -> Callable[..., Any]:
-    """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
-    compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
-    region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
-    in FP32 that the hand-written loop runs in bf16 (8.4 ms of FP32 GEMM kernels in place of 2.3 ms; kernel profiles,
-    scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The
-    outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
-    sees its own dtypes; a ModelOutput's fields only when read (automp.outputs)."""
-    entry = _entry_point(module, root)
-    count = _graph_counter(root)
-
-    def restored(*args: Any, **kwargs: Any) -> Any:
-        return restore_outside_graph(entry(*args, **kwargs))
-
-    def counted(gm: Any, example_inputs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-        count()
-        return compile_fx(gm, example_inputs)
-
-    compiled = torch.compile(restored, backend=counted)
-
-    def autocast_call(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(root.device.type, dtype=root.low):
-            return compiled(*args, **kwargs)
-
-    return autocast_call
+        return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
+                                                                label=root.label))
 
 
 def _agree(verdict: Verdict) -> Verdict:
@@ -382,38 +346,6 @@ def _agree(verdict: Verdict) -> Verdict:
         return verdict
     return Verdict(Path(chosen[0]), f"rank 0's verdict (all ranks run one path); this rank measured: "
                                     f"{verdict.reason}", verdict.timings_ms)
-
-
-def _graph_counter(root: _Root) -> Callable[[], None]:
-    """root.graphs += 1, through a weak reference: see _entry_point."""
-    ref = weakref.ref(root)
-
-    def count() -> None:
-        r = ref()
-        if r is not None:
-            r.graphs += 1
-
-    return count
-
-
-def _entry_point(module: nn.Module, root: _Root) -> Callable[..., Any]:
-    """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
-    recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
-    evict the others' and, past the limit, silently run them uncompiled in FP32. Output fields the script does not
-    read are detached inside it (automp.unread_outputs).
-
-    Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
-    process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
-    parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
-    outlived the script's last reference to it with its parameters and gradients (H100, the zoo's LSTM: +0.28 GiB in
-    the next model's run)."""
-    ref, fields = weakref.ref(module), root.fields
-
-    def call(*args, **kwargs):
-        return detach_unread(ORIG_CALL(ref(), *args, **kwargs), fields)
-
-    code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
-    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
 
 
 @torch._dynamo.disable

@@ -1,0 +1,90 @@
+"""How a root module's compiled paths are built: automp's graph pass (Path.COMPILED) and stock Inductor under
+torch.autocast (Path.COMPILED_AUTOCAST). The session (session.py) decides which one a module runs; what is built here
+must leave the module collectable (entry_point says why) and give each module a code object of its own.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from automp.outputs import restore_outside_graph
+from automp.unread_outputs import detach_unread
+
+ORIG_CALL = nn.Module.__call__  # taken at import, before a session patches it
+_entry_ids = itertools.count()
+
+
+def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile with automp's backend (graph/capture.make_backend), counting the graphs it compiles."""
+    count = graph_counter(root)
+
+    def counted(gm: Any, example_inputs: Any) -> Any:
+        count()
+        return backend(gm, example_inputs)
+
+    return torch.compile(entry_point(module, root), backend=counted)
+
+
+def stock(module: nn.Module, root: Any) -> Callable[..., Any]:
+    """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
+    compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
+    region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
+    in FP32 that the hand-written loop runs in bf16 (8.4 ms of FP32 GEMM kernels in place of 2.3 ms; kernel profiles,
+    scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The
+    outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
+    sees its own dtypes; a ModelOutput's fields only when read (automp.outputs)."""
+    entry = entry_point(module, root)
+    count = graph_counter(root)
+
+    def restored(*args: Any, **kwargs: Any) -> Any:
+        return restore_outside_graph(entry(*args, **kwargs))
+
+    def counted(gm: Any, example_inputs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+        count()
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(restored, backend=counted)
+
+    def autocast_call(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(root.device.type, dtype=root.low):
+            return compiled(*args, **kwargs)
+
+    return autocast_call
+
+
+def graph_counter(root: Any) -> Callable[[], None]:
+    """root.graphs += 1, through a weak reference: see entry_point."""
+    ref = weakref.ref(root)
+
+    def count() -> None:
+        r = ref()
+        if r is not None:
+            r.graphs += 1
+
+    return count
+
+
+def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
+    """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
+    recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
+    evict the others' and, past the limit, silently run them uncompiled in FP32. Output fields the script does not
+    read are detached inside it (automp.unread_outputs).
+
+    Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
+    process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
+    parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
+    outlived the script's last reference to it with its parameters and gradients (H100, the zoo's LSTM: +0.28 GiB in
+    the next model's run)."""
+    ref, fields = weakref.ref(module), root.fields
+
+    def call(*args, **kwargs):
+        return detach_unread(ORIG_CALL(ref(), *args, **kwargs), fields)
+
+    code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
+    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
