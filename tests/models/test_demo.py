@@ -55,7 +55,7 @@ def test_gpt_rejects_sequence_longer_than_context():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-def test_demo_on_cpu_keeps_the_path_it_measured_fastest(tmp_path, monkeypatch):
+def test_demo_on_cpu_keeps_the_path_it_measured_fastest_or_fp32_within_the_noise(tmp_path, monkeypatch):
     """With the default path="auto" automp times its candidates on this CPU and keeps the fastest; it never
     compiles here (Inductor's CPU compile costs more than a short script can win back) and says why."""
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
@@ -64,6 +64,8 @@ def test_demo_on_cpu_keeps_the_path_it_measured_fastest(tmp_path, monkeypatch):
     assert {c["module"] for c in rep["choices"]} == {"GPT", "CNN"}
     for c in rep["choices"]:
         assert c["path"] in ("fp32-eager", "low-precision-eager", "unsettled") and c["reason"]
-        if len(c["timings_ms"]) > 1:  # a trial ran: the kept path is the fastest one measured
-            assert c["timings_ms"][c["path"]] == min(c["timings_ms"].values())
+        if len(c["timings_ms"]) > 1:  # a trial ran: the kept path is the fastest one measured, or the script as
+            t, best = c["timings_ms"], min(c["timings_ms"].values())  # written when that led it by noise only
+            assert t[c["path"]] == best or (c["path"] == "fp32-eager" and t["fp32-eager"] <= 1.03 * best
+                                            and "runs as written" in c["reason"])
     assert rep["graphs"] == [] and rep["compiles"] == {}
