@@ -153,19 +153,20 @@ class Trial:
                           for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
         why = f"{self.note}; " if self.note else ""
         tie = ""
-        anchor = timings.get(Path.COMPILED_AUTOCAST.value)
-        if winner is Path.COMPILED and Path.COMPILED_AUTOCAST in self.alive and anchor is not None and \
-                anchor <= (1 + self.config.anchor_margin) * timings[winner.value]:
+        if winner is Path.COMPILED and self._within(Path.COMPILED_AUTOCAST, winner, timings, self.config.anchor_margin):
             winner = Path.COMPILED_AUTOCAST
             tie = (f"; {Path.COMPILED.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
                    f"noise), so the hand-written loop's own path is kept")
-        fp32 = timings.get(Path.FP32.value)
-        if winner is not Path.FP32 and Path.FP32 in self.alive and fp32 is not None and \
-                fp32 <= (1 + self.config.fp32_margin) * timings[winner.value]:
+        if winner is not Path.FP32 and self._within(Path.FP32, winner, timings, self.config.fp32_margin):
             tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Path.FP32.value} (this "
                     f"measurement's noise), so the script runs as written")
             winner = Path.FP32
         self.verdict = Verdict(winner, f"{why}measured per iteration: {parts}{tie}", timings)
+
+    def _within(self, kept: Path, winner: Path, timings: dict[str, float], margin: float) -> bool:
+        """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
+        ms = timings.get(kept.value)
+        return kept in self.alive and ms is not None and ms <= (1 + margin) * timings[winner.value]
 
 
 class VerdictCache:

@@ -20,14 +20,8 @@ _entry_ids = itertools.count()
 
 
 def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
-    """torch.compile with automp's backend (graph/capture.make_backend), counting the graphs it compiles."""
-    count = graph_counter(root)
-
-    def counted(gm: Any, example_inputs: Any) -> Any:
-        count()
-        return backend(gm, example_inputs)
-
-    return torch.compile(entry_point(module, root), backend=counted)
+    """torch.compile with automp's backend (graph/capture.make_backend)."""
+    return torch.compile(entry_point(module, root), backend=counted(root, backend))
 
 
 def stock(module: nn.Module, root: Any) -> Callable[..., Any]:
@@ -39,17 +33,15 @@ def stock(module: nn.Module, root: Any) -> Callable[..., Any]:
     outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
     sees its own dtypes; a ModelOutput's fields only when read (automp.outputs)."""
     entry = entry_point(module, root)
-    count = graph_counter(root)
 
     def restored(*args: Any, **kwargs: Any) -> Any:
         return restore_outside_graph(entry(*args, **kwargs))
 
-    def counted(gm: Any, example_inputs: Any) -> Any:
+    def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
-        count()
         return compile_fx(gm, example_inputs)
 
-    compiled = torch.compile(restored, backend=counted)
+    compiled = torch.compile(restored, backend=counted(root, inductor))
 
     def autocast_call(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(root.device.type, dtype=root.low):
@@ -58,16 +50,18 @@ def stock(module: nn.Module, root: Any) -> Callable[..., Any]:
     return autocast_call
 
 
-def graph_counter(root: Any) -> Callable[[], None]:
-    """root.graphs += 1, through a weak reference: see entry_point."""
+def counted(root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
+    """`backend`, adding one to root.graphs for each graph it compiles (recompiles included); root is held weakly:
+    see entry_point."""
     ref = weakref.ref(root)
 
-    def count() -> None:
+    def backend_counting(gm: Any, example_inputs: Any) -> Any:
         r = ref()
         if r is not None:
             r.graphs += 1
+        return backend(gm, example_inputs)
 
-    return count
+    return backend_counting
 
 
 def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
