@@ -44,6 +44,7 @@ _live: list[Tensor] = []  # leaves the running scaled backward will unscale (nes
 _ORIG_BACKWARD: Callable[..., Any] = torch.autograd.backward
 _ORIG_GRAD: Callable[..., Any] = torch.autograd.grad
 _BACKWARD_SIG = inspect.signature(_ORIG_BACKWARD)
+_ACCUMULATE = torch._C._functions.AccumulateGrad  # the autograd node that holds a leaf
 _GRAD_SIG = inspect.signature(_ORIG_GRAD)
 
 
@@ -165,7 +166,9 @@ def _scaled_root_grads(roots: tuple, grads: Any, scale: Tensor) -> list[Tensor |
 
 
 def _leaves(roots: tuple) -> list[Tensor]:
-    """Every leaf the backward will accumulate into: the AccumulateGrad nodes reachable from the roots."""
+    """Every leaf the backward will accumulate into: the AccumulateGrad nodes reachable from the roots. A host cost of
+    every fp16 backward (on an H100 the GPU can be waiting for it), so AccumulateGrad nodes are read where they are
+    found instead of being pushed and visited."""
     seen: set = set()
     found: dict[int, Tensor] = {}
     stack = []
@@ -174,19 +177,17 @@ def _leaves(roots: tuple) -> list[Tensor]:
             stack.append(t.grad_fn)
         elif t.requires_grad:
             found[id(t)] = t
-    push, pop, mark = stack.extend, stack.pop, seen.add  # a host cost of every fp16 backward: kept lean
+    push, pop, mark = stack.append, stack.pop, seen.add
     while stack:
-        node = pop()
-        if node in seen:
-            continue
-        mark(node)
-        nexts = node.next_functions
-        if nexts:
-            push([f for f, _ in nexts if f is not None and f not in seen])
-        else:  # AccumulateGrad nodes have no successors; only they hold a variable
-            var = getattr(node, "variable", None)
-            if var is not None:
+        for f, _ in pop().next_functions:
+            if f is None or f in seen:
+                continue
+            mark(f)
+            if type(f) is _ACCUMULATE:
+                var = f.variable
                 found[id(var)] = var
+            else:
+                push(f)
     return list(found.values())
 
 
@@ -241,8 +242,11 @@ def _scaled_backward(*args: Any, **kwargs: Any) -> None:
     try:
         _inner("backward")(roots, root_grads, a.get("retain_graph"), create_graph, inputs=a.get("inputs"))
         owners = [p for p in _live if p.grad is not None]
-        _refuse_sparse_double_backward(create_graph, [p.grad for p in owners])
-        grads = _check_and_unscale(scaler, scale, owners, [_grad_values(p) for p in owners], create_graph)
+        grads = [p.grad for p in owners]
+        if any(g.is_sparse for g in grads):
+            _refuse_sparse_double_backward(create_graph, grads)
+            grads = [_grad_values(p) for p in owners]
+        grads = _check_and_unscale(scaler, scale, owners, grads, create_graph)
         if create_graph:
             for p, g in zip(owners, grads):
                 p.grad = g
@@ -284,8 +288,9 @@ def _rescale_existing(params: list[Tensor], factor: Tensor, create_graph: bool) 
             if p.grad is not None:
                 p.grad = overflow.times(p.grad, factor)
         return
-    overflow.scale_([p.grad._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None],
-                    factor)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:  # none after zero_grad(set_to_none=True), the usual case
+        overflow.scale_([g._values() if g.is_sparse else g for g in grads], factor)
 
 
 def _refuse_sparse_double_backward(create_graph: bool, grads: list[Tensor]) -> None:

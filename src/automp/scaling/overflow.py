@@ -47,6 +47,12 @@ def _torch_unscale_and_check_(group: list[Tensor], found: Tensor, inv: Tensor) -
 
 
 def _groups(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    if not tensors:
+        return {}
+    first = tensors[0]
+    key = (first.get_device(), first.dtype)  # an int, cheaper than a device object: this runs per gradient per step
+    if all((t.get_device(), t.dtype) == key for t in tensors):
+        return {(first.device, first.dtype): list(tensors)}
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
@@ -109,6 +115,8 @@ def any_found(flags: list[Tensor]) -> Tensor | None:
     fused optimizers expect of `found_inf` (Adam subtracts it from its step counter), on the first flag's device."""
     if not flags:
         return None
+    if len(flags) == 1:  # the usual step: one flag, 2 kernels rather than 4 on the host path after the backward
+        return (flags[0].reshape(()) > 0).to(torch.float32)
     device = flags[0].device
     peak = torch.stack([f.to(device, non_blocking=True).reshape(()) for f in flags]).amax()
     return (peak > 0).to(torch.float32)

@@ -1,9 +1,9 @@
 """Which optimizer steps an overflow poisons, decided on the device wherever the optimizer can skip there.
 
 Every scaled backward leaves a device flag (> 0: its gradients held inf/nan; all-reduced across ranks before it gets
-here). Each leaf it gave a gradient keeps the flags of all backward calls since its last optimizer step OR-ed into
-one device tensor (gradient accumulation), so nothing is read on the host during backward. A global optimizer step
-pre-hook then combines the flags of the optimizer's own parameters, still on the device, and:
+here), kept with the leaves it gave a gradient until they step (gradient accumulation: a leaf's flag is the OR of
+those of all backward calls since its last optimizer step), so nothing is read on the host during backward. A global
+optimizer step pre-hook then combines the flags of the optimizer's own parameters, still on the device, and:
 
 - fused optimizers (`_step_supports_amp_scaling`: torch's Adam, AdamW and SGD with fused=True) get the flag as
   `optimizer.found_inf`, the attribute GradScaler sets for them: their kernel skips the update on the device (Adam
@@ -35,12 +35,37 @@ from automp.scaling.loss_scale import LossScaler
 
 _scaler: LossScaler | None = None
 _handles: list[RemovableHandle] = []
-_flags: dict[int, tuple["weakref.ref[Tensor]", Tensor]] = {}  # leaf -> OR of its flags since its last step
+_records: list["_Record"] = []  # one per backward whose leaves have not all stepped yet
 _unstepped: Tensor | None = None  # OR of the flags of backward calls since the scale last advanced (per step)
 _per_step = False  # an optimizer has stepped since start(): the scale advances per optimizer step
 _armed: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # found_inf set by us for the step in flight
+_param_ids: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple, frozenset]]" = weakref.WeakKeyDictionary()
 _skipped_on_host = 0
 _skipped_on_device: Tensor | None = None
+_PRUNE_AT = 64  # records kept before dropping those whose leaves were all freed (a script that never steps)
+
+
+class _Record:
+    """One backward's flag and the leaves it still applies to (by id; a weak reference each tells a reused id from
+    the leaf that was flagged). Kept per backward, not per leaf: this bookkeeping runs on the host between the end of
+    a backward and the optimizer's kernels, where on an H100 the GPU waits for it (GPT-2 fp16: per-leaf dictionaries
+    cost about 2% of the step), so it is made of set operations rather than a Python loop over the parameters."""
+
+    __slots__ = ("found", "pending", "refs")
+
+    def __init__(self, found: Tensor, leaves: list[Tensor]):
+        ids = list(map(id, leaves))
+        self.found = found
+        self.pending = set(ids)
+        self.refs = dict(zip(ids, map(weakref.ref, leaves)))
+
+    def flags(self, ids: set | frozenset) -> bool:
+        """Whether this record's flag applies to one of `ids` (a leaf it flagged, still alive)."""
+        common = self.pending & ids
+        return any(self.refs[i]() is not None for i in common)
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref in self.refs.values())
 
 
 def start(scaler: LossScaler) -> None:
@@ -56,7 +81,7 @@ def stop() -> None:
     for handle in _handles:
         handle.remove()
     _handles.clear()
-    _flags.clear()
+    _records.clear()
     _scaler, _unstepped = None, None
 
 
@@ -67,43 +92,48 @@ def skipped_steps() -> int:
 
 def forget_fresh(params: list[Tensor]) -> None:
     """A leaf whose grad is None starts a fresh accumulation: the flags of earlier backward calls no longer apply."""
-    for p in params:
-        if p.grad is None:
-            _flags.pop(id(p), None)
+    if not _records:
+        return
+    fresh = {id(p) for p in params if p.grad is None}
+    if fresh:
+        _drop(fresh, _records)
 
 
 def record(found: Tensor, owners: list[Tensor]) -> None:
-    """Take one backward's flag: OR it into its leaves' flags, and advance the scale now or at the next step."""
+    """Take one backward's flag: keep it for its leaves, and advance the scale now or at the next step."""
     global _unstepped
-    priors = _merge(found, [p for p in owners if p.is_leaf])
+    leaves = [p for p in owners if p.is_leaf]
     if _per_step:
         _unstepped = found if _unstepped is None else torch.maximum(_unstepped, found.to(_unstepped.device))
     elif _scaler is not None:
-        reported = overflow.any_found(priors)
+        ids = set(map(id, leaves))
+        reported = overflow.any_found(_distinct(r.found for r in _records if r.flags(ids)))
         _scaler.update(found, None if reported is None else 1.0 - reported)
+    if leaves:
+        if len(_records) >= _PRUNE_AT:
+            _records[:] = [r for r in _records if r.alive()]
+        _records.append(_Record(found, leaves))
 
 
-def _flag_of(p: Tensor) -> Tensor | None:
-    entry = _flags.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+def _distinct(flags: Any) -> list[Tensor]:
+    return list({id(f): f for f in flags}.values())
 
 
-def _merge(found: Tensor, leaves: list[Tensor]) -> list[Tensor]:
-    """OR found into each leaf's flag with one device op per distinct earlier flag (usually none or one: the leaves
-    of one accumulation share theirs). Returns those earlier flags."""
-    by_prior: dict[int, tuple[Tensor | None, list[Tensor]]] = {}
-    for p in leaves:
-        prior = _flag_of(p)
-        by_prior.setdefault(id(prior), (prior, []))[1].append(p)
-    priors = []
-    for prior, params in by_prior.values():
-        merged = found
-        if prior is not None:
-            priors.append(prior)
-            merged = torch.maximum(prior, found.to(prior.device, non_blocking=True))
-        for p in params:
-            _flags[id(p)] = (weakref.ref(p), merged)
-    return priors
+def _drop(ids: set | frozenset, records: list[_Record]) -> None:
+    """Those leaves' flags are used up (stepped) or stale (fresh accumulation): forget them; drop emptied records."""
+    for r in records:
+        r.pending -= ids
+    records[:] = [r for r in records if r.pending]
+
+
+def _ids_of(optimizer: torch.optim.Optimizer) -> frozenset:
+    """The ids of the optimizer's parameters, recomputed only when its groups change."""
+    shape = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    cached = _param_ids.get(optimizer)
+    if cached is None or cached[0] != shape:
+        cached = (shape, frozenset(id(p) for g in optimizer.param_groups for p in g["params"]))
+        _param_ids[optimizer] = cached
+    return cached[1]
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -115,23 +145,22 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _unstepped is not None and _scaler is not None:
         _scaler.update(_unstepped)
     _unstepped = None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    flags = {}
-    for p in params:
-        flag = _flag_of(p)
-        _flags.pop(id(p), None)
-        if flag is not None:
-            flags[id(flag)] = flag
-    found = overflow.any_found(list(flags.values()))
-    if found is None:
+    if not _records:
         return None
+    ids = _ids_of(optimizer)
+    hits = [r for r in _records if r.flags(ids)]
+    if not hits:
+        return None
+    found = overflow.any_found(_distinct(r.found for r in hits))
+    _drop(ids, _records)
     if _skips_on_device(optimizer):
         optimizer.found_inf = found  # type: ignore[attr-defined]
         _armed.add(optimizer)
         _count_on_device(found)
     elif _read(found):
-        for p in params:
-            p.grad = None
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
         _skipped_on_host += 1
     return None
 
@@ -152,12 +181,12 @@ def _read(found: Tensor) -> bool:
 
 
 def _count_on_device(found: Tensor) -> None:
+    """found is exactly 0.0 or 1.0 (overflow.any_found): one add per step, counted in float32 (exact to 2**24)."""
     global _skipped_on_device
-    hit = found.to(torch.int64)
     if _skipped_on_device is None:
-        _skipped_on_device = hit
+        _skipped_on_device = found.clone()
     else:
-        _skipped_on_device += hit.to(_skipped_on_device.device, non_blocking=True)
+        _skipped_on_device += found.to(_skipped_on_device.device, non_blocking=True)
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
