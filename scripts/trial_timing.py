@@ -9,7 +9,7 @@ iteration after that (synced, same path), and a block of steps without syncs ins
 The script's hand-written autocast eager loop is measured the same way. Then a fresh session runs its real trial,
 and its verdict is printed next to the settled block timing of the path it chose.
 
-    python scripts/trial_timing.py lstm [rounds]
+    python scripts/trial_timing.py lstm [rounds] [no-trial]
 """
 import statistics
 import sys
@@ -45,16 +45,19 @@ def force(path):
     automp._session.unfinished.clear()
 
 
-def main(name, rounds="6"):
+def main(name, rounds="6", trial="trial"):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "autocast-bf16-eager", dev)
     torch.manual_seed(0)
+    plain = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
+    torch.manual_seed(0)
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
     automp.enable(dtype="bf16", cache_dir=tempfile.mkdtemp())
     sides = {p.value: (lambda p=p: (force(p), loop.step())[1]) for p in Path}
     sides["hand-written autocast eager"] = anchor.step
+    outside = block(plain.step, 5), block(plain.step, BLOCK)  # the plain FP32 loop before automp is enabled
     measures = {k: {"after switch": [], "second": [], "block": []} for k in sides}
     try:
         loop.step()  # the roots exist from here on (the anchor's: automp leaves it to the script's autocast)
@@ -76,6 +79,9 @@ def main(name, rounds="6"):
     print("|---|---:|---:|---:|")
     for label, m in measures.items():
         print(f"| {label} | " + " | ".join(f"{statistics.median(v):.2f}" for v in m.values()) + " |", flush=True)
+    print(f"the plain FP32 loop before automp.enable(): block of {BLOCK} {outside[1]:.2f} ms", flush=True)
+    if trial == "no-trial":
+        return
 
     torch.manual_seed(0)
     fresh = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), "fp32-eager", dev)
