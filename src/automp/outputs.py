@@ -26,6 +26,8 @@ def _to_float(t: Any) -> Any:
 def restore_float32(out: Any) -> Any:
     """Every half tensor in `out` cast to FP32, eagerly. Any half type, not only the session's: autocast runs some
     ops in its own choice (cuDNN RNNs in fp16 under a bf16 autocast on torch 2.11)."""
+    if isinstance(out, torch.Tensor):  # the usual result, without pytree's walk (every root call on the eager path)
+        return _to_float(out)
     return pytree.tree_map(_to_float, out)
 
 

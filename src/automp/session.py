@@ -89,6 +89,8 @@ class Session:
         session = self
 
         def patched_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if getattr(_local, "depth", 0) > 0:  # a submodule of a root being run: as written, one frame less
+                return ORIG_CALL(module, *args, **kwargs)
             return session.call(module, args, kwargs)
 
         nn.Module.__call__ = patched_call
