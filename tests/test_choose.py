@@ -73,7 +73,8 @@ def test_a_one_off_slow_first_sample_does_not_drop_the_fastest_path():
             return c
 
     cost = {Path.EAGER_LOW: 0.0375, Path.COMPILED: 0.031, Path.FP32: 0.145}
-    trial, _ = run_until_verdict(cost, TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1, Path.FP32: 1}),
+    trial, _ = run_until_verdict(cost, TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1, Path.FP32: 1},
+                                                   block=1),  # a sample of one iteration: the one-off undiluted
                                  clock=OneOff(cost), order=[Path.EAGER_LOW, Path.COMPILED, Path.FP32])
     assert max(trial.samples[Path.COMPILED]) == pytest.approx(1.8 * 0.031)  # the one-off was timed
     assert trial.verdict.path is Path.COMPILED and Path.COMPILED not in trial.abandoned
@@ -82,10 +83,52 @@ def test_a_one_off_slow_first_sample_does_not_drop_the_fastest_path():
 
 def test_a_clear_loser_is_dropped_after_one_round():
     cost = {Path.EAGER_LOW: 0.010, Path.FP32: 0.050}
-    trial, ran = run_until_verdict(cost, TrialConfig(measure=5, give_up=1.3))
+    config = TrialConfig(measure=5, give_up=1.3)
+    trial, ran = run_until_verdict(cost, config)
     assert trial.verdict.path is Path.EAGER_LOW
     assert len(trial.samples[Path.FP32]) == 1 and Path.FP32 in trial.abandoned
-    assert ran.count(Path.FP32) == 1 + 1  # one warm-up, one timed
+    assert ran.count(Path.FP32) == 1 + config.block  # one warm-up, one timed sample
+
+
+class Pipelined(FakeClock):
+    """Each path has host and device seconds per iteration. Right after a sync the device waits for the host:
+    the iteration costs both; back to back they overlap and it costs the larger (a training loop's steady state)."""
+
+    def __init__(self, host: dict[Path, float], device: dict[Path, float]):
+        super().__init__({p: max(host[p], device[p]) for p in host})
+        self.host, self.device, self.synced, self.syncs = host, device, True, 0
+
+    def sync(self) -> None:
+        self.synced, self.syncs = True, self.syncs + 1
+
+    def seconds(self, trial: Trial) -> float:
+        p = trial.current
+        cost = self.host[p] + self.device[p] if self.synced else self.cost[p]
+        self.synced = False
+        return cost
+
+
+def test_a_sample_runs_its_iterations_back_to_back_as_the_script_will():
+    # eager: launch-bound (9 ms host, 1 ms device); compiled: 2 ms host, 8 ms device. One synchronized iteration
+    # costs 10 ms on both, so a trial of single synchronized iterations cannot tell them apart; back to back the
+    # compiled path is 8 ms and eager 9 ms, and the trial's samples of two iterations see it.
+    host, device = {Path.EAGER_LOW: 0.009, Path.COMPILED: 0.002}, {Path.EAGER_LOW: 0.001, Path.COMPILED: 0.008}
+    outcomes = {}
+    for block in (1, 2, 4):
+        clock = Pipelined(host, device)
+        trial = Trial([Path.EAGER_LOW, Path.COMPILED], TrialConfig(give_up=10.0, block=block), clock, clock.sync)
+        ticks = 0
+        while trial.verdict is None and ticks < 200:
+            clock.run(trial)
+            ticks += 1
+        outcomes[block] = trial.verdict.timings_ms
+        # synchronized once per warm-up or sample (plus the first call), never inside a sample
+        samples = sum(len(s) for s in trial.samples.values())
+        assert clock.syncs == 1 + samples + len(trial.candidates)
+    assert outcomes[1][Path.COMPILED.value] == pytest.approx(outcomes[1][Path.EAGER_LOW.value])
+    for block in (2, 4):  # (first iteration synchronized + the rest overlapped) / block
+        assert outcomes[block][Path.COMPILED.value] == pytest.approx((10 + 8 * (block - 1)) / block)
+        assert outcomes[block][Path.EAGER_LOW.value] == pytest.approx((10 + 9 * (block - 1)) / block)
 
 
 def test_candidates_alternate_so_drift_hits_all_of_them():

@@ -189,7 +189,7 @@ def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(
     model = TinyLM()
     automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))
     automp._session.clock = lambda: now[0]
-    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1}, measure=2)
+    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1}, measure=2, block=1)
     _train(model, 8)
     first = automp.disable()
     assert [c["path"] for c in first["choices"]] == ["automp-compiled"] and not first["choices"][0]["cached"]

@@ -35,23 +35,24 @@ class Path(enum.Enum):
 
 @dataclass
 class TrialConfig:
-    """warmup: iterations of a candidate that are not timed (compilation, allocator and autotuning warm-up);
-    measure: rounds of timed iterations (one per candidate per round); give_up: after the second and later rounds, a
-    candidate whose fastest iteration is this much slower than the best median is dropped — a clear loser needs no
-    more evidence, and every trial iteration of a slow path is time the user loses. give_up_first: the same after
-    the first round, where each candidate has one sample and one sample can be a one-off: on an H100 the first timed
+    """warmup: iterations of a candidate that are not timed (compilation, allocator and autotuning warm-up); measure:
+    rounds of timed samples (one per candidate per round, each `block` iterations); give_up: after the second and later
+    rounds, a candidate whose fastest sample is this much slower than the best median is dropped — a clear loser needs
+    no more evidence, and every trial iteration of a slow path is time the user loses. give_up_first: the same after the
+    first round, where each candidate has one sample and one sample can be a one-off: on an H100 the first timed
     iteration of a compiled path measured 1.4-1.8x its later ones in some runs (BERT-base: 51-69 ms against 31-34),
     which dropped the path that would have won. anchor_margin: autocast-compiled is what a user hand-writes (stock
-    Inductor under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph
-    pass replaces it only when it measured faster by more than the margin. Two identical loops measured 3-6% apart
-    on an H100 host (BENCHMARKS.md section 0), and trials chose automp-compiled on leads of 0.2% that an interleaved
-    run then showed 3% slower (ResNet-50). fp32_margin: the same for the script as written (FP32 eager): any other
-    path changes the script's numerics, so it must lead by more than the noise to be kept; `automp demo` on a 2-core
-    CPU chose low precision for its GPT on a 2% trial lead and then ran at 0.92x of FP32."""
+    Inductor under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph pass
+    replaces it only when it measured faster by more than the margin. Two identical loops measured 3-6% apart on an H100
+    host (BENCHMARKS.md section 0), and trials chose automp-compiled on leads of 0.2% that an interleaved run then
+    showed 3% slower (ResNet-50). fp32_margin: the same for the script as written (FP32 eager): any other path changes
+    the script's numerics, so it must lead by more than the noise to be kept; `automp demo` on a 2-core CPU chose low
+    precision for its GPT on a 2% trial lead and then ran at 0.92x of FP32."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
                                                              Path.COMPILED_AUTOCAST: 2})
-    measure: int = 6  # even: alternating rounds then cancel a linear drift exactly
+    measure: int = 4  # even: alternating rounds then cancel a linear drift exactly (x block iterations each)
+    block: int = 2  # iterations per timed sample, run back to back as the script runs them (see Trial)
     give_up: float = 1.3
     give_up_first: float = 2.5
     switch_after: int = 4  # another module called this often between two calls of the timed one: time that one
@@ -77,9 +78,15 @@ class Trial:
     candidate for the whole iteration. `tick()` is called at every call of any member; the interval is taken
     between two calls of the "clock" member — the first one called, or whichever another member outnumbers.
 
-    First each candidate warms up (untimed), then the candidates take turns, one timed iteration each per round:
+    First each candidate warms up (untimed), then the candidates take turns, one timed sample each per round:
     interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that
-    would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped."""
+    would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped.
+
+    A sample is `block` iterations run back to back, with the device synchronized only at its two ends: the script
+    after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
+    synchronized iteration does not. On an H100 (scripts/trial_timing.py) one synchronized iteration measured
+    automp-compiled 11-12% slower than its unsynchronized steps on the LSTM and the detector, and the eager paths
+    from 7% slower to 5% faster: an error of the size of the margins the trial decides by. Two iterations halve it."""
 
     def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
                  sync: Callable[[], None], note: str = ""):
@@ -90,12 +97,14 @@ class Trial:
         self.samples: dict[Path, list[float]] = {c: [] for c in candidates}
         self.alive = list(candidates)
         self.abandoned: set[Path] = set()
-        self._queue: list[tuple[Path, bool]] = [(c, False) for c in candidates
-                                                for _ in range(config.warmup.get(c, 1))]
+        # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each
+        self._queue: list[tuple[Path, bool, int]] = [(c, False, config.warmup.get(c, 1)) for c in candidates
+                                                     if config.warmup.get(c, 1) > 0]
         self._rounds = 0
         self._clock_member: int | None = None
         self._others: dict[int, int] = {}
-        self._last: float | None = None
+        self._start: float | None = None  # when the queue head's interval began
+        self._done = 0  # iterations of the queue head finished
         self.verdict: Verdict | None = None
         self._refill()
 
@@ -111,22 +120,27 @@ class Trial:
         if member != self._clock_member:
             self._others[member] = self._others.get(member, 0) + 1
             if self._others[member] > self.config.switch_after:  # the first module was a one-off call
-                self._clock_member, self._others, self._last = member, {}, None
+                self._clock_member, self._others, self._start, self._done = member, {}, None, 0
             else:
                 return
         self._others = {}
+        if self._start is None:
+            self.sync()
+            self._start = self.clock()
+            return
+        path, timed, iterations = self._queue[0]
+        self._done += 1
+        if self._done < iterations:
+            return  # inside a sample: the loop runs on unsynchronized, as it will after the trial
         self.sync()
         now = self.clock()
-        if self._last is not None:
-            self._record(now - self._last)
-        self._last = self.clock()  # bookkeeping above is not charged to the next candidate
-
-    def _record(self, seconds: float) -> None:
-        path, timed = self._queue.pop(0)
         if timed:
-            self.samples[path].append(seconds)
+            self.samples[path].append((now - self._start) / iterations)
+        self._queue.pop(0)
+        self._done = 0
         if not self._queue:
             self._refill()
+        self._start = self.clock()  # bookkeeping above is not charged to the next candidate
 
     def _refill(self) -> None:
         """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
@@ -144,7 +158,7 @@ class Trial:
             return
         self._rounds += 1
         order = self.alive if self._rounds % 2 else self.alive[::-1]  # A B, B A, ...: linear drift cancels
-        self._queue = [(c, True) for c in order]
+        self._queue = [(c, True, max(1, self.config.block)) for c in order]
 
     def _decide(self) -> None:
         timings = {p.value: 1e3 * statistics.median(s) for p, s in self.samples.items() if s}

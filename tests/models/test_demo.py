@@ -60,7 +60,7 @@ def test_demo_on_cpu_keeps_the_path_it_measured_fastest_or_fp32_within_the_noise
     compiles here (Inductor's CPU compile costs more than a short script can win back) and says why."""
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("AUTOMP_PATH", raising=False)
-    results, rep = demo.run_demo(20, torch.device("cpu"))
+    results, rep = demo.run_demo(30, torch.device("cpu"))
     assert {c["module"] for c in rep["choices"]} == {"GPT", "CNN"}
     for c in rep["choices"]:
         assert c["path"] in ("fp32-eager", "low-precision-eager", "unsettled") and c["reason"]
