@@ -122,3 +122,48 @@ def test_overflow_from_the_scale_itself_backs_off_until_it_fits():
     assert scaler.overflow_steps >= 1 and scaler.scale <= 2.0 ** 15
     assert scaler.steps - scaler.overflow_steps >= 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_flag_does_not_follow_a_freed_parameter_to_its_reused_id():
+    """Flags are kept per backward by parameter id (scaling/skip.py); a parameter freed before its step can leave its
+    id to a new tensor. The weak reference kept with each id tells them apart: the newcomer's step is not skipped."""
+    from automp.scaling import skip
+
+    install(LossScaler(LossScaleConfig(init_scale=2.0 ** 10)))
+    try:
+        old = torch.nn.Parameter(torch.randn(3))
+        skip.record(torch.ones(1), [old])  # an overflow, never stepped
+        record = skip._records[-1]
+        assert record.flags({id(old)})
+        freed = id(old)
+        del old
+        assert not record.flags({freed})  # whatever holds that id now was not flagged
+        assert not record.alive()
+        new = torch.nn.Parameter(torch.randn(3))
+        opt = torch.optim.SGD([new], lr=0.1)
+        skip._records[-1].pending.add(id(new))  # the id reuse, forced: CPython may or may not hand it out again
+        record.refs.setdefault(id(new), record.refs[freed])  # ... under the freed parameter's (dead) reference
+        new.grad = torch.ones(3)
+        before = new.detach().clone()
+        opt.step()
+        assert not torch.equal(new.detach(), before)  # stepped: the stale flag did not apply
+        assert autograd_hook.skipped_optimizer_steps() == 0
+    finally:
+        autograd_hook.uninstall()
+
+
+def test_records_of_freed_parameters_are_pruned():
+    from automp.scaling import skip
+
+    install(LossScaler(LossScaleConfig(init_scale=2.0 ** 10)))
+    try:
+        for _ in range(3 * skip._PRUNE_AT):  # backward calls whose parameters are dropped without a step
+            p = torch.nn.Parameter(torch.randn(2))
+            skip.record(torch.zeros(1), [p])
+            del p
+        assert len(skip._records) <= skip._PRUNE_AT
+        kept = torch.nn.Parameter(torch.randn(2))
+        skip.record(torch.ones(1), [kept])
+        assert any(r.flags({id(kept)}) for r in skip._records)  # live flags survive the pruning
+    finally:
+        autograd_hook.uninstall()
