@@ -50,9 +50,10 @@ def _groups(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], lis
     if not tensors:
         return {}
     first = tensors[0]
-    key = (first.get_device(), first.dtype)  # an int, cheaper than a device object: this runs per gradient per step
-    if all((t.get_device(), t.dtype) == key for t in tensors):
-        return {(first.device, first.dtype): list(tensors)}
+    if first.is_cuda:  # device index as an int, cheaper than a device object: this runs per gradient per step
+        index, dtype = first.get_device(), first.dtype
+        if all(t.is_cuda and t.get_device() == index and t.dtype == dtype for t in tensors):
+            return {(first.device, dtype): list(tensors)}
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
