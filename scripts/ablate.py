@@ -23,8 +23,8 @@ import automp
 from automp.bench.suites import zoo
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.scaling import overflow
+from profile_dtype import CUDA  # scripts/ is on sys.path when run as a script
 
-CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 BLOCK = 10
 
@@ -42,7 +42,8 @@ def fp16(name, rounds=2):
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, DEV), "fp32-eager", DEV)
     real = overflow.unscale_and_check_
     variants = {"bf16": ("bf16", "dynamic", real), "fp16": ("fp16", "dynamic", real),
-                "fp16, no unscale pass": ("fp16", "dynamic", _flag_only), "fp16, no loss scaling": ("fp16", "off", real)}
+                "fp16, no unscale pass": ("fp16", "dynamic", _flag_only),
+                "fp16, no loss scaling": ("fp16", "off", real)}
     times = {k: [] for k in variants}
     for r in range(rounds):
         for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):

@@ -21,14 +21,8 @@ import torch
 import automp
 from automp.bench.suites import zoo
 from automp.choose import Path
-from automp.bench.suites.zoo_interleave import block_ms
-from profile_dtype import CUDA, sync  # scripts/ is on sys.path when run as a script
-
-BLOCK = 10
-
-
-def block(step, steps):
-    return block_ms(step, steps, "cuda" if CUDA else "cpu")
+from ablate import BLOCK, block  # scripts/ is on sys.path when run as a script
+from profile_dtype import CUDA, sync
 
 
 def synced_step(step):

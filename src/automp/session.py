@@ -89,7 +89,8 @@ class Session:
         session = self
 
         def patched_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if getattr(_local, "depth", 0) > 0:  # a submodule of a root being run: as written, one frame less
+            # a submodule of a root being run, or a call Dynamo traces: as written, without entering the session
+            if getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling():
                 return ORIG_CALL(module, *args, **kwargs)
             return session.call(module, args, kwargs)
 
@@ -142,8 +143,7 @@ class Session:
 
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling():
-            return ORIG_CALL(module, *args, **kwargs)
+        """A module called from the script (patched_call has already passed submodules and traced calls through)."""
         root = self.roots.get(module)
         if root is None:
             if not any(True for _ in module.parameters()):
