@@ -205,3 +205,108 @@ def test_the_anchor_rule_and_the_fp32_rule_compose():
     cost = {Path.COMPILED: 0.100, Path.COMPILED_AUTOCAST: 0.101, Path.FP32: 0.103}
     trial, _ = run_until_verdict(cost)
     assert trial.verdict.path is Path.FP32
+
+
+def test_a_verdict_is_re_measured_only_against_eager_paths_that_came_close():
+    from automp.choose import confirmation
+    timings = {Path.COMPILED.value: 100.0, Path.EAGER_LOW.value: 120.0, Path.FP32.value: 140.0,
+               Path.COMPILED_AUTOCAST.value: 101.0}
+    config = TrialConfig()  # confirm_within 25%: low precision eager is re-measured, FP32 (40% slower) is not
+    trial = confirmation(Verdict(Path.COMPILED, "trial", timings), config, lambda: 0.0, lambda: None)
+    assert trial.candidates == [Path.COMPILED, Path.EAGER_LOW] and trial.incumbent is Path.COMPILED
+    assert trial.current is Path.COMPILED  # the verdict's path runs on first, untimed, for confirm_after iterations
+    wide = TrialConfig(confirm_within=0.5)
+    assert confirmation(Verdict(Path.COMPILED, "", timings), wide, lambda: 0.0, lambda: None).candidates == [
+        Path.COMPILED, Path.FP32, Path.EAGER_LOW]
+    for verdict, cfg in [(Verdict(Path.FP32, "", timings), config),  # the script as written: nothing to guard
+                         (Verdict(Path.COMPILED, "", timings, confirmed=True), config),  # done once already
+                         (Verdict(Path.COMPILED, "forced", {}), config),  # never timed
+                         (Verdict(Path.COMPILED, "", timings), TrialConfig(confirm_after=0)),  # switched off
+                         (Verdict(Path.COMPILED, "", timings), TrialConfig(confirm_within=0.1))]:  # none close
+        assert confirmation(verdict, cfg, lambda: 0.0, lambda: None) is None
+
+
+def run_confirmation(trial_cost: dict[Path, float], steady_cost: dict[Path, float], config: TrialConfig):
+    """A trial under `trial_cost` (the script's first iterations), then its confirmation under `steady_cost`."""
+    from automp.choose import confirmation
+    trial, _ = run_until_verdict(trial_cost, config)
+    clock = FakeClock(steady_cost)
+    again = confirmation(trial.verdict, config, clock, lambda: None)
+    ran = []
+    while again is not None and again.verdict is None and len(ran) < 200:
+        ran.append(again.current)
+        clock.run(again)
+    return trial.verdict, again, ran
+
+
+def test_the_confirmation_replaces_a_verdict_the_cold_start_misled():
+    # Faster R-CNN on an H100: in the trial both eager paths measured 130 ms against the compiled graphs' 113 ms;
+    # afterwards the eager loops ran about 100 ms. Re-measured in steady state, the eager path wins.
+    config = TrialConfig()
+    first, again, ran = run_confirmation(
+        {Path.COMPILED: 0.113, Path.EAGER_LOW: 0.130, Path.FP32: 0.131, Path.COMPILED_AUTOCAST: 0.140},
+        {Path.COMPILED: 0.115, Path.EAGER_LOW: 0.098, Path.FP32: 0.107, Path.COMPILED_AUTOCAST: 0.115}, config)
+    assert first.path is Path.COMPILED and not first.confirmed
+    assert ran[:config.confirm_after] == [Path.COMPILED] * config.confirm_after  # steady state before timing
+    assert again.verdict.path is Path.EAGER_LOW and again.verdict.confirmed
+    assert "re-measured in steady state" in again.verdict.reason
+    assert again.verdict.timings_ms[Path.EAGER_LOW.value] == pytest.approx(98.0)
+
+
+@pytest.mark.parametrize("lead, chosen", [(0.01, Path.COMPILED), (0.10, Path.EAGER_LOW)])
+def test_the_confirmation_keeps_its_incumbent_within_the_noise(lead, chosen):
+    steady = {Path.COMPILED: 0.100 * (1 + lead), Path.EAGER_LOW: 0.100, Path.FP32: 0.2, Path.COMPILED_AUTOCAST: 0.2}
+    _, again, _ = run_confirmation({Path.COMPILED: 0.100, Path.EAGER_LOW: 0.110, Path.FP32: 0.2,
+                                    Path.COMPILED_AUTOCAST: 0.2}, steady, TrialConfig())
+    assert again.verdict.path is chosen and again.verdict.confirmed
+    assert ("so automp-compiled is kept" in again.verdict.reason) == (chosen is Path.COMPILED)
+
+
+def test_the_confirmation_gives_the_script_back_when_its_lead_over_fp32_is_noise():
+    steady = {Path.EAGER_LOW: 0.100, Path.FP32: 0.102}
+    _, again, _ = run_confirmation({Path.EAGER_LOW: 0.100, Path.FP32: 0.120}, steady, TrialConfig())
+    assert again.verdict.path is Path.FP32 and "the script runs as written" in again.verdict.reason
+
+
+def test_verdict_cache_keeps_whether_a_verdict_was_confirmed(tmp_path):
+    cache = VerdictCache(tmp_path)
+    cache.put({"a": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0}, confirmed=True),
+               "b": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0})})
+    assert cache.get("a").confirmed and not cache.get("b").confirmed
+
+
+def _agree_worker(rank: int, port: int, out: str) -> None:
+    import os
+    import sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from automp.choose import agreed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    try:
+        mine = Path.COMPILED if rank == 0 else Path.EAGER_LOW  # the ranks measured different winners
+        got = agreed(Verdict(mine, f"rank {rank} measured", {mine.value: 1.0}, confirmed=True))
+        torch.save({"path": got.path.value, "reason": got.reason, "confirmed": got.confirmed},
+                   os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_runs_rank_0s_verdict(tmp_path):
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_agree_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert r0["path"] == r1["path"] == Path.COMPILED.value
+    assert r0["reason"] == "rank 0 measured" and r1["reason"].startswith("rank 0's verdict")
+    assert "rank 1 measured" in r1["reason"] and r1["confirmed"]

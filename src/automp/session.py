@@ -20,12 +20,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import compiled_paths
 from automp.autocast_cache import SharedCasts
-from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
+from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, module_key
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
-from automp.graph.capture import low_dtype, make_backend
+from automp.graph.capture import low_dtype, make_backend, restore_capture_flags, set_capture_flags
 from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
@@ -46,6 +46,8 @@ class _Root:
     key: str = ""
     path: Path | None = None  # None while its trial runs
     trial: Trial | None = None
+    verdict: Verdict | None = None  # what decided its path
+    confirm: Trial | None = None  # the verdict's re-measurement in steady state, while it runs (choose.confirmation)
     compiled: Callable[..., Any] | None = None
     stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
@@ -84,7 +86,7 @@ class Session:
             self.fuser.install()
         self.scaler = _install_scaling(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
-        self.saved_flags = _set_capture_flags()
+        self.saved_flags = set_capture_flags()
         self.breaks_before = graph_breaks()
         session = self
 
@@ -111,7 +113,7 @@ class Session:
             self.undo_once_logging = None
         if "__call__" in vars(nn.RNNBase):
             del nn.RNNBase.__call__
-        _restore_capture_flags(self.saved_flags)
+        restore_capture_flags(self.saved_flags)
         self.update_report()
         if self.scaler is not None:
             from automp.scaling import autograd_hook
@@ -131,6 +133,10 @@ class Session:
                 self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False},
                                          f"trial unfinished: the script ended (or the module was freed) before its "
                                          f"candidates were measured; it ran {trial.current.value} last")
+        for root in self.roots.values():  # the script ended before the verdict was re-measured: it stands as is
+            if root.confirm is not None and root.verdict is not None:
+                self.recorder.add_choice(root.label, root.verdict.as_dict(), f"{root.verdict.reason}; not "
+                                         f"re-measured in steady state: the script ended first")
 
     def _fused(self, optimizer: torch.optim.Optimizer, groups: int) -> None:
         self.recorder.optimizers.append({
@@ -139,7 +145,7 @@ class Session:
                       f"update (the script left fused/foreach at their defaults)"})
 
     def settled(self) -> bool:
-        return all(r.path is not None or r.aside is not None for r in self.roots.values())
+        return all((r.path is not None and r.confirm is None) or r.aside is not None for r in self.roots.values())
 
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -161,7 +167,13 @@ class Session:
             root.trial.tick(id(module))
             if root.trial.verdict is not None:
                 self._settle(root.trial)
-        return self._run(module, root, root.path or root.trial.current, args, kwargs)
+        elif root.confirm is not None:
+            root.confirm.tick(id(module))
+            if root.confirm.verdict is not None:
+                self._confirmed(root.confirm)
+        if root.path is None:
+            return self._run(module, root, root.trial.current, args, kwargs)
+        return self._run(module, root, root.confirm.current if root.confirm else root.path, args, kwargs)
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
         # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
@@ -232,6 +244,7 @@ class Session:
             if cached.detach:  # what the run that measured it learned the script does not read
                 root.fields.detach, root.fields.decided = cached.detach, True
             self._decide(root, cached)
+            self._confirm([root], cached)
             return root
         candidates, why = self._candidates(device, root.low)
         if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
@@ -271,16 +284,35 @@ class Session:
                 f"{name} GEMMs measured {gain:.1f}x FP32")
 
     def _settle(self, trial: Trial) -> None:
-        verdict = _agree(trial.verdict)
+        verdict = agreed(trial.verdict)
         self.unfinished.pop(trial, None)
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
         for root in members:
             self._decide(root, verdict)
         # one entry each: the fields a module's script leaves unread are its own
         self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
+        self._confirm(members, verdict)
+
+    def _confirm(self, members: list[_Root], verdict: Verdict) -> None:
+        """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one."""
+        if not members:
+            return
+        sync = torch.cuda.synchronize if members[0].device.type == "cuda" else (lambda: None)
+        trial = confirmation(verdict, self.trial_config, self.clock, sync)
+        for root in members:
+            root.confirm = trial
+
+    def _confirmed(self, trial: Trial) -> None:
+        """The re-measurement is in: its winner runs from now on, and the cache keeps the confirmed verdict."""
+        verdict = agreed(trial.verdict)
+        members = [r for r in self.roots.values() if r.confirm is trial]
+        for root in members:
+            root.confirm = None
+            self._decide(root, verdict)
+        self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
-        root.path, root.trial = verdict.path, None
+        root.path, root.trial, root.verdict = verdict.path, None, verdict
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
         if root.path is not Path.COMPILED:
             root.compiled = None
@@ -306,7 +338,7 @@ class Session:
             waiting = self.unfinished.get(root.trial, [])
             if root.label in waiting:
                 waiting.remove(root.label)
-        root.aside, root.path, root.trial = why, None, None
+        root.aside, root.path, root.trial, root.confirm = why, None, None, None
         self.recorder.add_choice(root.label, None, why)
         self.scaling_paused = False  # never bring scaling back on top of the script's own
         if user_precision and self.scaler is not None:
@@ -330,24 +362,11 @@ class Session:
     def _compile(self, module: nn.Module, root: _Root) -> Callable[..., Any]:
         spec = self.config.spec
         config = PrecisionConfig(dtype=root.low, spec=cost.spec_named(spec) if spec else cost.spec_for(root.device))
-        self.recorder.device = config.spec.name if root.device.type == "cuda" else f"cpu (planned for {config.spec.name})"
+        planned = config.spec.name
+        self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
         self.recorder.dtype = str(root.low).replace("torch.", "")
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
                                                                 label=root.label))
-
-
-def _agree(verdict: Verdict) -> Verdict:
-    """Under torch.distributed every rank runs rank 0's verdict: ranks timing slightly differently must not end up
-    running different paths (different graphs around DDP's all-reduce hooks)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return verdict
-    chosen = [verdict.path.value]
-    dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] == verdict.path.value:
-        return verdict
-    return Verdict(Path(chosen[0]), f"rank 0's verdict (all ranks run one path); this rank measured: "
-                                    f"{verdict.reason}", verdict.timings_ms)
 
 
 @torch._dynamo.disable
@@ -385,22 +404,6 @@ def _install_scaling(config: AutoMPConfig):
     from automp.scaling import autograd_hook
     from automp.scaling.loss_scale import LossScaler
     return autograd_hook.install(LossScaler.from_spec(config.loss_scale))
-
-
-def _set_capture_flags() -> dict[str, Any]:
-    """nn.TransformerEncoder's inference fast path is one opaque fused op the pass cannot see into: turn it off so
-    the layers are traced. RNNs run fused, see _rnn_call."""
-    saved: dict[str, Any] = {}
-    mha = getattr(torch.backends, "mha", None)
-    if mha is not None and hasattr(mha, "set_fastpath_enabled"):
-        saved["fastpath"] = mha.get_fastpath_enabled()
-        mha.set_fastpath_enabled(False)
-    return saved
-
-
-def _restore_capture_flags(saved: dict[str, Any]) -> None:
-    if "fastpath" in saved:
-        torch.backends.mha.set_fastpath_enabled(saved["fastpath"])
 
 
 def reconfigured(old: Session, config: AutoMPConfig) -> AutoMPConfig:

@@ -110,3 +110,19 @@ def low_dtype(dtype: str, device: torch.device | str | None) -> torch.dtype:
     if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
+
+
+def set_capture_flags() -> dict[str, Any]:
+    """nn.TransformerEncoder's inference fast path is one opaque fused op the pass cannot see into: turn it off so
+    the layers are traced. RNNs run fused, see automp.session._rnn_call."""
+    saved: dict[str, Any] = {}
+    mha = getattr(torch.backends, "mha", None)
+    if mha is not None and hasattr(mha, "set_fastpath_enabled"):
+        saved["fastpath"] = mha.get_fastpath_enabled()
+        mha.set_fastpath_enabled(False)
+    return saved
+
+
+def restore_capture_flags(saved: dict[str, Any]) -> None:
+    if "fastpath" in saved:
+        torch.backends.mha.set_fastpath_enabled(saved["fastpath"])
