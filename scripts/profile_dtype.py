@@ -41,6 +41,8 @@ def kernels(loop, steps):
         wall = (time.perf_counter() - t) / steps * 1e3
     per = Counter()
     for e in prof.key_averages():
+        if getattr(e, "is_user_annotation", False):  # a range (Optimizer.step#...) spans kernels counted already
+            continue
         cuda_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if cuda_us and e.device_type.name == "CUDA" or not CUDA and e.self_cpu_time_total and "aten::" in e.key:
             cuda_us = cuda_us or e.self_cpu_time_total
