@@ -14,16 +14,14 @@ torch.profiler: kernels whose count or time differ, and the host wall time per s
 import statistics
 import sys
 import tempfile
-from collections import Counter
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import automp
 from automp.bench.suites import zoo
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.scaling import overflow
-from profile_dtype import CUDA  # scripts/ is on sys.path when run as a script
+from profile_dtype import CUDA, kernels  # scripts/ is on sys.path when run as a script
 
 DEV = "cuda" if CUDA else "cpu"
 BLOCK = 10
@@ -63,23 +61,6 @@ def fp16(name, rounds=2):
         print(f"| {label} | {statistics.median(t):.2f} | {statistics.median(t) / ref:.3f} |", flush=True)
 
 
-def kernels(step, steps=3):
-    if CUDA:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        if CUDA:
-            torch.cuda.synchronize()
-    ms, count = Counter(), Counter()
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or 0
-        if us and e.device_type.name == "CUDA" and "#" not in e.key:  # kernels, not annotations
-            ms[e.key[:80]] += us / 1e3 / steps
-            count[e.key[:80]] += e.count / steps
-    return ms, count
-
-
 def eager(name, rounds=6):
     torch.manual_seed(0)
     hand = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, DEV), "autocast-bf16-eager", DEV)
@@ -94,7 +75,7 @@ def eager(name, rounds=6):
         for r in range(rounds):
             for k in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 times[k].append(block(sides[k]))
-        prof = {k: kernels(s) for k, s in sides.items()}
+        prof = {k: kernels(s, 3)[:2] for k, s in sides.items()}
     finally:
         report = automp.disable()
     print(f"{name}: " + ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in times.items())

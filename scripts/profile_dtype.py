@@ -30,26 +30,28 @@ def block(loop, steps):
     return block_ms(loop.step, steps, "cuda" if CUDA else "cpu")
 
 
-def kernels(loop, steps):
-    """{kernel name: total CUDA ms per step}, and host ms per step (the profiled wall time)."""
+def kernels(step, steps):
+    """Per step: {kernel: device ms}, {kernel: launches}, host wall ms, host syncs. On a CPU (tiny configs, a check
+    of the script) aten ops stand in for kernels. Profiler ranges (Optimizer.step#..., user annotations) are skipped:
+    their device time spans kernels counted already."""
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
-            loop.step()
+            step()
         sync()
         wall = (time.perf_counter() - t) / steps * 1e3
-    per = Counter()
+    ms, count = Counter(), Counter()
     for e in prof.key_averages():
-        if getattr(e, "is_user_annotation", False):  # a range (Optimizer.step#...) spans kernels counted already
+        if getattr(e, "is_user_annotation", False) or "#" in e.key:
             continue
-        cuda_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if cuda_us and e.device_type.name == "CUDA" or not CUDA and e.self_cpu_time_total and "aten::" in e.key:
-            cuda_us = cuda_us or e.self_cpu_time_total
-            per[e.key[:90]] += cuda_us / 1e3 / steps
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if CUDA and us and e.device_type.name == "CUDA" or not CUDA and e.self_cpu_time_total and "aten::" in e.key:
+            ms[e.key[:90]] += (us or e.self_cpu_time_total) / 1e3 / steps
+            count[e.key[:90]] += e.count / steps
     syncs = sum(e.count for e in prof.key_averages() if "Synchronize" in e.key or e.key == "aten::item"
                 or e.key == "aten::_local_scalar_dense")
-    return per, wall, syncs / steps
+    return ms, count, wall, syncs / steps
 
 
 def main(name, path):
@@ -62,7 +64,7 @@ def main(name, path):
         automp.enable(dtype=d, path=path)
         block(loop, BLOCK)  # compile, trial-free (forced path), warm-up
         times[d] = [block(loop, BLOCK) for _ in range(ROUNDS)]
-        per, wall, syncs = kernels(loop, PROFILED)
+        per, _, wall, syncs = kernels(loop.step, PROFILED)
         report = automp.disable()
         fused = [(type(o).__name__, [g.get("fused") for g in o.param_groups]) for o in loop.work.optimizers.values()]
         print(f"{d}: optimizers {fused}; automp switched {report.get('optimizers')}; "
