@@ -412,3 +412,53 @@ def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(m
     (choice,) = report["choices"]
     assert choice["path"] == Path.EAGER_LOW.value and not choice["confirmed"]
     assert choice["reason"].endswith("not re-measured in steady state: the script ended first")
+
+
+def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fresh_session, tmp_path):
+    """Two roots that shared a trial share its re-measurement, and so do their cached verdicts in the next run:
+    every iteration runs one path for both, so each timed interval measures one path."""
+    from automp.choose import Path, TrialConfig
+    from automp.config import AutoMPConfig
+    from automp.session import Session
+
+    cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020}
+    steady = {Path.FP32: 0.010, Path.EAGER_LOW: 0.020}  # FP32 is faster once warm
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cold), "test"))
+
+    def run(n: int):
+        now = [0.0]
+        session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
+                          trial_config=TrialConfig(confirm_within=0.6), clock=lambda: now[0])
+        session.install()
+        torch.manual_seed(0)
+        g, d = nn.Linear(8, 16), nn.Linear(16, 1)
+        calls = []  # the path each call of this iteration ran on
+        real_run = session._run
+        monkeypatch.setattr(session, "_run", lambda module, root, path, a, k: calls.append(path) or real_run(
+            module, root, path, a, k))
+        iterations = []
+        try:
+            for _ in range(n):
+                calls.clear()
+                fake = g(torch.randn(4, 8))  # the DCGAN pattern: D on the detached fake, then on the fake
+                out = d(fake.detach()).sum() + d(fake).sum()
+                iterations.append(set(calls))
+                now[0] += (steady if session.roots[g].path is not None else cold)[calls[0]]
+                out.backward()
+        finally:
+            report = session.uninstall()
+        assert all(len(paths) == 1 for paths in iterations)  # one path per iteration, through every switch
+        return iterations, report
+
+    iterations, report = run(120)
+    assert {Path.FP32} in iterations and {Path.EAGER_LOW} in iterations
+    assert [c["path"] for c in report["choices"]] == [Path.FP32.value] * 2
+    assert all(c["confirmed"] and "re-measured in steady state" in c["reason"] for c in report["choices"])
+    # a run that ends after its trial but before the re-measurement caches unconfirmed verdicts ...
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "second"))
+    _, report = run(25)
+    assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Path.EAGER_LOW.value, False)] * 2
+    # ... which the next run re-measures, both modules in one re-measurement
+    iterations, report = run(80)
+    assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Path.FP32.value, True)] * 2
+    assert iterations[0] == {Path.EAGER_LOW} and iterations[-1] == {Path.FP32}

@@ -97,7 +97,7 @@ class Trial:
 
     def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
                  sync: Callable[[], None], note: str = "", incumbent: Path | None = None,
-                 warmup: Mapping[Path, int] | None = None):
+                 warmup: Mapping[Path, int] | None = None, clock_member: int | None = None):
         if not candidates:
             raise ValueError("a trial needs at least one candidate path")
         self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
@@ -111,7 +111,7 @@ class Trial:
         self._queue: list[tuple[Path, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
                                                      if warmup.get(c, 1) > 0]
         self._rounds = 0
-        self._clock_member: int | None = None
+        self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
         self._start: float | None = None  # when the queue head's interval began
         self._done = 0  # iterations of the queue head finished
@@ -201,7 +201,7 @@ class Trial:
 
 
 def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], float], sync: Callable[[], None],
-                 ) -> Trial | None:
+                 after: Trial | None = None) -> Trial | None:
     """A second, shorter trial that re-measures a verdict once the script runs in steady state, or None when there
     is nothing to re-measure. The trial times every path in the script's first iterations, where allocator, cuDNN
     and data-loader warm-up land on whichever path runs then: on an H100 its Faster R-CNN trial put both eager paths
@@ -209,7 +209,9 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
     the winner runs `confirm_after` iterations, then is timed again against the eager paths (FP32 as written, low
     precision eager) that the trial measured within `confirm_within` of it: they need no compilation, so
     re-measuring costs a few iterations. The same margins apply, and another low-precision path must beat the
-    incumbent by more than the anchor margin: the incumbent's compiled graphs are already paid for."""
+    incumbent by more than the anchor margin: the incumbent's compiled graphs are already paid for. `after`: the
+    trial that gave the verdict; its timed module stays the timed one (a GAN's discriminator, called twice per
+    iteration, would otherwise split iterations in two)."""
     if verdict.path is Path.FP32 or verdict.confirmed or config.confirm_after <= 0:
         return None
     own = verdict.timings_ms.get(verdict.path.value)
@@ -223,7 +225,8 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
     note = (f"re-measured in steady state after {config.confirm_after} iterations on {verdict.path.value} (the "
             f"trial had measured {before})")
     return Trial([verdict.path, *rivals], config, clock, sync, note=note, incumbent=verdict.path,
-                 warmup={verdict.path: config.confirm_after, **{p: 1 for p in rivals}})
+                 warmup={verdict.path: config.confirm_after, **{p: 1 for p in rivals}},
+                 clock_member=after._clock_member if after is not None else None)
 
 
 def agreed(verdict: Verdict) -> Verdict:

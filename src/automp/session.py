@@ -65,6 +65,7 @@ class Session:
     scaler: Any = None
     roots: "weakref.WeakKeyDictionary[nn.Module, _Root]" = field(default_factory=weakref.WeakKeyDictionary)
     trial: Trial | None = None  # the trial new roots join while it runs
+    confirming: Trial | None = None  # the latest re-measurement (choose.confirmation), for roots to join
     saved_flags: dict[str, Any] = field(default_factory=dict)
     breaks_before: dict[str, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
@@ -244,7 +245,7 @@ class Session:
             if cached.detach:  # what the run that measured it learned the script does not read
                 root.fields.detach, root.fields.decided = cached.detach, True
             self._decide(root, cached)
-            self._confirm([root], cached)
+            self._confirm([root], cached, None)
             return root
         candidates, why = self._candidates(device, root.low)
         if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
@@ -291,14 +292,22 @@ class Session:
             self._decide(root, verdict)
         # one entry each: the fields a module's script leaves unread are its own
         self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
-        self._confirm(members, verdict)
+        self._confirm(members, verdict, trial)
 
-    def _confirm(self, members: list[_Root], verdict: Verdict) -> None:
-        """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one."""
+    def _confirm(self, members: list[_Root], verdict: Verdict, after: Trial | None) -> None:
+        """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one. Modules whose
+        cached verdicts arrive together (a GAN's, settled by one trial in an earlier run) join one re-measurement
+        while it has timed nothing yet, as new modules join one trial: every iteration then runs one path."""
         if not members:
             return
         sync = torch.cuda.synchronize if members[0].device.type == "cuda" else (lambda: None)
-        trial = confirmation(verdict, self.trial_config, self.clock, sync)
+        trial = confirmation(verdict, self.trial_config, self.clock, sync, after)
+        pending = self.confirming
+        if (trial is not None and after is None and pending is not None and pending.verdict is None
+                and pending.candidates == trial.candidates and not any(pending.samples.values())):
+            trial = pending
+        if trial is not None:
+            self.confirming = trial
         for root in members:
             root.confirm = trial
 
