@@ -61,7 +61,7 @@ class TrialConfig:
     switch_after: int = 4  # another module called this often between two calls of the timed one: time that one
     anchor_margin: float = 0.03  # automp-compiled must beat autocast-compiled by more than this to be kept
     fp32_margin: float = 0.03  # any other path must beat FP32 eager (the script as written) by more than this
-    confirm_after: int = 20
+    confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
     confirm_within: float = 0.25
 
 

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("demo", help="train built-in models FP32 vs automp side by side")
-    p.add_argument("--steps", type=_positive_int, default=60, help="training steps per model (>= 1)")
+    p.add_argument("--steps", type=_positive_int, default=80,
+                   help="training steps per model (>= 1); automp times its paths in the first 20-75")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"])
     p.add_argument("--report", default="automp-demo-report.json")

@@ -158,7 +158,7 @@ def print_results(results: list[RunResult], device: torch.device) -> None:
     Console().print(t)
 
 
-def main(steps: int = 60, device: str | None = None, dtype: str = "auto",
+def main(steps: int = 80, device: str | None = None, dtype: str = "auto",
          report: str | None = "automp-demo-report.json") -> int:
     """Entry point of `automp demo`. The report JSON also carries the demo's results under "demo"."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
