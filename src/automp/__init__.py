@@ -81,7 +81,8 @@ def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", 
     """One model through automp's compiled pass, for those who prefer a line of code to `automp run` (no trial:
     asking for compile is asking for this path). Loss scaling, when fp16 asks for it, hooks autograd globally."""
     from automp.graph.capture import low_dtype
-    from automp.session import _device_of, _install_scaling
+    from automp.scaling import install_for
+    from automp.session import _device_of
     config = AutoMPConfig(dtype, loss_scale, None, inner, spec, "compile")
     device = _device_of(model)
     pconfig = PrecisionConfig(dtype=low_dtype(dtype, device),
@@ -89,7 +90,7 @@ def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", 
     backend = make_backend(pconfig, report, inner=inner, label=type(model).__name__)
     from automp.scaling import autograd_hook
     if autograd_hook.current() is None:  # a second compile() shares the one scaler (it is global anyway)
-        _install_scaling(config)
+        install_for(config)
     return torch.compile(model, backend=backend)
 
 

@@ -30,6 +30,7 @@ from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder
+from automp.scaling import install_for
 from automp.unread_outputs import FieldReads, FieldWatch
 
 ORIG_CALL = compiled_paths.ORIG_CALL
@@ -85,7 +86,7 @@ class Session:
         if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
             self.fuser = OptimizerFuser(self._fused)
             self.fuser.install()
-        self.scaler = _install_scaling(self.config)
+        self.scaler = install_for(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
         self.saved_flags = set_capture_flags()
         self.breaks_before = graph_breaks()
@@ -249,7 +250,7 @@ class Session:
             return root
         candidates, why = self._candidates(device, root.low)
         if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
-            self.scaler, self.scaling_paused = _install_scaling(self.config), False
+            self.scaler, self.scaling_paused = install_for(self.config), False
         if len(candidates) == 1:
             verdict = Verdict(candidates[0], why, {})
             self._decide(root, verdict)
@@ -402,17 +403,6 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _install_scaling(config: AutoMPConfig):
-    """fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not."""
-    wants = config.wants_fp16 or (config.dtype == "auto" and torch.cuda.is_available()
-                                  and not torch.cuda.is_bf16_supported())
-    if not wants or config.loss_scale in ("off", None, 0):
-        return None
-    from automp.scaling import autograd_hook
-    from automp.scaling.loss_scale import LossScaler
-    return autograd_hook.install(LossScaler.from_spec(config.loss_scale))
 
 
 def reconfigured(old: Session, config: AutoMPConfig) -> AutoMPConfig:
