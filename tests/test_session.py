@@ -462,3 +462,54 @@ def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fre
     iterations, report = run(80)
     assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Path.FP32.value, True)] * 2
     assert iterations[0] == {Path.EAGER_LOW} and iterations[-1] == {Path.FP32}
+
+
+def _ranks_worker(rank: int, port: int, out: str) -> None:
+    import os
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from automp.choose import Path
+    from automp.config import AutoMPConfig
+    from automp.session import Session
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOMP_CACHE_DIR=os.path.join(out, str(rank)))
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    # rank 1 measures FP32 5x slower: alone, its trial would drop FP32 after one round and end earlier than rank 0's
+    cost = {Path.FP32: 0.024 if rank == 0 else 0.100, Path.EAGER_LOW: 0.020}
+    Session._candidates = lambda self, device, low: (list(cost), "test")  # a spawned process: nothing to restore
+    now, ran = [0.0], []
+    session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), clock=lambda: now[0])
+    real_run = session._run
+    session._run = lambda module, root, path, a, k: ran.append(path.value) or real_run(module, root, path, a, k)
+    session.install()
+    try:
+        net, x = nn.Linear(8, 4), torch.randn(4, 8)
+        for _ in range(80):
+            net(x).sum().backward()
+            now[0] += cost[Path(ran[-1])]
+            dist.all_reduce(torch.ones(1))  # what DDP's gradient all-reduce does at every iteration
+        report = session.uninstall()
+        torch.save({"ran": ran, "choices": report["choices"]}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path):
+    """Under torch.distributed the trial and its re-measurement end at the same iteration on every rank (rank 0's
+    verdict is broadcast there), so no rank meets that broadcast with its gradient all-reduce."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ranks_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert r0["ran"] == r1["ran"]
+    assert r0["ran"][-1] == r1["ran"][-1] == "low-precision-eager"
+    (c0,), (c1,) = r0["choices"], r1["choices"]
+    assert c0["confirmed"] and c1["confirmed"]  # rank 0's timings started the re-measurement on both

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -72,7 +73,7 @@ class Verdict:
     timings_ms: dict[str, float]
     cached: bool = False
     detach: tuple[str, ...] = ()  # output fields detached when it ran (automp.unread_outputs): cached, not reported
-    confirmed: bool = False  # re-measured in steady state (or nothing left to re-measure it against)
+    confirmed: bool = False  # re-measured in steady state (choose.confirmation)
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
@@ -229,20 +230,36 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
                  clock_member=after._clock_member if after is not None else None)
 
 
-def agreed(verdict: Verdict) -> Verdict:
-    """Under torch.distributed every rank runs rank 0's verdict: ranks timing slightly differently must not end up
-    running different paths (different graphs around DDP's all-reduce hooks)."""
+def distributed() -> bool:
     import torch
 
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def for_ranks(config: TrialConfig) -> TrialConfig:
+    """The trial's settings under torch.distributed: no candidate is dropped early. Rank 0's verdict is broadcast at
+    the iteration the trial ends (`agreed`), so every rank must end it at the same iteration; a drop depends on a
+    rank's own timings, and a rank whose trial ran longer would meet that broadcast with its gradient all-reduce."""
+    if not distributed():
+        return config
+    return replace(config, give_up=math.inf, give_up_first=math.inf)
+
+
+def agreed(verdict: Verdict) -> Verdict:
+    """Under torch.distributed every rank runs rank 0's verdict: ranks timing slightly differently must not end up
+    running different paths (different graphs around DDP's all-reduce hooks). Rank 0's timings come with it, so the
+    re-measurement that follows (`confirmation`) is started, or not, on every rank alike."""
+    import torch
+
+    if not distributed():
         return verdict
-    chosen = [verdict.path.value]
-    dist.broadcast_object_list(chosen, src=0)
+    chosen = [verdict.path.value, verdict.timings_ms]
+    torch.distributed.broadcast_object_list(chosen, src=0)
     if chosen[0] == verdict.path.value:
-        return verdict
-    return replace(verdict, path=Path(chosen[0]), reason=f"rank 0's verdict (all ranks run one path); this rank "
-                                                          f"measured: {verdict.reason}")
+        return replace(verdict, timings_ms=chosen[1])
+    return replace(verdict, path=Path(chosen[0]), timings_ms=chosen[1],
+                   reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")
 
 
 class VerdictCache:

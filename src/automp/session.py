@@ -20,7 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import compiled_paths
 from automp.autocast_cache import SharedCasts
-from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, module_key
+from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, distributed,
+                           for_ranks, module_key)
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
@@ -258,7 +259,7 @@ class Session:
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            self.trial = Trial(candidates, self.trial_config, self.clock, sync, note=why)
+            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync, note=why)
             self.unfinished[self.trial] = []
         root.trial = self.trial
         self.unfinished[self.trial].append(root.label)
@@ -299,10 +300,10 @@ class Session:
         """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one. Modules whose
         cached verdicts arrive together (a GAN's, settled by one trial in an earlier run) join one re-measurement
         while it has timed nothing yet, as new modules join one trial: every iteration then runs one path."""
-        if not members:
-            return
+        if not members or (after is None and distributed()):
+            return  # a cached verdict: ranks may hold different caches, and a re-measurement ends in a broadcast
         sync = torch.cuda.synchronize if members[0].device.type == "cuda" else (lambda: None)
-        trial = confirmation(verdict, self.trial_config, self.clock, sync, after)
+        trial = confirmation(verdict, for_ranks(self.trial_config), self.clock, sync, after)
         pending = self.confirming
         if (trial is not None and after is None and pending is not None and pending.verdict is None
                 and pending.candidates == trial.candidates and not any(pending.samples.values())):
