@@ -482,25 +482,33 @@ def _ranks_worker(rank: int, port: int, out: str) -> None:
     cost = {Path.FP32: 0.024 if rank == 0 else 0.100, Path.EAGER_LOW: 0.020}
     Session._candidates = lambda self, device, low: (list(cost), "test")  # a spawned process: nothing to restore
     now, ran = [0.0], []
-    session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), clock=lambda: now[0])
-    real_run = session._run
-    session._run = lambda module, root, path, a, k: ran.append(path.value) or real_run(module, root, path, a, k)
-    session.install()
-    try:
-        net, x = nn.Linear(8, 4), torch.randn(4, 8)
-        for _ in range(80):
+    net, x = nn.Linear(8, 4), torch.randn(4, 8)
+
+    def run(iterations: int) -> dict:
+        ran.clear()
+        session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), clock=lambda: now[0])
+        real_run = session._run
+        session._run = lambda module, root, path, a, k: ran.append(path.value) or real_run(module, root, path, a, k)
+        session.install()
+        for _ in range(iterations):
             net(x).sum().backward()
             now[0] += cost[Path(ran[-1])]
             dist.all_reduce(torch.ones(1))  # what DDP's gradient all-reduce does at every iteration
-        report = session.uninstall()
-        torch.save({"ran": ran, "choices": report["choices"]}, os.path.join(out, f"{rank}.pt"))
+        return {"ran": list(ran), "choices": session.uninstall()["choices"]}
+
+    try:
+        first = run(80)
+        if rank == 1:  # another node, another cache: rank 1 has no verdict, rank 0 has a confirmed one
+            os.environ["AUTOMP_CACHE_DIR"] = os.path.join(out, "empty")
+        torch.save({"first": first, "second": run(30)}, os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path):
     """Under torch.distributed the trial and its re-measurement end at the same iteration on every rank (rank 0's
-    verdict is broadcast there), so no rank meets that broadcast with its gradient all-reduce."""
+    verdict is broadcast there), so no rank meets that broadcast with its gradient all-reduce; and a rank without a
+    cached verdict starts from rank 0's rather than a trial only it runs."""
     import socket
 
     import torch.multiprocessing as mp
@@ -509,7 +517,10 @@ def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_ranks_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert r0["ran"] == r1["ran"]
-    assert r0["ran"][-1] == r1["ran"][-1] == "low-precision-eager"
-    (c0,), (c1,) = r0["choices"], r1["choices"]
+    assert r0["first"]["ran"] == r1["first"]["ran"]
+    assert r0["first"]["ran"][-1] == "low-precision-eager"
+    (c0,), (c1,) = r0["first"]["choices"], r1["first"]["choices"]
     assert c0["confirmed"] and c1["confirmed"]  # rank 0's timings started the re-measurement on both
+    # the next run: rank 1 finds no verdict in its cache and starts from rank 0's instead of a trial of its own
+    assert r0["second"]["ran"] == r1["second"]["ran"] == ["low-precision-eager"] * 30
+    assert [c["cached"] for c in r1["second"]["choices"]] == [True]

@@ -246,6 +246,20 @@ def for_ranks(config: TrialConfig) -> TrialConfig:
     return replace(config, give_up=math.inf, give_up_first=math.inf)
 
 
+def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
+                ) -> tuple[Verdict | None, list[Path], str]:
+    """Under torch.distributed every rank starts a new module as rank 0 does: from rank 0's cached verdict, or with
+    rank 0's candidates for a trial. Ranks may hold different verdict caches (one per node) and measure their
+    devices slightly apart; a rank that ran a trial the others skipped would wait at its verdict's broadcast."""
+    import torch
+
+    if not distributed():
+        return cached, candidates, why
+    box = [cached, [p.value for p in candidates], why]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0], [Path(v) for v in box[1]], box[2]
+
+
 def agreed(verdict: Verdict) -> Verdict:
     """Under torch.distributed every rank runs rank 0's verdict: ranks timing slightly differently must not end up
     running different paths (different graphs around DDP's all-reduce hooks). Rank 0's timings come with it, so the

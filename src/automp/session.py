@@ -20,8 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import compiled_paths
 from automp.autocast_cache import SharedCasts
-from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, distributed,
-                           for_ranks, module_key)
+from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, for_ranks,
+                           module_key, rank0_start)
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
@@ -243,13 +243,14 @@ class Session:
             self._decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
             return root
         cached = self.cache.get(root.key)
+        candidates, why = ([], "") if cached is not None else self._candidates(device, root.low)
+        cached, candidates, why = rank0_start(cached, candidates, why)
         if cached is not None:
             if cached.detach:  # what the run that measured it learned the script does not read
                 root.fields.detach, root.fields.decided = cached.detach, True
             self._decide(root, cached)
             self._confirm([root], cached, None)
             return root
-        candidates, why = self._candidates(device, root.low)
         if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
             self.scaler, self.scaling_paused = install_for(self.config), False
         if len(candidates) == 1:
@@ -300,8 +301,8 @@ class Session:
         """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one. Modules whose
         cached verdicts arrive together (a GAN's, settled by one trial in an earlier run) join one re-measurement
         while it has timed nothing yet, as new modules join one trial: every iteration then runs one path."""
-        if not members or (after is None and distributed()):
-            return  # a cached verdict: ranks may hold different caches, and a re-measurement ends in a broadcast
+        if not members:
+            return
         sync = torch.cuda.synchronize if members[0].device.type == "cuda" else (lambda: None)
         trial = confirmation(verdict, for_ranks(self.trial_config), self.clock, sync, after)
         pending = self.confirming
