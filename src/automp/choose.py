@@ -248,8 +248,8 @@ def for_ranks(config: TrialConfig) -> TrialConfig:
 
 def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
                 ) -> tuple[Verdict | None, list[Path], str]:
-    """Under torch.distributed every rank starts a new module as rank 0 does: from rank 0's cached verdict, or with
-    rank 0's candidates for a trial. Ranks may hold different verdict caches (one per node) and measure their
+    """Under torch.distributed every rank starts a new module it calls in lockstep (a DDP module) as rank 0 does:
+    from rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one per node) and measure their
     devices slightly apart; a rank that ran a trial the others skipped would wait at its verdict's broadcast."""
     import torch
 
@@ -261,8 +261,8 @@ def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
 
 
 def agreed(verdict: Verdict) -> Verdict:
-    """Under torch.distributed every rank runs rank 0's verdict: ranks timing slightly differently must not end up
-    running different paths (different graphs around DDP's all-reduce hooks). Rank 0's timings come with it, so the
+    """Under torch.distributed every rank runs rank 0's verdict for a module it calls in lockstep (a DDP module):
+    ranks timing slightly differently must not end up running different paths (different graphs around DDP's all-reduce hooks). Rank 0's timings come with it, so the
     re-measurement that follows (`confirmation`) is started, or not, on every rank alike."""
     import torch
 

@@ -20,8 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import compiled_paths
 from automp.autocast_cache import SharedCasts
-from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, for_ranks,
-                           module_key, rank0_start)
+from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, distributed,
+                           for_ranks, module_key, rank0_start)
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
@@ -35,6 +35,9 @@ from automp.scaling import install_for
 from automp.unread_outputs import FieldReads, FieldWatch
 
 ORIG_CALL = compiled_paths.ORIG_CALL
+# Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
+# called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
+_LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
 _local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
 # A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
 MIN_GAIN = 1.2
@@ -56,6 +59,7 @@ class _Root:
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
     params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
+    lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (choose.agreed)
 
 
 @dataclass
@@ -244,7 +248,9 @@ class Session:
             return root
         cached = self.cache.get(root.key)
         candidates, why = ([], "") if cached is not None else self._candidates(device, root.low)
-        cached, candidates, why = rank0_start(cached, candidates, why)
+        root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
+        if root.lockstep:
+            cached, candidates, why = rank0_start(cached, candidates, why)
         if cached is not None:
             if cached.detach:  # what the run that measured it learned the script does not read
                 root.fields.detach, root.fields.decided = cached.detach, True
@@ -288,9 +294,9 @@ class Session:
                 f"{name} GEMMs measured {gain:.1f}x FP32")
 
     def _settle(self, trial: Trial) -> None:
-        verdict = agreed(trial.verdict)
         self.unfinished.pop(trial, None)
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
+        verdict = agreed(trial.verdict) if any(r.lockstep for r in members) else trial.verdict
         for root in members:
             self._decide(root, verdict)
         # one entry each: the fields a module's script leaves unread are its own
@@ -316,8 +322,8 @@ class Session:
 
     def _confirmed(self, trial: Trial) -> None:
         """The re-measurement is in: its winner runs from now on, and the cache keeps the confirmed verdict."""
-        verdict = agreed(trial.verdict)
         members = [r for r in self.roots.values() if r.confirm is trial]
+        verdict = agreed(trial.verdict) if any(r.lockstep for r in members) else trial.verdict
         for root in members:
             root.confirm = None
             self._decide(root, verdict)
