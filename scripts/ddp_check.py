@@ -24,7 +24,9 @@ def main() -> None:
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512)).to(dev)
-    automp.enable(dtype="fp16", loss_scale="dynamic", inner="inductor" if cuda else "eager")
+    # on a CPU the trial keeps FP32 (and then takes loss scaling off): force low precision to check the scaling
+    automp.enable(dtype="fp16", loss_scale="dynamic", inner="inductor" if cuda else "eager",
+                  path="auto" if cuda else "eager")
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     scales, skipped, losses = [], [], []
