@@ -533,3 +533,12 @@ def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path):
     # the next run: rank 1 finds no verdict in its cache and starts from rank 0's instead of a trial of its own
     assert r0["second"]["ran"][:30] == r1["second"]["ran"] == ["low-precision-eager"] * 30
     assert [c["cached"] for c in r1["second"]["choices"]] == [True]
+
+
+@pytest.mark.parametrize("dtype, name", [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_the_report_names_the_runs_dtype_when_no_graph_compiles(dtype, name, fresh_session):
+    net = nn.Linear(8, 4)
+    automp.enable(dtype=dtype, path="eager", loss_scale="off")
+    net(torch.randn(2, 8)).sum().backward()
+    rep = automp.disable()
+    assert rep["graphs"] == [] and rep["dtype"] == name and rep["device"] == "cpu"

@@ -30,7 +30,7 @@ from automp.graph.capture import low_dtype, make_backend, restore_capture_flags,
 from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
-from automp.precision.report import Recorder
+from automp.precision.report import Recorder, dtype_name
 from automp.scaling import install_for
 from automp.unread_outputs import FieldReads, FieldWatch
 
@@ -239,6 +239,9 @@ class Session:
             root.aside = f"its parameters are already {floats[0]}: the model runs in the precision it was given"
             self.recorder.add_choice(root.label, None, root.aside)
             return root
+        # the report's header: this run's dtype and device, whichever path runs (not only once a graph compiles)
+        self.recorder.dtype = dtype_name(root.low)
+        self.recorder.device = self._spec(device).name if device.type == "cuda" else "cpu"
         spec = self.config.spec or ("h100" if device.type == "cuda" else "cpu")
         root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}",
                               extra=f"{self.config.inner}:{spec}")
@@ -377,12 +380,13 @@ class Session:
         if self.undo_once_logging is None:
             self.undo_once_logging = ignore_once_logging()
 
+    def _spec(self, device: torch.device) -> cost.DeviceSpec:
+        return cost.spec_named(self.config.spec) if self.config.spec else cost.spec_for(device)
+
     def _compile(self, module: nn.Module, root: _Root) -> Callable[..., Any]:
-        spec = self.config.spec
-        config = PrecisionConfig(dtype=root.low, spec=cost.spec_named(spec) if spec else cost.spec_for(root.device))
+        config = PrecisionConfig(dtype=root.low, spec=self._spec(root.device))
         planned = config.spec.name
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
-        self.recorder.dtype = str(root.low).replace("torch.", "")
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
                                                                 label=root.label))
 
