@@ -542,3 +542,40 @@ def test_the_report_names_the_runs_dtype_when_no_graph_compiles(dtype, name, fre
     net(torch.randn(2, 8)).sum().backward()
     rep = automp.disable()
     assert rep["graphs"] == [] and rep["dtype"] == name and rep["device"] == "cpu"
+
+
+class _Checkpointed(nn.Module):
+    """Two blocks under activation checkpointing: their forward runs again inside the backward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recompute_is_not_the_scripts_autocast(reentrant, fresh_session):
+    """The recompute runs the blocks again during the backward, under the autocast state the forward had (automp's
+    own): it must not register them as modules the script runs under its own autocast, which would also take
+    automp's fp16 loss scaling off."""
+    torch.manual_seed(0)
+    net, x = _Checkpointed(reentrant), torch.randn(8, 16, requires_grad=True)
+    ref = _Checkpointed(reentrant)
+    ref.load_state_dict(net.state_dict())
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref(x).float().pow(2).mean().backward()
+    automp.enable(dtype="fp16", path="eager", loss_scale="dynamic")
+    for _ in range(2):
+        net.zero_grad()
+        net(x).pow(2).mean().backward()
+        assert autograd_hook.current() is not None  # loss scaling still on
+    rep = automp.disable()
+    assert [c["module"] for c in rep["choices"]] == ["_Checkpointed"]
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert (p.grad - q.grad).norm() / q.grad.norm() < 1e-2  # fp16 autocast's own gradient, unscaled

@@ -98,8 +98,11 @@ class Session:
         session = self
 
         def patched_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            # a submodule of a root being run, or a call Dynamo traces: as written, without entering the session
-            if getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling():
+            # as written, without entering the session: a submodule of a root being run; a call Dynamo traces; a
+            # call from inside the backward, i.e. activation checkpointing recomputing a forward, which restores the
+            # forward's autocast state itself and must not be taken for the script's own autocast region
+            if (getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling()
+                    or torch._C._current_autograd_node() is not None):
                 return ORIG_CALL(module, *args, **kwargs)
             return session.call(module, args, kwargs)
 
