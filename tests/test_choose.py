@@ -310,3 +310,23 @@ def test_every_rank_runs_rank_0s_verdict(tmp_path):
     assert r0["path"] == r1["path"] == Path.COMPILED.value
     assert r0["reason"] == "rank 0 measured" and r1["reason"].startswith("rank 0's verdict")
     assert "rank 1 measured" in r1["reason"] and r1["confirmed"]
+
+
+def test_a_trial_goes_on_without_the_paths_it_excludes():
+    cost = {Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010, Path.FP32: 0.030}
+    clock = FakeClock(cost)
+    trial = Trial(list(cost), TrialConfig(give_up=10.0), clock, lambda: None)
+    while trial.current is not Path.COMPILED:  # into the compiled path's warm-up
+        clock.run(trial)
+    clock.run(trial)
+    trial.exclude({Path.COMPILED, Path.COMPILED_AUTOCAST}, "test: no compile")
+    assert trial.current is not Path.COMPILED and Path.COMPILED not in trial.alive
+    ran = []
+    while trial.verdict is None and len(ran) < 100:
+        ran.append(trial.current)
+        clock.run(trial)
+    assert Path.COMPILED not in ran and trial.verdict.path is Path.EAGER_LOW
+    assert Path.COMPILED.value not in trial.verdict.timings_ms and "test: no compile" in trial.verdict.reason
+    assert trial.verdict.timings_ms[Path.EAGER_LOW.value] == pytest.approx(20.0)  # no interval spans the switch
+    with pytest.raises(ValueError, match="all of its candidates"):
+        Trial([Path.COMPILED], TrialConfig(), clock, lambda: None).exclude({Path.COMPILED}, "x")

@@ -153,6 +153,23 @@ class Trial:
             self._refill()
         self._start = self.clock()  # bookkeeping above is not charged to the next candidate
 
+    def exclude(self, paths: frozenset[Path] | set[Path], why: str) -> None:
+        """Take `paths` out of the running trial (a member cannot run them, see automp.input_grads); a sample of one
+        of them in progress is dropped. The other candidates go on as if those had never been in it."""
+        if self.verdict is not None or not any(p in self.alive for p in paths):
+            return
+        if len([p for p in self.alive if p not in paths]) == 0:
+            raise ValueError(f"a trial cannot exclude all of its candidates {[p.value for p in self.alive]}")
+        if self._queue and self._queue[0][0] in paths:
+            self._start, self._done = None, 0  # the interval restarts at the next call, on a path that stays
+        self.alive = [p for p in self.alive if p not in paths]
+        self._queue = [q for q in self._queue if q[0] not in paths]
+        for p in paths:
+            self.samples.pop(p, None)
+        self.note = f"{self.note}; {why}" if self.note else why
+        if not self._queue:
+            self._refill()
+
     def _refill(self) -> None:
         """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
         if self._queue:
@@ -199,6 +216,24 @@ class Trial:
         """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
         ms = timings.get(kept.value)
         return kept in self.alive and ms is not None and ms <= (1 + margin) * timings[winner.value]
+
+
+# A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
+MIN_GAIN = 1.2
+
+
+def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Path], str]:
+    """Which paths can win on a device whose `dtype` GEMMs run `gain` times FP32's rate, and why. A device where low
+    precision is not clearly faster gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
+    compiled graphs can save, so only the eager paths are timed."""
+    if gain < MIN_GAIN:
+        return [Path.FP32], (f"{dtype} GEMMs measured {gain:.2f}x FP32's rate on this {device_type}: low precision "
+                             f"does not pay here, kept FP32")
+    if device_type != "cuda":
+        return [Path.FP32, Path.EAGER_LOW], (f"{dtype} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled graphs "
+                                             f"not tried on a CPU (compile time)")
+    every = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32]
+    return every, f"{dtype} GEMMs measured {gain:.1f}x FP32"
 
 
 def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], float], sync: Callable[[], None],
@@ -248,9 +283,10 @@ def for_ranks(config: TrialConfig) -> TrialConfig:
 
 def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
                 ) -> tuple[Verdict | None, list[Path], str]:
-    """Under torch.distributed every rank starts a new module it calls in lockstep (a DDP module) as rank 0 does:
-    from rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one per node) and measure their
-    devices slightly apart; a rank that ran a trial the others skipped would wait at its verdict's broadcast."""
+    """Under torch.distributed every rank starts a new module it calls in lockstep (a DDP module) as rank 0 does: from
+    rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one
+    per node) and measure their devices slightly apart; a rank that ran a trial the others skipped would wait at its
+    verdict's broadcast."""
     import torch
 
     if not distributed():
@@ -261,9 +297,10 @@ def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
 
 
 def agreed(verdict: Verdict) -> Verdict:
-    """Under torch.distributed every rank runs rank 0's verdict for a module it calls in lockstep (a DDP module):
-    ranks timing slightly differently must not end up running different paths (different graphs around DDP's all-reduce hooks). Rank 0's timings come with it, so the
-    re-measurement that follows (`confirmation`) is started, or not, on every rank alike."""
+    """Under torch.distributed every rank runs rank 0's verdict for a module it calls in lockstep (a DDP module): ranks
+    timing slightly differently must not end up running different paths (different graphs around DDP's all-reduce
+    hooks). Rank 0's timings come with it, so the re-measurement that follows (`confirmation`) is started, or not,
+    on every rank alike."""
     import torch
 
     if not distributed():

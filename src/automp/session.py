@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from automp import compiled_paths
+from automp import compiled_paths, input_grads
 from automp.autocast_cache import SharedCasts
-from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, confirmation, distributed,
-                           for_ranks, module_key, rank0_start)
+from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, candidate_paths, confirmation,
+                           distributed, for_ranks, module_key, rank0_start)
 from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
@@ -39,8 +39,6 @@ ORIG_CALL = compiled_paths.ORIG_CALL
 # called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
 _local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
-# A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
-MIN_GAIN = 1.2
 
 
 @dataclass
@@ -60,6 +58,7 @@ class _Root:
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
     params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
     lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (choose.agreed)
+    eager_only: bool = False  # the script takes gradients with respect to its input (automp.input_grads)
 
 
 @dataclass
@@ -173,6 +172,8 @@ class Session:
                                    "(and loss scaling) to the script", user_precision=True)
         if root.aside is not None:
             return self._run(module, root, Path.FP32, args, kwargs)  # as written, nested modules included
+        if not root.eager_only and input_grads.asks_input_grad(args, kwargs):
+            self._eager_only(root)
         if root.path is None:
             root.trial.tick(id(module))
             if root.trial.verdict is not None:
@@ -279,9 +280,7 @@ class Session:
         return root
 
     def _candidates(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
-        """Which paths can win here. A device whose low-precision GEMMs (measured once, cached) are not clearly
-        faster than FP32 gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
-        compiled graphs can save, so only the eager paths are timed."""
+        """Which paths can win here (choose.candidates), from the device's GEMM rates, measured once and cached."""
         from automp.precision import calibrate
         try:
             if device not in self.calibrations:  # once per session and device, not per module
@@ -289,15 +288,7 @@ class Session:
             gain = calibrate.low_precision_gain(self.calibrations[device], low)
         except (RuntimeError, ValueError) as e:
             return [Path.FP32], f"could not measure this device ({e}): kept FP32"
-        name = str(low).replace("torch.", "")
-        if gain < MIN_GAIN:
-            return [Path.FP32], (f"{name} GEMMs measured {gain:.2f}x FP32's rate on this {device.type}: low "
-                                 f"precision does not pay here, kept FP32")
-        if device.type != "cuda":
-            return [Path.FP32, Path.EAGER_LOW], (f"{name} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled "
-                                                 f"graphs not tried on a CPU (compile time)")
-        return ([Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32],
-                f"{name} GEMMs measured {gain:.1f}x FP32")
+        return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
 
     def _settle(self, trial: Trial) -> None:
         self.unfinished.pop(trial, None)
@@ -369,6 +360,28 @@ class Session:
             from automp.scaling import autograd_hook
             autograd_hook.uninstall()
             self.scaler = None
+
+    def _eager_only(self, root: _Root) -> None:
+        """Off the compiled paths for good (automp.input_grads): out of its trial, or onto a new trial of the eager
+        paths if a compiled one had won (or straight to low precision eager where the configuration forced one)."""
+        root.eager_only = True
+        self.recorder.add_fallback(root.label, input_grads.REASON)
+        if root.path is None:
+            root.trial.exclude(input_grads.COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
+            if root.trial.verdict is not None:
+                self._settle(root.trial)
+            return
+        if root.path not in input_grads.COMPILED_PATHS:
+            return
+        root.confirm = None
+        if self.config.forced_path is not None:
+            self._decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
+            return
+        sync = torch.cuda.synchronize if root.device.type == "cuda" else (lambda: None)
+        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, sync,
+                           note=input_grads.REASON)
+        root.path, root.compiled, root.stock = None, None, None
+        self.unfinished[root.trial] = [root.label]
 
     def _label(self, module: nn.Module) -> str:
         name = type(module).__name__

@@ -1,0 +1,33 @@
+"""Modules whose input gradient the script takes, maybe twice, stay off torch.compile.
+
+A gradient penalty (WGAN-GP), a physics-informed network or an input-saliency loss differentiates a module's output
+with respect to its input with `create_graph=True`, then backpropagates through that gradient. AOTAutograd's
+backward can be run only once: through a compiled module the script's own `torch.autograd.grad` call raises
+"torch.compile with aot_autograd does not currently support double backward", inside the script's backward, where
+automp can no longer switch paths. The sign is visible earlier, at the module's call: its input is a leaf tensor
+that requires grad (the script asked for gradients with respect to that input, not to parameters). Such a module
+runs only the eager paths; a plain GAN's discriminator, whose input is the generator's output (not a leaf), keeps
+every path. A parameter passed as an input does not count: its gradient is the usual one.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from automp.choose import Path
+
+COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST})
+REASON = ("called with an input that is a leaf tensor requiring grad (a gradient with respect to the input, as in "
+          "a gradient penalty or a physics-informed loss): torch.compile's backward cannot be differentiated again, "
+          "so it runs on the eager paths only")
+
+
+def asks_input_grad(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a call's top-level tensor arguments include a leaf that requires grad (parameters aside)."""
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and not isinstance(a, nn.Parameter):
+            return True
+    return False

@@ -1,0 +1,95 @@
+"""Modules whose input gradient the script differentiates again (WGAN-GP's gradient penalty) stay off the compiled
+paths: through a compiled module the script's own `torch.autograd.grad(..., create_graph=True)` would raise."""
+import pytest
+import torch
+import torch.nn as nn
+
+import automp
+from automp.choose import Path, TrialConfig
+from automp.config import AutoMPConfig
+from automp.input_grads import asks_input_grad
+from automp.session import Session
+
+
+def test_which_calls_ask_for_an_input_gradient():
+    x, w = torch.randn(2, 3), nn.Parameter(torch.randn(3))
+    assert asks_input_grad((x.requires_grad_(),), {})
+    assert asks_input_grad((), {"inputs": torch.randn(2, requires_grad=True)})
+    assert not asks_input_grad((torch.randn(2, 3),), {})
+    assert not asks_input_grad((torch.randn(2, 3, requires_grad=True) * 2,), {})  # not a leaf: a GAN's fake
+    assert not asks_input_grad((w,), {})  # a parameter's gradient is the usual one
+
+
+def _wgan_gp(iterations: int, penalty_from: int = 0):
+    """A WGAN-GP loop: the critic's gradient with respect to a mix of real and fake, then its norm's gradient."""
+    torch.manual_seed(0)
+    g, d = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12)), nn.Sequential(
+        nn.Linear(12, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    od, og = torch.optim.Adam(d.parameters(), lr=1e-4), torch.optim.Adam(g.parameters(), lr=1e-4)
+    for i in range(iterations):
+        real, z = torch.randn(16, 12), torch.randn(16, 8)
+        fake = g(z).detach()
+        loss_d = d(fake).mean() - d(real).mean()
+        if i >= penalty_from:
+            mix = (0.5 * real + 0.5 * fake).requires_grad_(True)
+            grad, = torch.autograd.grad(d(mix).sum(), mix, create_graph=True)
+            loss_d = loss_d + 10 * ((grad.norm(dim=1) - 1) ** 2).mean()
+        od.zero_grad()
+        loss_d.backward()
+        od.step()
+        og.zero_grad()
+        (-d(g(z)).mean()).backward()
+        og.step()
+    return loss_d.item()
+
+
+def test_a_gradient_penalty_takes_the_critic_off_the_compiled_paths(monkeypatch, fresh_session):
+    # automp's compiled graphs would win the trial on time, and would crash the penalty's double backward
+    cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010}
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
+    now = [0.0]
+    monkeypatch.setattr(Session, "__init__", _with_clock(Session.__init__, now))
+    automp.enable(dtype="bf16", inner="eager", spec="h100")
+    session = automp._session
+    real_run = session._run
+    monkeypatch.setattr(session, "_run", lambda m, r, p, a, k: now.__setitem__(0, now[0] + cost[p] / 4) or real_run(
+        m, r, p, a, k))
+    _wgan_gp(60)
+    rep = automp.disable()
+    assert {c["path"] for c in rep["choices"]} <= {Path.EAGER_LOW.value, Path.FP32.value}
+    assert all("automp-compiled" not in c["timings_ms"] for c in rep["choices"])
+    assert any("requiring grad" in f["reason"] for f in rep["fallbacks"])
+
+
+def _with_clock(init, now):
+    def patched(self, *args, **kwargs):
+        kwargs.setdefault("clock", lambda: now[0])
+        init(self, *args, **kwargs)
+    return patched
+
+
+@pytest.mark.parametrize("penalty_from", [0, 12])
+def test_a_forced_compiled_path_gives_way_when_the_penalty_starts(penalty_from, fresh_session):
+    automp.enable(dtype="bf16", inner="eager", path="compile")
+    _wgan_gp(16, penalty_from)
+    rep = automp.disable()
+    paths = {c["module"]: c["path"] for c in rep["choices"]}
+    assert paths == {"Sequential": Path.COMPILED.value, "Sequential#2": Path.EAGER_LOW.value}  # the critic moved
+
+
+def test_a_compiled_winner_gives_way_to_an_eager_trial_when_the_penalty_starts(monkeypatch, fresh_session):
+    cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010}
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
+    now = [0.0]
+    monkeypatch.setattr(Session, "__init__", _with_clock(Session.__init__, now))
+    automp.enable(dtype="bf16", inner="eager", spec="h100")
+    session = automp._session
+    session.trial_config = TrialConfig(confirm_after=0)
+    real_run = session._run
+    monkeypatch.setattr(session, "_run", lambda m, r, p, a, k: now.__setitem__(0, now[0] + cost[p] / 4) or real_run(
+        m, r, p, a, k))
+    _wgan_gp(70, penalty_from=40)  # the trial settles on the compiled path first, then the penalty starts
+    rep = automp.disable()
+    paths = {c["module"]: c["path"] for c in rep["choices"]}
+    assert paths["Sequential"] == Path.COMPILED.value  # the generator keeps its verdict
+    assert paths["Sequential#2"] == Path.EAGER_LOW.value
