@@ -93,3 +93,44 @@ def test_a_compiled_winner_gives_way_to_an_eager_trial_when_the_penalty_starts(m
     paths = {c["module"]: c["path"] for c in rep["choices"]}
     assert paths["Sequential"] == Path.COMPILED.value  # the generator keeps its verdict
     assert paths["Sequential#2"] == Path.EAGER_LOW.value
+
+
+SECOND_ORDER = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+for _ in range(30):
+    loss = net(torch.randn(4, 8)).pow(2).mean()
+    grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)  # a gradient of a gradient
+    sum(g.pow(2).sum() for g in grads).backward()
+"""
+
+
+def test_a_double_backward_crash_is_explained_and_the_next_run_stays_eager(tmp_path, monkeypatch, capsys,
+                                                                          fresh_session):
+    # a gradient of a gradient with respect to parameters: nothing at the module's call shows it, so the first run
+    # meets torch.compile's refusal; automp says why and what to do, and the next run keeps the module eager
+    from automp.launcher import run_script
+    script = tmp_path / "second_order.py"
+    script.write_text(SECOND_ORDER)
+    paths = [Path.COMPILED, Path.EAGER_LOW, Path.FP32]
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(paths), "test"))
+    assert run_script(str(script), [], dtype="bf16", inner="eager") == 1
+    err = capsys.readouterr().err
+    assert "double backward" in err and "automp run --path eager" in err and "Sequential" in err
+    report = tmp_path / "r.json"
+    assert run_script(str(script), [], dtype="bf16", inner="eager", report=str(report)) == 0
+    import json
+    rep = json.loads(report.read_text())
+    (choice,) = rep["choices"]
+    assert choice["path"] in (Path.EAGER_LOW.value, Path.FP32.value)
+    assert Path.COMPILED.value not in choice["timings_ms"]
+    assert any("earlier run" in f["reason"] for f in rep["fallbacks"])
+
+
+def test_other_errors_of_the_script_get_no_hint(fresh_session):
+    automp.enable(dtype="bf16", path="eager")
+    try:
+        assert automp.script_failed(ValueError("the script's own bug")) is None
+    finally:
+        automp.disable()

@@ -76,6 +76,12 @@ def settled() -> bool:
     return _session is None or _session.settled()
 
 
+def script_failed(error: BaseException) -> str | None:
+    """Tell the session the script ended with `error` (`automp run` does): what automp learns from it is kept for
+    the next run, and a hint for the user comes back when automp's own choice caused it (else None)."""
+    return None if _session is None else _session.script_failed(error)
+
+
 def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", report: Recorder | None = None,
             inner: str = "inductor", spec: str | None = None) -> nn.Module:
     """One model through automp's compiled pass, for those who prefer a line of code to `automp run` (no trial:

@@ -74,6 +74,8 @@ class Verdict:
     cached: bool = False
     detach: tuple[str, ...] = ()  # output fields detached when it ran (automp.unread_outputs): cached, not reported
     confirmed: bool = False  # re-measured in steady state (choose.confirmation)
+    eager_only: bool = False  # a run crashed in a double backward on a compiled path (automp.input_grads): a new
+    #                           trial of the eager paths, not a verdict; cached, not reported
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
@@ -333,7 +335,7 @@ class VerdictCache:
         try:
             return Verdict(Path(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True,
                            detach=tuple(str(n) for n in entry.get("detach", ())),
-                           confirmed=bool(entry.get("confirmed", False)))
+                           confirmed=bool(entry.get("confirmed", False)), eager_only=bool(entry.get("eager_only")))
         except (TypeError, KeyError, ValueError):
             return None
 
@@ -341,7 +343,8 @@ class VerdictCache:
         """One read and one write for all the modules a trial settles (key -> its verdict)."""
         data = self._load()
         when = time.strftime("%Y-%m-%dT%H:%M:%S")
-        data.update({key: {**v.as_dict(), "detach": list(v.detach), "when": when} for key, v in verdicts.items()})
+        data.update({key: {**v.as_dict(), "detach": list(v.detach), "eager_only": v.eager_only, "when": when}
+                     for key, v in verdicts.items()})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_output(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:

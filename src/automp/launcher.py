@@ -48,6 +48,9 @@ def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale
         while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != os.path.abspath(script):
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb or e.__traceback__)
+        hint = automp.script_failed(e)
+        if hint:
+            print(hint, file=sys.stderr)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
         rep = automp.disable()

@@ -254,7 +254,12 @@ class Session:
             self._decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
             return root
         cached = self.cache.get(root.key)
+        if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without
+            root.eager_only, cached = True, None       # them (automp.input_grads)
+            self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED)
         candidates, why = ([], "") if cached is not None else self._candidates(device, root.low)
+        if root.eager_only:
+            candidates = [c for c in candidates if c not in input_grads.COMPILED_PATHS]
         root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
         if root.lockstep:
             cached, candidates, why = rank0_start(cached, candidates, why)
@@ -382,6 +387,16 @@ class Session:
                            note=input_grads.REASON)
         root.path, root.compiled, root.stock = None, None, None
         self.unfinished[root.trial] = [root.label]
+
+    def script_failed(self, error: BaseException) -> str | None:
+        """The script ended with `error`. A double backward through a compiled graph (automp.input_grads) is
+        remembered for the modules that ran one, so the next run keeps them eager; the hint for the user, or None."""
+        if not input_grads.is_double_backward(error):
+            return None
+        compiled = [r for r in self.roots.values() if r.compiled is not None or r.stock is not None]
+        self.cache.put({r.key: Verdict(Path.EAGER_LOW, input_grads.REASON_CRASHED, {}, eager_only=True)
+                        for r in compiled if r.key})
+        return input_grads.HINT.format(modules=", ".join(r.label for r in compiled) or "its modules")
 
     def _label(self, module: nn.Module) -> str:
         name = type(module).__name__
