@@ -330,3 +330,31 @@ def test_a_trial_goes_on_without_the_paths_it_excludes():
     assert trial.verdict.timings_ms[Path.EAGER_LOW.value] == pytest.approx(20.0)  # no interval spans the switch
     with pytest.raises(ValueError, match="all of its candidates"):
         Trial([Path.COMPILED], TrialConfig(), clock, lambda: None).exclude({Path.COMPILED}, "x")
+
+
+def test_evaluation_calls_inside_a_training_loop_are_not_iterations():
+    # every third iteration the script evaluates: five calls without grad, cheap and path-independent here; counted
+    # as iterations they would make every sample that holds them look fast (the old behaviour: medians ~half)
+    cost = {Path.EAGER_LOW: 0.020, Path.FP32: 0.030}
+    clock = FakeClock(cost)
+    trial = Trial(list(cost), TrialConfig(give_up=10.0, fp32_margin=0.0), clock, lambda: None)
+    for i in range(200):
+        if trial.verdict is not None:
+            break
+        clock.run(trial)  # a training iteration
+        if i % 3 == 2:
+            for _ in range(5):
+                trial.tick(1, training=False)
+    assert trial.verdict.timings_ms == pytest.approx({p.value: 1e3 * c for p, c in cost.items()})
+
+
+def test_a_script_that_never_trains_has_its_inference_calls_timed():
+    cost = {Path.EAGER_LOW: 0.020, Path.FP32: 0.030}
+    clock = FakeClock(cost)
+    trial = Trial(list(cost), TrialConfig(), clock, lambda: None)
+    for _ in range(100):
+        if trial.verdict is not None:
+            break
+        trial.tick(1, training=False)
+        clock.now += cost[trial.current]
+    assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW

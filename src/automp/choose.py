@@ -116,6 +116,7 @@ class Trial:
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
+        self._trains = False  # a call with grad mode on was seen: calls without it no longer count (tick)
         self._start: float | None = None  # when the queue head's interval began
         self._done = 0  # iterations of the queue head finished
         self.verdict: Verdict | None = None
@@ -125,8 +126,16 @@ class Trial:
     def current(self) -> Path:
         return self.verdict.path if self.verdict else self._queue[0][0]
 
-    def tick(self, member: int) -> None:
+    def tick(self, member: int, training: bool = True) -> None:
+        """A call of `member`. training: the call records a graph for a backward (grad mode on). Once the trial has
+        seen one, calls without grad (an evaluation inside the training loop, generate()'s decoding steps) are not
+        iterations: their time falls inside the interval of the training call around them. A script that never
+        trains (inference) has every call timed."""
         if self.verdict is not None:
+            return
+        if training:
+            self._trains = True
+        elif self._trains:
             return
         if self._clock_member is None:
             self._clock_member = member

@@ -175,11 +175,11 @@ class Session:
         if not root.eager_only and input_grads.asks_input_grad(args, kwargs):
             self._eager_only(root)
         if root.path is None:
-            root.trial.tick(id(module))
+            root.trial.tick(id(module), torch.is_grad_enabled())
             if root.trial.verdict is not None:
                 self._settle(root.trial)
         elif root.confirm is not None:
-            root.confirm.tick(id(module))
+            root.confirm.tick(id(module), torch.is_grad_enabled())
             if root.confirm.verdict is not None:
                 self._confirmed(root.confirm)
         if root.path is None:
