@@ -579,3 +579,15 @@ def test_activation_checkpointing_recompute_is_not_the_scripts_autocast(reentran
     assert [c["module"] for c in rep["choices"]] == ["_Checkpointed"]
     for p, q in zip(net.parameters(), ref.parameters()):
         assert (p.grad - q.grad).norm() / q.grad.norm() < 1e-2  # fp16 autocast's own gradient, unscaled
+
+
+def test_a_script_that_calls_forward_directly_is_told_why_nothing_changed(fresh_session):
+    net = nn.Linear(8, 4)
+    automp.enable(dtype="bf16")
+    net.forward(torch.randn(2, 8)).sum().backward()  # bypasses nn.Module.__call__, and so automp
+    rep = automp.disable()
+    assert rep["choices"] == [] and [f["where"] for f in rep["fallbacks"]] == ["modules"]
+    assert "model.forward(x)" in rep["fallbacks"][0]["reason"]
+    automp.enable(dtype="bf16", path="eager")
+    net(torch.randn(2, 8)).sum().backward()
+    assert all(f["where"] != "modules" for f in automp.disable()["fallbacks"])

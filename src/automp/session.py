@@ -38,6 +38,8 @@ ORIG_CALL = compiled_paths.ORIG_CALL
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
 # called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
+_NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
+             "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
 _local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
 
 
@@ -136,6 +138,8 @@ class Session:
             self.recorder.loss_scale = self.scaler.summary()
         report_graph_breaks(self.recorder, self.roots.values(), self.breaks_before)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
+        if not self.labels and not any(f["where"] == "modules" for f in self.recorder.fallbacks):
+            self.recorder.add_fallback("modules", _NO_ROOTS)
         for trial, labels in self.unfinished.items():  # the script ended (or the module died) mid-trial
             timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
             for label in labels:
