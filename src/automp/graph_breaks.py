@@ -3,7 +3,7 @@
 At a break the construct runs eagerly and the code before and after it compiles as separate graphs; the user should
 know where and why. How it runs depends on the path of the modules that compiled: on automp's compiled path in FP32
 (each graph goes through the pass), on the autocast-compiled path under the autocast region around the call, as in a
-hand-written loop. The break at an nn.LSTM/GRU is automp's own: it keeps the RNN one fused op (session._rnn_call).
+hand-written loop. The break at an nn.LSTM/GRU is automp's own: it keeps the RNN one fused op (rnn._rnn_call).
 """
 from __future__ import annotations
 

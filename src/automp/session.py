@@ -8,7 +8,6 @@ the model is already half precision). Every such choice lands in the report with
 """
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -18,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from automp import compiled_paths, input_grads
+from automp import call_state, compiled_paths, input_grads, rnn
 from automp.autocast_cache import SharedCasts
 from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, candidate_paths, confirmation,
                            distributed, for_ranks, module_key, rank0_start)
@@ -40,7 +39,6 @@ ORIG_CALL = compiled_paths.ORIG_CALL
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
-_local = threading.local()  # depth > 0 inside a root's call; path: the path that root runs on
 
 
 @dataclass
@@ -102,13 +100,13 @@ class Session:
             # as written, without entering the session: a submodule of a root being run; a call Dynamo traces; a
             # call from inside the backward, i.e. activation checkpointing recomputing a forward, which restores the
             # forward's autocast state itself and must not be taken for the script's own autocast region
-            if (getattr(_local, "depth", 0) > 0 or torch.compiler.is_compiling()
+            if (getattr(call_state.local, "depth", 0) > 0 or torch.compiler.is_compiling()
                     or torch._C._current_autograd_node() is not None):
                 return ORIG_CALL(module, *args, **kwargs)
             return session.call(module, args, kwargs)
 
         nn.Module.__call__ = patched_call
-        nn.RNNBase.__call__ = _rnn_call
+        nn.RNNBase.__call__ = rnn._rnn_call
 
     def uninstall(self) -> dict[str, Any]:
         if self.fuser is not None:
@@ -192,8 +190,8 @@ class Session:
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
         # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
-        outer = getattr(_local, "depth", 0), getattr(_local, "path", None), getattr(_local, "low", None)
-        _local.depth, _local.path, _local.low = 1, path, root.low
+        outer = getattr(call_state.local, "depth", 0), getattr(call_state.local, "path", None), getattr(call_state.local, "low", None)
+        call_state.local.depth, call_state.local.path, call_state.local.low = 1, path, root.low
         try:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
@@ -223,7 +221,7 @@ class Session:
                 self._step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
                                        f"{(str(e).strip().splitlines() or [''])[0][:200]}")
         finally:
-            _local.depth, _local.path, _local.low = outer
+            call_state.local.depth, call_state.local.path, call_state.local.low = outer
         return ORIG_CALL(module, *args, **kwargs)
 
     def _deliver(self, root: _Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
@@ -424,22 +422,6 @@ class Session:
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
                                                                 label=root.label))
-
-
-@torch._dynamo.disable
-def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
-    """nn.LSTM/GRU/RNN calls while a session is open. Traced inside a compiled root, the RNN would be unrolled into
-    thousands of small ops and casts (or, by Dynamo's default, break the graph inside our call wrapper, which
-    leaves the rest of the forward uncompiled). As a Dynamo-disabled function called straight from the user's
-    forward, it makes a clean graph break at the call: the code before and after is compiled through the pass,
-    and the RNN runs here as ONE fused cuDNN op in low precision, returning FP32 as the graph expects."""
-    if getattr(_local, "depth", 0) > 0 and getattr(_local, "path", None) is Path.COMPILED:
-        low = _local.low
-        device = next(module.parameters()).device
-        with torch.autocast(device.type, dtype=low):
-            out = ORIG_CALL(module, *args, **kwargs)
-        return restore_float32(out)
-    return nn.Module.__call__(module, *args, **kwargs)  # a root RNN, or another path: the session decides
 
 
 def _device_of(module: nn.Module) -> torch.device:

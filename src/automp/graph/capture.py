@@ -114,7 +114,7 @@ def low_dtype(dtype: str, device: torch.device | str | None) -> torch.dtype:
 
 def set_capture_flags() -> dict[str, Any]:
     """nn.TransformerEncoder's inference fast path is one opaque fused op the pass cannot see into: turn it off so
-    the layers are traced. RNNs run fused, see automp.session._rnn_call."""
+    the layers are traced. RNNs run fused, see automp.rnn."""
     saved: dict[str, Any] = {}
     mha = getattr(torch.backends, "mha", None)
     if mha is not None and hasattr(mha, "set_fastpath_enabled"):
