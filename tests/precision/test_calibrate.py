@@ -199,3 +199,14 @@ def test_real_measure_on_gpu():
     cal = calibrate.measure(torch.device("cuda"))
     check_real(cal, {"small", "medium", "large"})
     assert calibrate.low_precision_gain(cal, torch.float16) > 2  # Tensor Cores vs plain FP32
+
+
+def test_default_timer_is_not_sized_by_a_jit_in_the_warmup(monkeypatch):
+    # warmup 50 ms (a JIT), then two stalled runs of 8 ms, then the GEMM's own 0.2 ms: sized by the warmup, the timer
+    # took two runs and reported 8 ms (a CPU's bf16 measured at 0.06x FP32 that way); it must find the 0.2 ms
+    from automp.precision.calibrate import Bench, default_timer
+    now = [0.0]
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    durations = iter([0.05, 0.008, 0.008] + [0.0002] * 10)
+    bench = Bench("gemm", lambda: now.__setitem__(0, now[0] + next(durations)), 1)
+    assert default_timer(torch.device("cpu"))(bench) == pytest.approx(0.0002)

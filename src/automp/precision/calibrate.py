@@ -82,8 +82,10 @@ def device_name(device: torch.device | str) -> str:
 
 
 def default_timer(device: torch.device) -> Timer:
-    """Fastest of a few synchronized runs after one warmup; slow benches run fewer times (down to one) so that
-    measure() stays within its budget on slow devices. The minimum, not the median: noise only ever adds time, and
+    """Fastest of a few synchronized runs after one warmup; slow benches run fewer times (down to two) so that
+    measure() stays within its budget on slow devices. The repeats are sized by the first run after the warmup: a
+    CPU's first bf16 GEMM carries oneDNN's JIT (50 ms for a 0.1 ms GEMM), and sized by it, two single runs both hit
+    by a 2-core machine's thread stalls measured bf16 at 0.06x FP32, which the cache then kept. The minimum, not the median: noise only ever adds time, and
     on a shared GPU another process's time slice can stall a sub-millisecond GEMM a hundredfold."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
@@ -95,9 +97,10 @@ def default_timer(device: torch.device) -> Timer:
         return time.perf_counter() - start
 
     def timer(bench: Bench) -> float:
-        first = once(bench)  # warmup: allocator, kernel selection, page faults
-        runs = max(1, min(5, int(0.1 / max(first, 1e-9))))
-        return min(once(bench) for _ in range(runs))
+        once(bench)  # warmup: allocator, kernel selection, page faults, oneDNN's JIT
+        second = once(bench)  # sizes the repeats: the warmup's time can be a JIT's, 500x a CPU bf16 GEMM's
+        runs = max(2, min(5, int(0.1 / max(second, 1e-9))))
+        return min(second, *(once(bench) for _ in range(runs)))
 
     return timer
 
