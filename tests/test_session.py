@@ -363,3 +363,41 @@ def test_a_script_that_calls_forward_directly_is_told_why_nothing_changed(fresh_
     automp.enable(dtype="bf16", path="eager")
     net(torch.randn(2, 8)).sum().backward()
     assert all(f["where"] != "modules" for f in automp.disable()["fallbacks"])
+
+
+class _SeesFastpath(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seen = nn.Linear(4, 4), []
+
+    def forward(self, x):
+        self.seen.append(torch.backends.mha.get_fastpath_enabled())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("path, seen", [("fp32", True), ("eager", True), ("compile", False)])
+def test_attention_fast_path_is_off_only_while_a_compiled_path_runs(path, seen):
+    """The fused inference fast path of nn.MultiheadAttention is opaque to the pass: off while compiled paths trace.
+    The script's own calls keep it as the user set it (an evaluation of a Transformer in FP32 stays as fast)."""
+    if not hasattr(torch.backends, "mha"):
+        pytest.skip("no torch.backends.mha in this torch")
+    net = _SeesFastpath()
+    automp.enable(dtype="bf16", inner="eager", path=path)
+    with torch.no_grad():
+        net(torch.randn(2, 4))
+    assert torch.backends.mha.get_fastpath_enabled()  # outside the module's call: as the user set it
+    automp.disable()
+    assert net.seen == [seen] and torch.backends.mha.get_fastpath_enabled()
+
+
+def test_a_transformer_evaluated_on_the_compiled_path_is_traced_layer_by_layer():
+    layer = nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=True)  # GEMMs worth bf16
+    net = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()  # eval + no_grad: the fast path's case
+    _compile(dtype="bf16")
+    with torch.no_grad():
+        net(torch.randn(8, 64, 256))
+    rep = automp.disable()
+    ops = {n["op"] for g in rep["graphs"] for n in g["nodes"]}
+    assert not any("transformer_encoder_layer" in op or "native_multi_head" in op for op in ops), sorted(ops)
+    assert any(n["dtype"] == "bfloat16" and n["op"] in ("mm", "addmm", "bmm") for g in rep["graphs"]
+               for n in g["nodes"])

@@ -25,7 +25,7 @@ from automp.config import AutoMPConfig
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
-from automp.graph.capture import low_dtype, make_backend, restore_capture_flags, set_capture_flags
+from automp.graph.capture import low_dtype, make_backend, traceable_attention
 from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
@@ -71,7 +71,6 @@ class Session:
     roots: "weakref.WeakKeyDictionary[nn.Module, _Root]" = field(default_factory=weakref.WeakKeyDictionary)
     trial: Trial | None = None  # the trial new roots join while it runs
     confirming: Trial | None = None  # the latest re-measurement (choose.confirmation), for roots to join
-    saved_flags: dict[str, Any] = field(default_factory=dict)
     breaks_before: dict[str, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
     unfinished: dict[Trial, list[str]] = field(default_factory=dict)  # labels of modules in trials still running
@@ -92,7 +91,6 @@ class Session:
             self.fuser.install()
         self.scaler = install_for(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
-        self.saved_flags = set_capture_flags()
         self.breaks_before = graph_breaks()
         session = self
 
@@ -122,7 +120,6 @@ class Session:
             self.undo_once_logging = None
         if "__call__" in vars(nn.RNNBase):
             del nn.RNNBase.__call__
-        restore_capture_flags(self.saved_flags)
         self.update_report()
         if self.scaler is not None:
             from automp.scaling import autograd_hook
@@ -212,7 +209,8 @@ class Session:
                     root.compiled = self._compile(module, root)
                 compiled = root.compiled
             try:
-                out = compiled(*args, **kwargs)
+                with traceable_attention():
+                    out = compiled(*args, **kwargs)
                 return self._deliver(root, out, lambda: self._run(module, root, path, args, kwargs))
             except torch._dynamo.exc.TorchDynamoException as e:
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only

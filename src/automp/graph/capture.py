@@ -9,9 +9,10 @@ op by op: no C++/Triton compile, which keeps CPU tests fast and isolates our pas
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -112,17 +113,18 @@ def low_dtype(dtype: str, device: torch.device | str | None) -> torch.dtype:
     return torch.bfloat16
 
 
-def set_capture_flags() -> dict[str, Any]:
-    """nn.TransformerEncoder's inference fast path is one opaque fused op the pass cannot see into: turn it off so
-    the layers are traced. RNNs run fused, see automp.rnn."""
-    saved: dict[str, Any] = {}
+@contextlib.contextmanager
+def traceable_attention() -> Iterator[None]:
+    """nn.MultiheadAttention's and nn.TransformerEncoder's inference fast path is one opaque fused op the pass
+    cannot see into: off while a compiled path runs, so the layers are traced. Only there: the script's own calls
+    (FP32 as written, low precision eager) keep it as the user set it, and under autocast torch skips it anyway."""
     mha = getattr(torch.backends, "mha", None)
-    if mha is not None and hasattr(mha, "set_fastpath_enabled"):
-        saved["fastpath"] = mha.get_fastpath_enabled()
-        mha.set_fastpath_enabled(False)
-    return saved
-
-
-def restore_capture_flags(saved: dict[str, Any]) -> None:
-    if "fastpath" in saved:
-        torch.backends.mha.set_fastpath_enabled(saved["fastpath"])
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
