@@ -6,7 +6,6 @@ import torch.nn as nn
 
 import automp
 from automp.choose import Path, TrialConfig
-from automp.config import AutoMPConfig
 from automp.input_grads import asks_input_grad
 from automp.session import Session
 
@@ -43,17 +42,25 @@ def _wgan_gp(iterations: int, penalty_from: int = 0):
     return loss_d.item()
 
 
-def test_a_gradient_penalty_takes_the_critic_off_the_compiled_paths(monkeypatch, fresh_session):
-    # automp's compiled graphs would win the trial on time, and would crash the penalty's double backward
+def _enable_timed(monkeypatch, config: TrialConfig | None = None) -> None:
+    """automp enabled with every path but stock Inductor as candidates, on an injected clock where automp's compiled
+    graphs are the fastest: each module call advances it by a quarter of its path's cost."""
     cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010}
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     now = [0.0]
     monkeypatch.setattr(Session, "__init__", _with_clock(Session.__init__, now))
     automp.enable(dtype="bf16", inner="eager", spec="h100")
     session = automp._session
+    if config is not None:
+        session.trial_config = config
     real_run = session._run
     monkeypatch.setattr(session, "_run", lambda m, r, p, a, k: now.__setitem__(0, now[0] + cost[p] / 4) or real_run(
         m, r, p, a, k))
+
+
+def test_a_gradient_penalty_takes_the_critic_off_the_compiled_paths(monkeypatch, fresh_session):
+    # automp's compiled graphs would win the trial on time, and would crash the penalty's double backward
+    _enable_timed(monkeypatch)
     _wgan_gp(60)
     rep = automp.disable()
     assert {c["path"] for c in rep["choices"]} <= {Path.EAGER_LOW.value, Path.FP32.value}
@@ -78,16 +85,7 @@ def test_a_forced_compiled_path_gives_way_when_the_penalty_starts(penalty_from, 
 
 
 def test_a_compiled_winner_gives_way_to_an_eager_trial_when_the_penalty_starts(monkeypatch, fresh_session):
-    cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010}
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
-    now = [0.0]
-    monkeypatch.setattr(Session, "__init__", _with_clock(Session.__init__, now))
-    automp.enable(dtype="bf16", inner="eager", spec="h100")
-    session = automp._session
-    session.trial_config = TrialConfig(confirm_after=0)
-    real_run = session._run
-    monkeypatch.setattr(session, "_run", lambda m, r, p, a, k: now.__setitem__(0, now[0] + cost[p] / 4) or real_run(
-        m, r, p, a, k))
+    _enable_timed(monkeypatch, TrialConfig(confirm_after=0))
     _wgan_gp(70, penalty_from=40)  # the trial settles on the compiled path first, then the penalty starts
     rep = automp.disable()
     paths = {c["module"]: c["path"] for c in rep["choices"]}

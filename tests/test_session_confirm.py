@@ -3,24 +3,30 @@ clock: the switch, the cache, a script that ends first, a GAN's two modules."""
 import torch
 import torch.nn as nn
 
+from automp.choose import Path, TrialConfig
+from automp.config import AutoMPConfig
+from automp.session import Session
+
+
+def _clocked_session(now: list[float], **trial) -> Session:
+    """An installed session whose trials read `now[0]` as their clock (TrialConfig fields as keywords)."""
+    session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), trial_config=TrialConfig(**trial),
+                      clock=lambda: now[0])
+    session.install()
+    return session
+
 
 def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confirmed_one(monkeypatch, fresh_session):
     """The eager paths are slow in the script's first iterations (the trial) and fast afterwards: the trial chooses
     the compiled graphs, the confirmation puts the module on the eager path, and a second run starts there with
     nothing left to measure."""
-    from automp.choose import Path, TrialConfig
-    from automp.config import AutoMPConfig
-    from automp.session import Session
-
     cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.025, Path.COMPILED: 0.020}
     steady = {Path.FP32: 0.030, Path.EAGER_LOW: 0.012, Path.COMPILED: 0.020}
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cold), "test"))
 
     def run(calls: int):
         now = [0.0]
-        session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
-                          trial_config=TrialConfig(confirm_within=0.3), clock=lambda: now[0])
-        session.install()
+        session = _clocked_session(now, confirm_within=0.3)
         torch.manual_seed(0)
         net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
         ran, settled_at = [], None
@@ -50,16 +56,10 @@ def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confir
 
 
 def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(monkeypatch, fresh_session):
-    from automp.choose import Path, TrialConfig
-    from automp.config import AutoMPConfig
-    from automp.session import Session
-
     cost = {Path.FP32: 0.024, Path.EAGER_LOW: 0.020}  # FP32 within 25%: it is to be re-measured
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     now = [0.0]
-    session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), trial_config=TrialConfig(),
-                      clock=lambda: now[0])
-    session.install()
+    session = _clocked_session(now)
     net, x = nn.Linear(16, 4), torch.randn(8, 16)
     try:
         while session.roots.get(net) is None or session.roots[net].path is None:
@@ -77,19 +77,13 @@ def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(m
 def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fresh_session, tmp_path):
     """Two roots that shared a trial share its re-measurement, and so do their cached verdicts in the next run:
     every iteration runs one path for both, so each timed interval measures one path."""
-    from automp.choose import Path, TrialConfig
-    from automp.config import AutoMPConfig
-    from automp.session import Session
-
     cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020}
     steady = {Path.FP32: 0.010, Path.EAGER_LOW: 0.020}  # FP32 is faster once warm
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cold), "test"))
 
     def run(n: int):
         now = [0.0]
-        session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
-                          trial_config=TrialConfig(confirm_within=0.6), clock=lambda: now[0])
-        session.install()
+        session = _clocked_session(now, confirm_within=0.6)
         torch.manual_seed(0)
         g, d = nn.Linear(8, 16), nn.Linear(16, 1)
         calls = []  # the path each call of this iteration ran on

@@ -167,13 +167,14 @@ class Trial:
     def exclude(self, paths: frozenset[Path] | set[Path], why: str) -> None:
         """Take `paths` out of the running trial (a member cannot run them, see automp.input_grads); a sample of one
         of them in progress is dropped. The other candidates go on as if those had never been in it."""
-        if self.verdict is not None or not any(p in self.alive for p in paths):
+        remaining = [p for p in self.alive if p not in paths]
+        if self.verdict is not None or len(remaining) == len(self.alive):
             return
-        if len([p for p in self.alive if p not in paths]) == 0:
+        if not remaining:
             raise ValueError(f"a trial cannot exclude all of its candidates {[p.value for p in self.alive]}")
         if self._queue and self._queue[0][0] in paths:
             self._start, self._done = None, 0  # the interval restarts at the next call, on a path that stays
-        self.alive = [p for p in self.alive if p not in paths]
+        self.alive = remaining
         self._queue = [q for q in self._queue if q[0] not in paths]
         for p in paths:
             self.samples.pop(p, None)

@@ -27,6 +27,8 @@ COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST})
 REASON = ("called with an input that is a leaf tensor requiring grad (a gradient with respect to the input, as in "
           "a gradient penalty or a physics-informed loss): torch.compile's backward cannot be differentiated again, "
           "so it runs on the eager paths only")
+REASON_CRASHED = ("an earlier run differentiated a gradient through its compiled graph (create_graph=True), which "
+                  "torch.compile's backward cannot do: it runs on the eager paths only")
 
 
 def asks_input_grad(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -36,8 +38,6 @@ def asks_input_grad(args: tuple, kwargs: dict[str, Any]) -> bool:
             return True
     return False
 
-REASON_CRASHED = ("an earlier run differentiated a gradient through its compiled graph (create_graph=True), which "
-                  "torch.compile's backward cannot do: it runs on the eager paths only")
 
 # What AOTAutograd raises when a backward through a compiled graph is itself differentiated (create_graph=True)
 _DOUBLE_BACKWARD = ("does not currently support double backward", "requires create_graph=False")

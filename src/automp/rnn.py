@@ -30,4 +30,3 @@ def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
             out = ORIG_CALL(module, *args, **kwargs)
         return restore_float32(out)
     return nn.Module.__call__(module, *args, **kwargs)  # a root RNN, or another path: the session decides
-

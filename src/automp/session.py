@@ -187,8 +187,9 @@ class Session:
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
         # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
-        outer = getattr(call_state.local, "depth", 0), getattr(call_state.local, "path", None), getattr(call_state.local, "low", None)
-        call_state.local.depth, call_state.local.path, call_state.local.low = 1, path, root.low
+        state = call_state.local
+        outer = getattr(state, "depth", 0), getattr(state, "path", None), getattr(state, "low", None)
+        state.depth, state.path, state.low = 1, path, root.low
         try:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
@@ -219,7 +220,7 @@ class Session:
                 self._step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
                                        f"{(str(e).strip().splitlines() or [''])[0][:200]}")
         finally:
-            call_state.local.depth, call_state.local.path, call_state.local.low = outer
+            state.depth, state.path, state.low = outer
         return ORIG_CALL(module, *args, **kwargs)
 
     def _deliver(self, root: _Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
@@ -277,15 +278,14 @@ class Session:
             self.cache.put({root.key: verdict})
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync, note=why)
+            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, _sync(device), note=why)
             self.unfinished[self.trial] = []
         root.trial = self.trial
         self.unfinished[self.trial].append(root.label)
         return root
 
     def _candidates(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
-        """Which paths can win here (choose.candidates), from the device's GEMM rates, measured once and cached."""
+        """Which paths can win here (choose.candidate_paths), from the device's GEMM rates, measured once, cached."""
         from automp.precision import calibrate
         try:
             if device not in self.calibrations:  # once per session and device, not per module
@@ -298,12 +298,16 @@ class Session:
     def _settle(self, trial: Trial) -> None:
         self.unfinished.pop(trial, None)
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
+        self._confirm(members, self._conclude(members, trial), trial)
+
+    def _conclude(self, members: list[_Root], trial: Trial) -> Verdict:
+        """A trial's (or re-measurement's) verdict for its members, rank 0's under DDP, decided and cached."""
         verdict = agreed(trial.verdict) if any(r.lockstep for r in members) else trial.verdict
         for root in members:
             self._decide(root, verdict)
         # one entry each: the fields a module's script leaves unread are its own
         self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
-        self._confirm(members, verdict, trial)
+        return verdict
 
     def _confirm(self, members: list[_Root], verdict: Verdict, after: Trial | None) -> None:
         """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one. Modules whose
@@ -311,8 +315,7 @@ class Session:
         while it has timed nothing yet, as new modules join one trial: every iteration then runs one path."""
         if not members:
             return
-        sync = torch.cuda.synchronize if members[0].device.type == "cuda" else (lambda: None)
-        trial = confirmation(verdict, for_ranks(self.trial_config), self.clock, sync, after)
+        trial = confirmation(verdict, for_ranks(self.trial_config), self.clock, _sync(members[0].device), after)
         pending = self.confirming
         if (trial is not None and after is None and pending is not None and pending.verdict is None
                 and pending.candidates == trial.candidates and not any(pending.samples.values())):
@@ -325,11 +328,9 @@ class Session:
     def _confirmed(self, trial: Trial) -> None:
         """The re-measurement is in: its winner runs from now on, and the cache keeps the confirmed verdict."""
         members = [r for r in self.roots.values() if r.confirm is trial]
-        verdict = agreed(trial.verdict) if any(r.lockstep for r in members) else trial.verdict
         for root in members:
             root.confirm = None
-            self._decide(root, verdict)
-        self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
+        self._conclude(members, trial)
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial, root.verdict = verdict.path, None, verdict
@@ -382,8 +383,7 @@ class Session:
         if self.config.forced_path is not None:
             self._decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
             return
-        sync = torch.cuda.synchronize if root.device.type == "cuda" else (lambda: None)
-        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, sync,
+        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, _sync(root.device),
                            note=input_grads.REASON)
         root.path, root.compiled, root.stock = None, None, None
         self.unfinished[root.trial] = [root.label]
@@ -426,6 +426,11 @@ def _device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    """What a trial on `device` waits for the device with."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _device_name(device: torch.device) -> str:

@@ -85,8 +85,9 @@ def default_timer(device: torch.device) -> Timer:
     """Fastest of a few synchronized runs after one warmup; slow benches run fewer times (down to two) so that
     measure() stays within its budget on slow devices. The repeats are sized by the first run after the warmup: a
     CPU's first bf16 GEMM carries oneDNN's JIT (50 ms for a 0.1 ms GEMM), and sized by it, two single runs both hit
-    by a 2-core machine's thread stalls measured bf16 at 0.06x FP32, which the cache then kept. The minimum, not the median: noise only ever adds time, and
-    on a shared GPU another process's time slice can stall a sub-millisecond GEMM a hundredfold."""
+    by a 2-core machine's thread stalls measured bf16 at 0.06x FP32, which the cache then kept. The minimum, not the
+    median: noise only ever adds time, and on a shared GPU another process's time slice can stall a sub-millisecond
+    GEMM a hundredfold."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(bench: Bench) -> float:
