@@ -293,8 +293,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         if r.get("settled") is False:
             notes.append("automp not settled")
         if r.get("ratio_interleaved") is not None:
-            notes.append(f"interleaved with the anchor: {r['ratio_interleaved']:.2f}x ({r['step_ms_interleaved']:.2f} "
-                         f"vs {r['anchor_ms_interleaved']:.2f} ms)")
+            notes.append(f"interleaved with {r.get('anchor_interleaved', ANCHOR)}: {r['ratio_interleaved']:.2f}x "
+                         f"({r['step_ms_interleaved']:.2f} vs {r['anchor_ms_interleaved']:.2f} ms)")
         if r.get("interleave_error"):
             notes.append(f"interleaved: {r['interleave_error']}")
         lines.append(f"| {r['model']} | {r['mode']} | {_fmt(r['step_ms'], '.2f')} | "
@@ -356,8 +356,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--passes", type=int, default=1,
                    help="run the modes this many times, in alternating order, and report each mode's median step time")
     p.add_argument("--interleave", action="store_true",
-                   help="also time automp-bf16 against the anchor in alternating blocks in one process (a ratio the "
-                        "host's drift between modes cannot bias; compiles both once more)")
+                   help="also time automp-bf16 against its bar in alternating blocks in one process (a ratio the "
+                        "host's drift between modes cannot bias; compiles both once more): the anchor for the large "
+                        "models, autocast-bf16-eager for the small scripts and the detector")
     p.add_argument("--quick", action="store_true", help="tiny configs (CPU smoke run); writes zoo-<gpu>-quick.*")
     p.add_argument("--out", default="benchmarks")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
