@@ -401,3 +401,25 @@ def test_a_transformer_evaluated_on_the_compiled_path_is_traced_layer_by_layer()
     assert not any("transformer_encoder_layer" in op or "native_multi_head" in op for op in ops), sorted(ops)
     assert any(n["dtype"] == "bfloat16" and n["op"] in ("mm", "addmm", "bmm") for g in rep["graphs"]
                for n in g["nodes"])
+
+
+@pytest.mark.parametrize("path", ["eager", "auto"])
+def test_a_lazy_module_runs_its_first_call_with_uninitialized_parameters(path, fresh_session):
+    """nn.LazyLinear has no shape (nor storage) until its first call: the verdict's key and the eager path's weight
+    casts must not read them then. Its output is the autocast loop's, and its weights get gradients."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.LazyLinear(3))
+    x = torch.randn(4, 6)
+    automp.enable(dtype="bf16", path=path)
+    try:
+        out = net(x)
+        out.sum().backward()
+        out2 = net(x)
+    finally:
+        automp.disable()
+    assert all(p.grad is not None for p in net.parameters())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = net(x).float()
+    if path == "eager":
+        assert (out2 - ref).norm() / ref.norm() < 1e-2
+    assert out2.dtype == torch.float32

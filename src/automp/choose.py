@@ -68,7 +68,7 @@ class TrialConfig:
 
 @dataclass
 class Verdict:
-    path: Path
+    path: Path  # or another enum for trials of something else than a path (automp.conv_tuning.Flag)
     reason: str
     timings_ms: dict[str, float]
     cached: bool = False
@@ -340,10 +340,11 @@ class VerdictCache:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, key: str) -> Verdict | None:
+    def get(self, key: str, kind: type[enum.Enum] = Path) -> Verdict | None:
+        """kind: what the entry's "path" names (a Path; automp.conv_tuning caches a Flag the same way)."""
         entry = self._load().get(key)
         try:
-            return Verdict(Path(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True,
+            return Verdict(kind(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True,
                            detach=tuple(str(n) for n in entry.get("detach", ())),
                            confirmed=bool(entry.get("confirmed", False)), eager_only=bool(entry.get("eager_only")))
         except (TypeError, KeyError, ValueError):
@@ -371,6 +372,13 @@ def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra:
     import automp
 
     parts = [type(module).__qualname__, dtype, device, torch.__version__, automp.__version__, extra]
-    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
+    parts += [f"{n}:{_shape(p)}:{p.dtype}" for n, p in module.named_parameters()]
     parts += [f"{tuple(a.shape)}:{a.dtype}" for a in args if isinstance(a, torch.Tensor)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def _shape(p: Any) -> str:
+    """A parameter's shape; a lazy module's (nn.LazyLinear) before its first call has none yet."""
+    import torch
+
+    return "uninitialized" if isinstance(p, torch.nn.parameter.UninitializedParameter) else str(tuple(p.shape))

@@ -29,7 +29,9 @@ class AutoMPConfig:
     or the script as written.
     cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp).
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
-    (same arithmetic, one kernel per step; see automp.fused_optimizers)."""
+    (same arithmetic, one kernel per step; see automp.fused_optimizers).
+    tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
+    the faster (automp.conv_tuning); a script that set the flag itself is left alone."""
 
     dtype: str = "auto"
     loss_scale: Any = "dynamic"
@@ -39,6 +41,7 @@ class AutoMPConfig:
     path: str = "auto"
     cache_dir: str | None = None
     fuse_optimizers: bool = True
+    tune_cudnn: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -46,8 +49,9 @@ class AutoMPConfig:
         _check_loss_scale(self.loss_scale)
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
-        if not isinstance(self.fuse_optimizers, bool):
-            raise TypeError(f"fuse_optimizers must be True or False, got {self.fuse_optimizers!r}")
+        for flag in ("fuse_optimizers", "tune_cudnn"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.path not in PATHS:
             raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
         if self.spec:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import call_state, compiled_paths, input_grads, rnn
@@ -22,6 +23,7 @@ from automp.autocast_cache import SharedCasts
 from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, candidate_paths, confirmation,
                            distributed, for_ranks, module_key, rank0_start)
 from automp.config import AutoMPConfig
+from automp.conv_tuning import ConvTuning
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
@@ -80,6 +82,7 @@ class Session:
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
     casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
     step_hook: Any = None  # drops those casts when any optimizer steps
+    tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured once the paths are chosen
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -91,6 +94,8 @@ class Session:
             self.fuser.install()
         self.scaler = install_for(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
+        if self.config.tune_cudnn:
+            self.tuning = ConvTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
         self.breaks_before = graph_breaks()
         session = self
 
@@ -115,6 +120,9 @@ class Session:
             self.step_hook.remove()
             self.step_hook = None
         self.casts.clear()
+        if self.tuning is not None:
+            self.tuning.restore()
+            self.tuning = None
         if self.undo_once_logging is not None:
             self.undo_once_logging()
             self.undo_once_logging = None
@@ -153,6 +161,11 @@ class Session:
                       f"update (the script left fused/foreach at their defaults)"})
 
     def settled(self) -> bool:
+        """Every root runs its final path, and cuDNN's benchmark mode is decided (where it will be tried)."""
+        return self._paths_settled() and (self.tuning is None or not self.tuning.pending(
+            (m, r.device) for m, r in self.roots.items() if r.aside is None))
+
+    def _paths_settled(self) -> bool:
         return all((r.path is not None and r.confirm is None) or r.aside is not None for r in self.roots.values())
 
     # -- the call of every module ---------------------------------------------------------------------------------
@@ -183,6 +196,10 @@ class Session:
                 self._confirmed(root.confirm)
         if root.path is None:
             return self._run(module, root, root.trial.current, args, kwargs)
+        tuning = self.tuning
+        if tuning is not None and not tuning.idle and root.confirm is None and (tuning.active or
+                                                                                self._paths_settled()):
+            tuning.call(module, root.device, root.key, args, kwargs)
         return self._run(module, root, root.confirm.current if root.confirm else root.path, args, kwargs)
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
@@ -194,9 +211,14 @@ class Session:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
             if path is Path.EAGER_LOW:
-                if root.params is None:
-                    root.params = list(module.parameters())
-                with self.casts.region(root.device.type, root.low, module, root.params):
+                params = root.params
+                if params is None:  # a lazy module's (nn.LazyLinear) parameters exist after its first call
+                    params = list(module.parameters())
+                    if any(is_lazy(p) for p in params):
+                        params = ()
+                    else:
+                        root.params = params
+                with self.casts.region(root.device.type, root.low, module, params):
                     out = ORIG_CALL(module, *args, **kwargs)
                 return self._deliver(root, out, None)
             if path is Path.COMPILED_AUTOCAST:

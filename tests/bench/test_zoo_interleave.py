@@ -79,3 +79,23 @@ def test_an_anchor_automp_would_take_over_is_refused():
     # inside the session, an FP32 anchor's modules would run automp's paths: the ratio would compare automp to itself
     with pytest.raises(ValueError, match="autocast-bf16 anchor"):
         zoo_interleave.interleaved("mlp", True, "cpu", 1, 1, 1, anchor_mode="fp32-eager")
+
+
+def test_the_anchors_blocks_run_with_the_scripts_cudnn_flag(no_inductor, tmp_path, monkeypatch):
+    """cudnn.benchmark is process-wide: automp's choice of it (automp.conv_tuning) must not reach the anchor's
+    blocks, and automp's blocks keep it."""
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    seen = []
+
+    def timer(step, steps, device):
+        step()
+        if not seen:  # automp has chosen the flag by the time blocks are timed
+            torch.backends.cudnn.benchmark = True
+        seen.append(("anchor" if step.__self__.dtype is not None else "automp", torch.backends.cudnn.benchmark))
+        return 1.0
+
+    zoo_interleave.interleaved("mlp", True, "cpu", steps=1, warmup=1, max_warmup=20, rounds=2, timer=timer)
+    timed = seen[2:]
+    assert {flag for side, flag in timed if side == "anchor"} == {False}
+    assert {flag for side, flag in timed if side == "automp"} == {True}

@@ -36,6 +36,8 @@ class Recorder:
     # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
     # "reattached": why that stopped, if it did} (automp.unread_outputs)
     unread_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # process-wide settings automp measured and chose: {"setting", "value", "reason", ...} (automp.conv_tuning)
+    settings: list[dict[str, Any]] = field(default_factory=list)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -59,13 +61,17 @@ class Recorder:
         entry = dict(verdict) if verdict else {"path": "as-written", "timings_ms": {}, "cached": False}
         self.choices.append({"module": module, **entry, "reason": why})
 
+    def add_setting(self, entry: dict[str, Any]) -> None:
+        """A later entry for the same setting replaces the earlier one."""
+        self.settings = [e for e in self.settings if e["setting"] != entry["setting"]] + [entry]
+
     def add_fallback(self, where: str, why: str) -> None:
         self.fallbacks.append({"where": where, "reason": why})
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
                 "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
-                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs}
+                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings}
 
     def save(self, path: str) -> None:
         from automp.files import atomic_output
@@ -159,6 +165,8 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
         console.print(f"[cyan]{c['module']}[/cyan] runs [bold]{c['path']}[/bold]{cached}{graphs}: {c['reason']}")
     for o in report.get("optimizers", []):
         console.print(f"[cyan]{o['optimizer']}[/cyan]: {o['change']}")
+    for e in report.get("settings", []):
+        console.print(f"[cyan]{e['setting']}[/cyan] = {e['value']}: {e['reason']}")
     for module, u in report.get("unread_outputs", {}).items():
         if u.get("detached"):
             console.print(f"[cyan]{module}[/cyan]: output fields the script does not read are detached in its "

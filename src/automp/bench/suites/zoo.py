@@ -177,6 +177,9 @@ def _note_report(row: dict[str, Any], report: dict[str, Any]) -> None:
         row["automp_paths"] = {c["module"]: c["path"] for c in report["choices"]}
         for c in report["choices"]:
             print(f"    automp: {c['module']} runs {c['path']}: {c['reason'][:300]}", flush=True)
+    for e in report.get("settings", []):
+        row.setdefault("automp_settings", {})[e["setting"]] = e["value"]
+        print(f"    automp: {e['setting']} = {e['value']}: {e['reason'][:300]}", flush=True)
     if report.get("fallbacks"):
         row["automp_fallbacks"] = len(report["fallbacks"])
         for fb in report["fallbacks"][:3]:
@@ -288,6 +291,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         notes = [r.get("error") or r.get("note") or ""]
         if r.get("automp_paths"):
             notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in r["automp_paths"].items()))
+        if r.get("automp_settings"):
+            notes.append(", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["automp_settings"].items()))
         if r.get("automp_fallbacks"):
             notes.append(f"{r['automp_fallbacks']} automp FP32 fallback(s)")
         if r.get("settled") is False:

@@ -56,6 +56,7 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         raise ValueError(f"anchor {anchor_mode!r}: interleaving needs an autocast-bf16 anchor (automp's session "
                          f"would also run an FP32 anchor's modules)")
     import automp
+    scripts_flag = torch.backends.cudnn.benchmark  # process-wide: automp may choose another (automp.conv_tuning)
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), anchor_mode, device)
     for _ in range(warmup):
@@ -75,7 +76,11 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         blocks: dict[str, list[float]] = {"anchor": [], "automp": []}
         for r in range(rounds):
             for side in (("anchor", "automp") if r % 2 == 0 else ("automp", "anchor")):
+                chosen = torch.backends.cudnn.benchmark
+                if side == "anchor":  # the anchor runs as its own script would: with the flag it set
+                    torch.backends.cudnn.benchmark = scripts_flag
                 blocks[side].append(timer(steps_of[side], steps, device))
+                torch.backends.cudnn.benchmark = chosen
     finally:
         report = automp.disable()
     a, m = statistics.median(blocks["anchor"]), statistics.median(blocks["automp"])
