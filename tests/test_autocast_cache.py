@@ -46,19 +46,27 @@ def test_two_calls_before_backward_cast_the_weights_once():
     automp.disable()
 
 
+def _lazy_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.LazyLinear(1))
+
+
 @pytest.mark.parametrize("change", ["optimizer", "in_place"])
-def test_a_changed_parameter_is_cast_again(change):
-    d = _net()
+@pytest.mark.parametrize("build", [_net, _lazy_net])
+def test_a_changed_parameter_is_cast_again(change, build):
+    """Also for a lazy module, whose parameters are recorded at its second call (the first had none to record)."""
+    d = build()
     x = torch.randn(8, 24)
-    opt = torch.optim.SGD(d.parameters(), lr=0.5)
     automp.enable(dtype="bf16", path="eager")
+    d(x).pow(2).mean().backward()
+    opt = torch.optim.SGD(d.parameters(), lr=0.5)
     d(x).pow(2).mean().backward()
     before = d(x).detach().clone()
     if change == "optimizer":
         opt.step()
     else:
         with torch.no_grad():
-            d[0].weight.mul_(-1.5)
+            d[2].weight.mul_(-1.5)  # the lazy one, if lazy
     with CastsOf(d.parameters()) as casts:
         after = d(x)
     automp.disable()

@@ -7,7 +7,7 @@ call, so each call ended the region, dropped the cache, and cast every weight ag
 launched twice as many weight casts forward and backward, on a step that is launch-bound (GPU busy 4.4 ms of a
 13 ms step), and ran 5-7% behind the hand-written loop.
 
-`SharedCasts.region` keeps the cache across calls: it opens one extra autocast nesting level around automp's own
+`SharedCasts.enter` keeps the cache across calls: it opens one extra autocast nesting level around automp's own
 region, so that region's exit does not clear the cache. A cached copy is only valid while its parameter is unchanged,
 so before each call the parameters cast so far are checked against their version counters (an optimizer step or any
 in-place update bumps them) and the cache is dropped when one moved. Writes through `param.data` bump no version
@@ -22,56 +22,74 @@ reused them and left the weights without gradient (#112583).
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
 
 class SharedCasts:
+    """The hot path of automp's eager path (every root-module call): plain C calls rather than a torch.autocast object
+    (its constructor validates the device and dtype, already chosen here, and its enter/exit look for an export
+    tracer, which never sees automp's calls: a traced call passes through), and each module's parameters recorded
+    once per cache lifetime rather than at every call."""
+
     def __init__(self) -> None:
-        # id -> (parameter, its version and storage address when last used; `.to()` swaps `.data` with no version bump)
-        self._cast: dict[int, tuple[weakref.ref, int, int]] = {}
+        # (parameter, its version and storage address when first cast; `.to()` swaps `.data` with no version bump).
+        # Held strongly, as the cached copies' autograd edges hold them anyway, until the cache is dropped.
+        self._cast: list[tuple[torch.Tensor, int, int]] = []
         # The modules whose calls filled the cache. A cached copy's autograd edge keeps its parameter alive, so a model
         # the script drops would live on in the cache: a dead owner clears it.
         self._owners: dict[int, weakref.ref] = {}
 
     def check(self) -> None:
         """Drop the cache if a parameter cast through it changed since, or a module that filled it was freed."""
-        if any(owner() is None for owner in self._owners.values()):
-            self.clear()
-            return
-        for ref, version, ptr in self._cast.values():
-            p = ref()
-            if p is None or p._version != version or p.data_ptr() != ptr:
+        for owner in self._owners.values():
+            if owner() is None:
+                self.clear()
+                return
+        for p, version, ptr in self._cast:
+            if p._version != version or p.data_ptr() != ptr:
                 self.clear()
                 return
 
     def clear(self) -> None:
         if self._cast:
             torch.clear_autocast_cache()
-            self._cast.clear()
+            self._cast = []
         self._owners.clear()
 
-    @contextlib.contextmanager
-    def region(self, device_type: str, dtype: torch.dtype, owner: torch.nn.Module,
-               params: Iterable[torch.Tensor]) -> Iterator[None]:
-        """torch.autocast(device_type, dtype) around a call of `owner`, whose exit leaves the cast cache to the next
-        call."""
-        if not torch.is_grad_enabled():  # an evaluation pass: a plain region, whose exit empties the cache. Before
-            self.clear()                 # pytorch#165068 a copy cast here had no autograd edge, and a training call
-            with torch.autocast(device_type, dtype=dtype):  # reusing it left the weights without gradient (#112583)
-                yield
-            return
-        self.check()
-        self._owners[id(owner)] = weakref.ref(owner)
-        for p in params:
-            if p.requires_grad:  # autocast caches only leaves that require grad; recorded first, so a call that
-                self._cast[id(p)] = (weakref.ref(p), p._version, p.data_ptr())  # raises still leaves its casts checked
+    def enter(self, device_type: str, dtype: torch.dtype, owner: torch.nn.Module,
+              params: Iterable[torch.Tensor]) -> tuple[bool, torch.dtype, bool, bool]:
+        """torch.autocast(device_type, dtype) entered around a call of `owner`, one nesting level deeper, so that its
+        exit (`exit`, given what this returns) leaves the cast cache to the next call."""
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.check()
+            if params and id(owner) not in self._owners:  # none: a lazy module's first call (recorded at the next)
+                self._owners[id(owner)] = weakref.ref(owner)
+                # autocast caches only leaves that require grad; recorded before the call, so a call that raises
+                # still leaves its casts checked
+                self._cast += [(p, p._version, p.data_ptr()) for p in params if p.requires_grad]
+            torch.autocast_increment_nesting()
+        else:  # an evaluation pass: a plain region, whose exit empties the cache. Before pytorch#165068 a copy cast
+            self.clear()  # here had no autograd edge, and a training call reusing it left the weights without
+            #               gradient (#112583)
+        state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+                 torch.is_autocast_cache_enabled(), grad)
+        torch.set_autocast_enabled(device_type, True)
+        torch.set_autocast_dtype(device_type, dtype)
         torch.autocast_increment_nesting()
-        try:
-            with torch.autocast(device_type, dtype=dtype):
-                yield
-        finally:
+        torch.set_autocast_cache_enabled(True)
+        return state
+
+    @staticmethod
+    def exit(device_type: str, state: tuple[bool, torch.dtype, bool, bool]) -> None:
+        enabled, dtype, cache, shared = state
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+        torch.set_autocast_cache_enabled(cache)
+        if shared:
             torch.autocast_decrement_nesting()

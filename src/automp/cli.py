@@ -25,6 +25,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")
+    p.add_argument("--no-tune-cudnn", dest="tune_cudnn", action="store_false",
+                   help="leave torch.backends.cudnn.benchmark as the script set it (default: time it off and on once "
+                        "the paths are chosen, keep it on only if it measured faster)")
 
 
 _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback from the training loop
@@ -33,7 +36,7 @@ _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback
 def _cmd_run(args: argparse.Namespace) -> int:
     from automp.launcher import run_script
     return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report,
-                      path=args.path, fuse_optimizers=args.fuse_optimizers)
+                      path=args.path, fuse_optimizers=args.fuse_optimizers, tune_cudnn=args.tune_cudnn)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

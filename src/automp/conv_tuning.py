@@ -71,7 +71,7 @@ def has_convolutions(module: nn.Module) -> bool:
 
 def tunable(device: torch.device) -> bool:
     """cuDNN runs the convolutions of this device's modules (tests stand a CPU in for it)."""
-    return device.type == "cuda"
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 class ConvTuning:
@@ -85,7 +85,7 @@ class ConvTuning:
         self.user = torch.backends.cudnn.benchmark
         self.trial: FlagTrial | None = None
         self.key = ""
-        self.done = False
+        self.done = not tunable(torch.device("cuda"))  # no GPU: nothing to decide, and no cost at any call
         self.on = False  # the flag is on by automp's choice: input shapes are watched
         self.shapes: set[tuple[tuple[int, ...], ...]] = set()
         self._convs: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -112,8 +112,10 @@ class ConvTuning:
             convs = self._convs[module] = tunable(device) and has_convolutions(module)
         return convs
 
-    def call(self, module: nn.Module, device: torch.device, key: str, args: tuple, kwargs: dict) -> None:
-        """A call of root `module` (every root has its path): start, advance or end the trial; watch the shapes."""
+    def call(self, module: nn.Module, device: torch.device, key: str, args: tuple, kwargs: dict,
+             paths_settled: Callable[[], bool] = lambda: True) -> None:
+        """A call of root `module`, which has its path: start the trial once every root has one (`paths_settled`),
+        advance or end it; watch the input shapes while the flag is on."""
         if self.trial is not None:
             self.trial.tick(id(module), torch.is_grad_enabled())
             if self.trial.verdict is not None:
@@ -126,7 +128,7 @@ class ConvTuning:
         if self.on:
             self._watch(args, kwargs)
             return
-        if self.done:
+        if self.done or not paths_settled():
             return
         why = left_alone()
         if why is not None:

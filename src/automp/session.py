@@ -197,9 +197,8 @@ class Session:
         if root.path is None:
             return self._run(module, root, root.trial.current, args, kwargs)
         tuning = self.tuning
-        if tuning is not None and not tuning.idle and root.confirm is None and (tuning.active or
-                                                                                self._paths_settled()):
-            tuning.call(module, root.device, root.key, args, kwargs)
+        if tuning is not None and not tuning.idle and root.confirm is None:
+            tuning.call(module, root.device, root.key, args, kwargs, self._paths_settled)
         return self._run(module, root, root.confirm.current if root.confirm else root.path, args, kwargs)
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
@@ -218,8 +217,11 @@ class Session:
                         params = ()
                     else:
                         root.params = params
-                with self.casts.region(root.device.type, root.low, module, params):
+                casts = self.casts.enter(root.device.type, root.low, module, params)
+                try:
                     out = ORIG_CALL(module, *args, **kwargs)
+                finally:
+                    self.casts.exit(root.device.type, casts)
                 return self._deliver(root, out, None)
             if path is Path.COMPILED_AUTOCAST:
                 if root.stock is None:
