@@ -44,7 +44,7 @@ def _tuning(tmp_path, now, reports, cache="cache") -> ConvTuning:
 def test_the_flag_is_kept_on_only_when_it_leads_by_more_than_the_margin(tmp_path, cudnn_flags, on_ms, kept):
     now, reports = [0.0], []
     tuning, net = _tuning(tmp_path, now, reports), _conv()
-    flags = _drive(tuning, net, {True: on_ms, False: 1.0}, now, 40)
+    flags = _drive(tuning, net, {True: on_ms, False: 1.0}, now, 80)
     assert set(flags[:10]) == {True, False}  # both values ran while it measured
     assert tuning.done and flags[-1] is kept and torch.backends.cudnn.benchmark is kept
     (entry,) = reports
@@ -57,7 +57,7 @@ def test_the_flag_is_kept_on_only_when_it_leads_by_more_than_the_margin(tmp_path
 
 def test_a_second_run_starts_on_the_cached_outcome(tmp_path, cudnn_flags):
     now, reports = [0.0], []
-    _drive(_tuning(tmp_path, now, reports), _conv(), {True: 0.8, False: 1.0}, now, 40)
+    _drive(_tuning(tmp_path, now, reports), _conv(), {True: 0.8, False: 1.0}, now, 80)
     torch.backends.cudnn.benchmark = False
     second = _tuning(tmp_path, now, reports)
     flags = _drive(second, _conv(), {True: 0.8, False: 1.0}, now, 3)
@@ -67,7 +67,7 @@ def test_a_second_run_starts_on_the_cached_outcome(tmp_path, cudnn_flags):
 def test_the_script_as_written_is_restored(tmp_path, cudnn_flags):
     now, reports = [0.0], []
     tuning = _tuning(tmp_path, now, reports)
-    _drive(tuning, _conv(), {True: 0.5, False: 1.0}, now, 40)
+    _drive(tuning, _conv(), {True: 0.5, False: 1.0}, now, 80)
     assert torch.backends.cudnn.benchmark
     tuning.restore()
     assert torch.backends.cudnn.benchmark is False
@@ -95,7 +95,7 @@ def test_modules_without_convolutions_are_not_tuned(tmp_path, cudnn_flags):
 def test_changing_input_shapes_turn_the_flag_back_off(tmp_path, cudnn_flags):
     now, reports = [0.0], []
     tuning, net = _tuning(tmp_path, now, reports), nn.Sequential(nn.Conv2d(3, 4, 3))
-    _drive(tuning, net, {True: 0.5, False: 1.0}, now, 40)
+    _drive(tuning, net, {True: 0.5, False: 1.0}, now, 80)
     assert torch.backends.cudnn.benchmark
     for size in range(8, 8 + MAX_SHAPES):  # MAX_SHAPES shapes in all (8x8 was the first): still on
         _drive(tuning, net, {True: 0.5, False: 1.0}, now, 2, shape=(2, 3, size, size))
@@ -116,7 +116,7 @@ def test_a_session_tunes_after_the_paths_are_chosen_and_settles_after_it(monkeyp
     net, x = _conv(), torch.randn(2, 3, 8, 8)
     settled = []
     try:
-        for _ in range(40):
+        for _ in range(80):
             net(x).sum().backward()
             now[0] += 0.8 if torch.backends.cudnn.benchmark else 1.0
             settled.append(session.settled())
