@@ -71,6 +71,12 @@ def test_the_script_as_written_is_restored(tmp_path, cudnn_flags):
     assert torch.backends.cudnn.benchmark
     tuning.restore()
     assert torch.backends.cudnn.benchmark is False
+    again = _tuning(tmp_path, now, reports, cache="other")
+    _drive(again, _conv(), {True: 1.0, False: 0.5}, now, 80)
+    assert again.done and not torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True  # the script's own setting, after automp's decision: it stays
+    again.restore()
+    assert torch.backends.cudnn.benchmark is True
 
 
 @pytest.mark.parametrize("flag, why", [("benchmark", "turned it on itself"), ("deterministic", "deterministic")])

@@ -171,4 +171,6 @@ class ConvTuning:
                                    f"one"})
 
     def restore(self) -> None:
-        torch.backends.cudnn.benchmark = self.user
+        """The script's flag back, unless the script set one itself since automp last did."""
+        if self.trial is not None or self.done and torch.backends.cudnn.benchmark == self.on:
+            torch.backends.cudnn.benchmark = self.user
