@@ -23,9 +23,12 @@ reused them and left the weights without gradient (#112583).
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
+from torch.nn.parameter import is_lazy
+
+from automp.compiled_paths import ORIG_CALL
 
 
 class SharedCasts:
@@ -93,3 +96,19 @@ class SharedCasts:
         torch.set_autocast_cache_enabled(cache)
         if shared:
             torch.autocast_decrement_nesting()
+
+    def call(self, module: torch.nn.Module, root: Any, args: tuple, kwargs: dict) -> Any:
+        """`module(*args, **kwargs)` as written, under autocast with `root.low`, its weight casts shared (the eager
+        path of automp.session's `_Root`, whose parameter list is kept in `root.params`)."""
+        params = root.params
+        if params is None:  # a lazy module's (nn.LazyLinear) parameters exist after its first call
+            params = list(module.parameters())
+            if any(is_lazy(p) for p in params):
+                params = ()
+            else:
+                root.params = params
+        state = self.enter(root.device.type, root.low, module, params)
+        try:
+            return ORIG_CALL(module, *args, **kwargs)
+        finally:
+            self.exit(root.device.type, state)

@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import call_state, compiled_paths, input_grads, rnn
@@ -210,19 +209,7 @@ class Session:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
             if path is Path.EAGER_LOW:
-                params = root.params
-                if params is None:  # a lazy module's (nn.LazyLinear) parameters exist after its first call
-                    params = list(module.parameters())
-                    if any(is_lazy(p) for p in params):
-                        params = ()
-                    else:
-                        root.params = params
-                casts = self.casts.enter(root.device.type, root.low, module, params)
-                try:
-                    out = ORIG_CALL(module, *args, **kwargs)
-                finally:
-                    self.casts.exit(root.device.type, casts)
-                return self._deliver(root, out, None)
+                return self._deliver(root, self.casts.call(module, root, args, kwargs), None)
             if path is Path.COMPILED_AUTOCAST:
                 if root.stock is None:
                     self._before_compile(root)
