@@ -81,12 +81,14 @@ def test_the_script_as_written_is_restored(tmp_path, cudnn_flags):
 
 @pytest.mark.parametrize("flag, why", [("benchmark", "turned it on itself"), ("deterministic", "deterministic")])
 def test_a_script_that_chose_its_own_cudnn_settings_is_left_alone(tmp_path, cudnn_flags, flag, why):
-    setattr(torch.backends.cudnn, flag, True)
     now, reports = [0.0], []
     tuning = _tuning(tmp_path, now, reports)
+    setattr(torch.backends.cudnn, flag, True)  # the script's first lines, after `automp run` enabled automp
     flags = _drive(tuning, _conv(), {True: 0.5, False: 1.0}, now, 5)
     assert flags == [flag == "benchmark"] * 5 and tuning.idle and not tuning.pending([(_conv(), DEV)])
-    assert why in reports[0]["reason"]
+    assert why in reports[0]["reason"] and reports[0]["value"] is (flag == "benchmark")
+    tuning.restore()
+    assert getattr(torch.backends.cudnn, flag) is True
 
 
 def test_modules_without_convolutions_are_not_tuned(tmp_path, cudnn_flags):

@@ -83,6 +83,8 @@ class ConvTuning:
                  report: Callable[[dict[str, Any]], None], sync: Callable[[], None] | None = None):
         self.config, self.clock, self.cache, self.report = config, clock, cache, report
         self.sync = sync or torch.cuda.synchronize
+        # the script's flag when automp first touched it: `automp run` enables automp before the script's first line,
+        # where a script may set the flag itself
         self.user = torch.backends.cudnn.benchmark
         self.trial: FlagTrial | None = None
         self.key = ""
@@ -134,8 +136,10 @@ class ConvTuning:
         why = left_alone()
         if why is not None:
             self.done = True
-            self.report({"setting": SETTING, "value": self.user, "reason": f"left as the script set it: {why}"})
+            self.report({"setting": SETTING, "value": torch.backends.cudnn.benchmark,
+                         "reason": f"left as the script set it: {why}"})
             return
+        self.user = torch.backends.cudnn.benchmark
         self.key = f"{key}:cudnn"
         cached = self.cache.get(self.key, kind=Flag)
         if cached is not None:
