@@ -135,6 +135,14 @@ def test_a_session_tunes_after_the_paths_are_chosen_and_settles_after_it(monkeyp
     assert entry["setting"] == SETTING and entry["value"] is True
     assert report["choices"][0]["path"] == "low-precision-eager"
     assert torch.backends.cudnn.benchmark is False  # restored
+    session = Session(AutoMPConfig(dtype="bf16", path="eager"), clock=lambda: now[0])  # a second run: from the cache
+    session.install()
+    try:
+        _conv()(x).sum().backward()  # a new process's model: its lazy layer uninitialized again, as in the key
+        assert session.settled() and torch.backends.cudnn.benchmark is True
+    finally:
+        report = session.uninstall()
+    assert report["settings"][0]["cached"] and torch.backends.cudnn.benchmark is False
 
 
 def test_the_switch_turns_it_off(monkeypatch, fresh_session, cudnn_flags):
