@@ -97,7 +97,7 @@ def test_modules_without_convolutions_are_not_tuned(tmp_path, cudnn_flags):
     assert not tuning.pending([(mlp, DEV)]) and tuning.pending([(_conv(), DEV)])
     for _ in range(5):
         tuning.call(mlp, DEV, "key", (torch.randn(2, 4),), {})
-    assert not torch.backends.cudnn.benchmark and not reports and not tuning.active
+    assert not torch.backends.cudnn.benchmark and not reports and tuning.trial is None
 
 
 def test_changing_input_shapes_turn_the_flag_back_off(tmp_path, cudnn_flags):

@@ -98,11 +98,6 @@ class ConvTuning:
         """Decided, and off: nothing left to do at a call."""
         return self.done and not self.on
 
-    @property
-    def active(self) -> bool:
-        """A trial runs, or the flag is on and input shapes are watched: every root call counts."""
-        return self.trial is not None or self.on
-
     def pending(self, roots: Iterable[tuple[nn.Module, torch.device]]) -> bool:
         """Whether a trial runs or will start at the next call (a root with convolutions on a CUDA device)."""
         if self.trial is not None:
