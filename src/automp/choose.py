@@ -200,11 +200,17 @@ class Trial:
         order = self.alive if self._rounds % 2 else self.alive[::-1]  # A B, B A, ...: linear drift cancels
         self._queue = [(c, True, max(1, self.config.block)) for c in order]
 
+    def _measured(self) -> tuple[dict[str, float], Any, str]:
+        """Each candidate's median ms (by its value), the fastest candidate still in, and the timings as a reason
+        lists them, fastest first."""
+        medians = {c: 1e3 * statistics.median(s) for c, s in self.samples.items() if s}
+        winner = min(self.alive, key=lambda c: medians.get(c, 0.0))
+        parts = ", ".join(f"{c.value} {ms:.2f} ms" + (" (dropped early)" if c in self.abandoned else "")
+                          for c, ms in sorted(medians.items(), key=lambda kv: kv[1]))
+        return {c.value: ms for c, ms in medians.items()}, winner, parts
+
     def _decide(self) -> None:
-        timings = {p.value: 1e3 * statistics.median(s) for p, s in self.samples.items() if s}
-        winner = min(self.alive, key=lambda p: statistics.median(self.samples[p]) if self.samples[p] else 0.0)
-        parts = ", ".join(f"{k} {v:.2f} ms" + (" (dropped early)" if Path(k) in self.abandoned else "")
-                          for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
+        timings, winner, parts = self._measured()
         why = f"{self.note}; " if self.note else ""
         tie = ""
         inc = self.incumbent
@@ -379,6 +385,6 @@ def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra:
 
 def _shape(p: Any) -> str:
     """A parameter's shape; a lazy module's (nn.LazyLinear) before its first call has none yet."""
-    import torch
+    from torch.nn.parameter import is_lazy
 
-    return "uninitialized" if isinstance(p, torch.nn.parameter.UninitializedParameter) else str(tuple(p.shape))
+    return "uninitialized" if is_lazy(p) else str(tuple(p.shape))

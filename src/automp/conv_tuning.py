@@ -19,7 +19,6 @@ report says why.
 from __future__ import annotations
 
 import enum
-import statistics
 import weakref
 from dataclasses import replace
 from typing import Any, Callable, Iterable
@@ -44,11 +43,9 @@ class FlagTrial(Trial):
     by more than the anchor margin: the same noise margin a path must clear."""
 
     def _decide(self) -> None:
-        timings = {f.value: 1e3 * statistics.median(s) for f, s in self.samples.items() if s}
-        winner = min(self.alive, key=lambda f: statistics.median(self.samples[f]))
+        timings, winner, parts = self._measured()
         off = timings.get(Flag.OFF.value)
         margin = self.config.anchor_margin
-        parts = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
         if winner is Flag.ON and off is not None and off <= (1 + margin) * timings[Flag.ON.value]:
             winner = Flag.OFF
             parts += f"; within {100 * margin:g}% (this measurement's noise), so cuDNN's heuristics are kept"
