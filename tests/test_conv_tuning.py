@@ -94,7 +94,7 @@ def test_a_script_that_chose_its_own_cudnn_settings_is_left_alone(tmp_path, cudn
 def test_modules_without_convolutions_are_not_tuned(tmp_path, cudnn_flags):
     now, reports = [0.0], []
     tuning, mlp = _tuning(tmp_path, now, reports), nn.Linear(4, 4)
-    assert not tuning.pending([(mlp, DEV)]) and tuning.pending([(_conv(), DEV)])
+    assert not tuning.pending([(mlp, DEV, True)]) and tuning.pending([(_conv(), DEV, True)])
     for _ in range(5):
         tuning.call(mlp, DEV, "key", (torch.randn(2, 4),), {})
     assert not torch.backends.cudnn.benchmark and not reports and tuning.trial is None
@@ -118,7 +118,7 @@ def test_a_session_tunes_after_the_paths_are_chosen_and_settles_after_it(monkeyp
     waits for it, the report names the outcome, and disable() gives the script its flag back."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     now = [0.0]
-    session = Session(AutoMPConfig(dtype="bf16", path="eager"), clock=lambda: now[0])
+    session = Session(AutoMPConfig(dtype="bf16", path="eager", tune_layout=False), clock=lambda: now[0])
     session.install()
     torch.manual_seed(0)
     net, x = _conv(), torch.randn(2, 3, 8, 8)
@@ -135,7 +135,8 @@ def test_a_session_tunes_after_the_paths_are_chosen_and_settles_after_it(monkeyp
     assert entry["setting"] == SETTING and entry["value"] is True
     assert report["choices"][0]["path"] == "low-precision-eager"
     assert torch.backends.cudnn.benchmark is False  # restored
-    session = Session(AutoMPConfig(dtype="bf16", path="eager"), clock=lambda: now[0])  # a second run: from the cache
+    session = Session(AutoMPConfig(dtype="bf16", path="eager", tune_layout=False),
+                      clock=lambda: now[0])  # a second run: from the cache
     session.install()
     try:
         _conv()(x).sum().backward()  # a new process's model: its lazy layer uninitialized again, as in the key
@@ -146,7 +147,7 @@ def test_a_session_tunes_after_the_paths_are_chosen_and_settles_after_it(monkeyp
 
 
 def test_the_switch_turns_it_off(monkeypatch, fresh_session, cudnn_flags):
-    session = Session(AutoMPConfig(dtype="bf16", path="eager", tune_cudnn=False))
+    session = Session(AutoMPConfig(dtype="bf16", path="eager", tune_cudnn=False, tune_layout=False))
     session.install()
     net = _conv()
     try:

@@ -28,6 +28,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tune-cudnn", dest="tune_cudnn", action="store_false",
                    help="leave torch.backends.cudnn.benchmark as the script set it (default: time it off and on once "
                         "the paths are chosen, keep it on only if it measured faster)")
+    p.add_argument("--no-tune-layout", dest="tune_layout", action="store_false",
+                   help="leave eager convolutions in the script's memory layout (default: time channels_last "
+                        "activations against it once the paths are chosen, keep them only if they measured faster)")
 
 
 _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback from the training loop
@@ -36,7 +39,8 @@ _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback
 def _cmd_run(args: argparse.Namespace) -> int:
     from automp.launcher import run_script
     return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report,
-                      path=args.path, fuse_optimizers=args.fuse_optimizers, tune_cudnn=args.tune_cudnn)
+                      path=args.path, fuse_optimizers=args.fuse_optimizers, tune_cudnn=args.tune_cudnn,
+                      tune_layout=args.tune_layout)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -31,7 +31,9 @@ class AutoMPConfig:
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
-    the faster (automp.conv_tuning); a script that set the flag itself is left alone."""
+    the faster (automp.conv_tuning); a script that set the flag itself is left alone.
+    tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
+    the script's layout, and keep the faster (automp.conv_layout); parameters keep their layout."""
 
     dtype: str = "auto"
     loss_scale: Any = "dynamic"
@@ -42,6 +44,7 @@ class AutoMPConfig:
     cache_dir: str | None = None
     fuse_optimizers: bool = True
     tune_cudnn: bool = True
+    tune_layout: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,7 +52,7 @@ class AutoMPConfig:
         _check_loss_scale(self.loss_scale)
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
-        for flag in ("fuse_optimizers", "tune_cudnn"):
+        for flag in ("fuse_optimizers", "tune_cudnn", "tune_layout"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.path not in PATHS:

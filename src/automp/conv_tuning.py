@@ -38,17 +38,18 @@ class Flag(enum.Enum):
     ON = "cudnn-benchmark"
 
 
-class FlagTrial(Trial):
-    """A Trial of the two flag values. The flag is kept off (cuDNN's default, the script as written) unless on leads
-    by more than the anchor margin: the same noise margin a path must clear."""
+class SettingTrial(Trial):
+    """A Trial of a setting's two values. The script's value (`default`, the first member of the setting's enum)
+    is kept unless the other leads by more than the anchor margin: the same noise margin a path must clear."""
 
     def _decide(self) -> None:
         timings, winner, parts = self._measured()
-        off = timings.get(Flag.OFF.value)
+        default = next(iter(type(winner)))
+        ours = timings.get(default.value)
         margin = self.config.anchor_margin
-        if winner is Flag.ON and off is not None and off <= (1 + margin) * timings[Flag.ON.value]:
-            winner = Flag.OFF
-            parts += f"; within {100 * margin:g}% (this measurement's noise), so cuDNN's heuristics are kept"
+        if winner is not default and ours is not None and ours <= (1 + margin) * timings[winner.value]:
+            winner = default
+            parts += f"; within {100 * margin:g}% (this measurement's noise), so {default.value} is kept"
         self.verdict = Verdict(winner, f"measured per iteration: {parts}", timings)
 
 
@@ -72,34 +73,61 @@ def tunable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-class ConvTuning:
-    """The session's one cuDNN benchmark decision. `call` is told of every root-module call once every root has its
-    path; the flag the script set is restored by `restore`."""
+class SettingTuning:
+    """One process-wide setting of the convolutional roots, decided by a trial once every root has its path.
+    `call` is told of every root-module call from then on; `restore` gives the script its own value back.
+    Subclasses name the setting, its enum (the script's value first), and how a value is put in force."""
+
+    SETTING = ""
+    KIND: type[enum.Enum] = Flag
+    SUFFIX = ""
+    WARMUP: dict[Any, int] = {}
 
     def __init__(self, config: TrialConfig, clock: Callable[[], float], cache: VerdictCache,
                  report: Callable[[dict[str, Any]], None], sync: Callable[[], None] | None = None):
         self.config, self.clock, self.cache, self.report = config, clock, cache, report
         self.sync = sync or torch.cuda.synchronize
-        # the script's flag when automp first touched it: `automp run` enables automp before the script's first line,
-        # where a script may set the flag itself
-        self.user = torch.backends.cudnn.benchmark
-        self.trial: FlagTrial | None = None
+        self.trial: SettingTrial | None = None
         self.key = ""
         self.done = not tunable(torch.device("cuda"))  # no GPU: nothing to decide, and no cost at any call
-        self.on = False  # the flag is on by automp's choice: input shapes are watched
-        self.shapes: set[tuple[tuple[int, ...], ...]] = set()
         self._convs: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
+    # what a subclass decides
+    def applies(self, module: nn.Module, device: torch.device, eager: bool) -> bool:
+        return self._has_convs(module, device)
+
+    def left_alone(self) -> str | None:
+        """Why the script's own settings rule out the trial, or None."""
+        return None
+
+    def put(self, value: enum.Enum) -> None:
+        """Put `value` in force."""
+
+    def describe(self, value: enum.Enum) -> str:
+        return value.value
+
+    def value_of(self, value: enum.Enum) -> Any:
+        """What the report's "value" says."""
+        return value.value
+
+    def watch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call after the decision (only while `watching`)."""
+
+    @property
+    def watching(self) -> bool:
+        return False
+
+    # the trial
     @property
     def idle(self) -> bool:
-        """Decided, and off: nothing left to do at a call."""
-        return self.done and not self.on
+        """Decided, and nothing left to do at a call."""
+        return self.done and not self.watching
 
-    def pending(self, roots: Iterable[tuple[nn.Module, torch.device]]) -> bool:
-        """Whether a trial runs or will start at the next call (a root with convolutions on a CUDA device)."""
+    def pending(self, roots: Iterable[tuple[nn.Module, torch.device, bool]]) -> bool:
+        """Whether a trial runs or will start at the next call of one of `roots` (module, device, eager path)."""
         if self.trial is not None:
             return True
-        return not self.done and left_alone() is None and any(self._has_convs(m, d) for m, d in roots)
+        return not self.done and self.left_alone() is None and any(self.applies(*r) for r in roots)
 
     def _has_convs(self, module: nn.Module, device: torch.device) -> bool:
         convs = self._convs.get(module)
@@ -108,52 +136,103 @@ class ConvTuning:
         return convs
 
     def call(self, module: nn.Module, device: torch.device, key: str, args: tuple, kwargs: dict,
-             paths_settled: Callable[[], bool] = lambda: True) -> None:
-        """A call of root `module`, which has its path: start the trial once every root has one (`paths_settled`),
-        advance or end it; watch the input shapes while the flag is on."""
+             paths_settled: Callable[[], bool] = lambda: True, eager: bool = True) -> None:
+        """A call of root `module`, which has its path (`eager`: one of the eager paths): start the trial once every
+        root has one (`paths_settled`), advance or end it."""
         if self.trial is not None:
             self.trial.tick(id(module), torch.is_grad_enabled())
             if self.trial.verdict is not None:
                 self._apply(self.trial.verdict, cached=False)
             else:
-                torch.backends.cudnn.benchmark = self.trial.current is Flag.ON
+                self.put(self.trial.current)
             return
-        if not self._has_convs(module, device):
+        if not self.applies(module, device, eager):
             return
-        if self.on:
-            self._watch(args, kwargs)
+        if self.done:
+            if self.watching:
+                self.watch(module, args, kwargs)
             return
-        if self.done or not paths_settled():
+        if not paths_settled():
             return
-        why = left_alone()
+        why = self.left_alone()
         if why is not None:
             self.done = True
-            self.report({"setting": SETTING, "value": torch.backends.cudnn.benchmark,
+            self.report({"setting": self.SETTING, "value": self.scripts_value(),
                          "reason": f"left as the script set it: {why}"})
             return
-        self.user = torch.backends.cudnn.benchmark
-        self.key = f"{key}:cudnn"
-        cached = self.cache.get(self.key, kind=Flag)
+        self.begin()
+        self.key = f"{key}:{self.SUFFIX}"
+        cached = self.cache.get(self.key, kind=self.KIND)
         if cached is not None:
             self._apply(cached, cached=True)
             return
-        # ON's first iteration benchmarks every shape; longer samples than a path trial's: nothing to compile, and
-        # on an H100 two trials of ResNet-50 with two-iteration samples found the flag 7% ahead, then 6% behind
+        # the other value's first iteration does the setting's one-off work; longer samples than a path trial's:
+        # nothing to compile, and on an H100 two trials of ResNet-50's cuDNN flag with two-iteration samples found
+        # it 7% ahead, then 6% behind
         config = replace(self.config, measure=max(self.config.measure, 6), block=max(self.config.block, 4))
-        self.trial = FlagTrial([Flag.ON, Flag.OFF], config, self.clock, self.sync, warmup={Flag.ON: 2, Flag.OFF: 1})
+        values = list(self.KIND)
+        self.trial = SettingTrial(values[::-1], config, self.clock, self.sync, warmup=self.WARMUP)
         self.trial.tick(id(module), torch.is_grad_enabled())
-        torch.backends.cudnn.benchmark = self.trial.current is Flag.ON
+        self.put(self.trial.current)
+
+    def begin(self) -> None:
+        """The trial (or the cached outcome) is about to take over."""
+
+    def scripts_value(self) -> Any:
+        return None
+
+    def end(self, value: enum.Enum, reason: str, cached: bool = False, timings: dict[str, float] | None = None) -> None:
+        """Decided without (the rest of) a trial: cached, reported, put in force."""
+        self._apply(Verdict(value, reason, timings or {}), cached)
 
     def _apply(self, verdict: Verdict, cached: bool) -> None:
         if not cached:
             self.cache.put({self.key: verdict})
-        self.trial, self.done, self.on = None, True, verdict.path is Flag.ON
-        torch.backends.cudnn.benchmark = self.on
-        self.report({"setting": SETTING, "value": self.on, "timings_ms": verdict.timings_ms, "cached": cached,
-                     "reason": ("on: cuDNN times its algorithms per shape" if self.on else
-                                "off: cuDNN's heuristics, as the script had it") + f"; {verdict.reason}"})
+        self.trial, self.done = None, True
+        self.put(verdict.path)
+        self.report({"setting": self.SETTING, "value": self.value_of(verdict.path), "timings_ms": verdict.timings_ms,
+                     "cached": cached, "reason": f"{self.describe(verdict.path)}; {verdict.reason}"})
 
-    def _watch(self, args: tuple, kwargs: dict) -> None:
+
+class ConvTuning(SettingTuning):
+    """cuDNN's benchmark flag (see the module's docstring)."""
+
+    SETTING, KIND, SUFFIX = "torch.backends.cudnn.benchmark", Flag, "cudnn"
+    WARMUP = {Flag.ON: 2, Flag.OFF: 1}
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # the script's flag when automp first touched it: `automp run` enables automp before the script's first line,
+        # where a script may set the flag itself
+        self.user = torch.backends.cudnn.benchmark
+        self.on = False  # the flag is on by automp's choice: input shapes are watched
+        self.shapes: set[tuple[tuple[int, ...], ...]] = set()
+
+    def left_alone(self) -> str | None:
+        return left_alone()
+
+    def scripts_value(self) -> Any:
+        return torch.backends.cudnn.benchmark
+
+    def begin(self) -> None:
+        self.user = torch.backends.cudnn.benchmark
+
+    def put(self, value: enum.Enum) -> None:
+        self.on = value is Flag.ON
+        torch.backends.cudnn.benchmark = self.on
+
+    def value_of(self, value: enum.Enum) -> Any:
+        return value is Flag.ON
+
+    def describe(self, value: enum.Enum) -> str:
+        return ("on: cuDNN times its algorithms per shape" if value is Flag.ON else
+                "off: cuDNN's heuristics, as the script had it")
+
+    @property
+    def watching(self) -> bool:
+        return self.on
+
+    def watch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         if shapes in self.shapes:
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,7 @@ from automp.autocast_cache import SharedCasts
 from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, candidate_paths, confirmation,
                            distributed, for_ranks, module_key, rank0_start)
 from automp.config import AutoMPConfig
+from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
@@ -37,6 +38,7 @@ from automp.unread_outputs import FieldReads, FieldWatch
 ORIG_CALL = compiled_paths.ORIG_CALL
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
 # called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
+_EAGER = (Path.FP32, Path.EAGER_LOW)  # the paths whose convolutions run as torch calls them (automp.conv_layout)
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
@@ -81,7 +83,8 @@ class Session:
     scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
     casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
     step_hook: Any = None  # drops those casts when any optimizer steps
-    tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured once the paths are chosen
+    layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once the paths are chosen
+    tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -93,6 +96,8 @@ class Session:
             self.fuser.install()
         self.scaler = install_for(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
+        if self.config.tune_layout:
+            self.layout = LayoutTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
         if self.config.tune_cudnn:
             self.tuning = ConvTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
         self.breaks_before = graph_breaks()
@@ -119,9 +124,10 @@ class Session:
             self.step_hook.remove()
             self.step_hook = None
         self.casts.clear()
-        if self.tuning is not None:
-            self.tuning.restore()
-            self.tuning = None
+        for tuning in (self.layout, self.tuning):
+            if tuning is not None:
+                tuning.restore()
+        self.layout = self.tuning = None
         if self.undo_once_logging is not None:
             self.undo_once_logging()
             self.undo_once_logging = None
@@ -160,12 +166,19 @@ class Session:
                       f"update (the script left fused/foreach at their defaults)"})
 
     def settled(self) -> bool:
-        """Every root runs its final path, and cuDNN's benchmark mode is decided (where it will be tried)."""
-        return self._paths_settled() and (self.tuning is None or not self.tuning.pending(
-            (m, r.device) for m, r in self.roots.items() if r.aside is None))
+        """Every root runs its final path, and the convolutions' layout and cuDNN's benchmark mode are decided (where
+        they will be tried)."""
+        return self._layout_settled() and (self.tuning is None or not self.tuning.pending(self._tunable_roots()))
 
     def _paths_settled(self) -> bool:
         return all((r.path is not None and r.confirm is None) or r.aside is not None for r in self.roots.values())
+
+    def _layout_settled(self) -> bool:
+        """The paths, then the layout: cuDNN's flag is timed on the layout that stays."""
+        return self._paths_settled() and (self.layout is None or not self.layout.pending(self._tunable_roots()))
+
+    def _tunable_roots(self) -> Iterator[tuple[nn.Module, torch.device, bool]]:
+        return ((m, r.device, r.path in _EAGER) for m, r in list(self.roots.items()) if r.aside is None)
 
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -195,10 +208,16 @@ class Session:
                 self._confirmed(root.confirm)
         if root.path is None:
             return self._run(module, root, root.trial.current, args, kwargs)
-        tuning = self.tuning
-        if tuning is not None and not tuning.idle and root.confirm is None:
-            tuning.call(module, root.device, root.key, args, kwargs, self._paths_settled)
-        return self._run(module, root, root.confirm.current if root.confirm else root.path, args, kwargs)
+        path = root.confirm.current if root.confirm else root.path
+        eager, layout, tuning = path in _EAGER, self.layout, self.tuning
+        if root.confirm is None:
+            if layout is not None and not layout.idle:
+                layout.call(module, root.device, root.key, args, kwargs, self._paths_settled, eager)
+            if tuning is not None and not tuning.idle:
+                tuning.call(module, root.device, root.key, args, kwargs, self._layout_settled, eager)
+        if eager and layout is not None and layout.on:
+            return layout.run(module, lambda: self._run(module, root, path, args, kwargs))
+        return self._run(module, root, path, args, kwargs)
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
         # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
@@ -371,6 +390,9 @@ class Session:
             if root.label in waiting:
                 waiting.remove(root.label)
         root.aside, root.path, root.trial, root.confirm = why, None, None, None
+        if self.layout is not None:
+            for module in [m for m, r in self.roots.items() if r is root]:
+                self.layout.forget(module)
         self.recorder.add_choice(root.label, None, why)
         self.scaling_paused = False  # never bring scaling back on top of the script's own
         if user_precision and self.scaler is not None:
