@@ -63,7 +63,8 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         anchor.step()
     torch.manual_seed(0)
     loop = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), "fp32-eager", device)
-    automp.enable(dtype="bf16", inner=os.environ.get("AUTOMP_INNER", "inductor"))
+    automp.enable(dtype="bf16", inner=os.environ.get("AUTOMP_INNER", "inductor"),
+                  path=os.environ.get("AUTOMP_PATH", "auto"))  # as `automp run` reads them: a forced path for diagnostics
     try:
         n = 0
         while n < warmup or (not automp.settled() and n < max_warmup):
@@ -86,7 +87,8 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
     a, m = statistics.median(blocks["anchor"]), statistics.median(blocks["automp"])
     paths = {c["module"]: c["path"] for c in report.get("choices", []) if c.get("path")}
     return {"anchor_ms": round(a, 3), "automp_ms": round(m, 3), "ratio": round(a / m, 3), "blocks": blocks,
-            "paths": paths, "settled": settled}
+            "paths": paths, "settled": settled,
+            "settings": {e["setting"]: e["value"] for e in report.get("settings", [])}}
 
 
 def add_to_row(row: dict[str, Any], name: str, quick: bool, device: str, steps: int, warmup: int,
