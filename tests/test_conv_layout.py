@@ -11,7 +11,8 @@ from automp import conv_tuning
 from automp.choose import TrialConfig, VerdictCache
 from automp.config import AutoMPConfig
 from automp.conv_layout import CL, Layout, LayoutTuning
-from automp.session import Session
+
+from .timed_session import train
 
 DEV = torch.device("cuda")  # only its type is read: nothing runs on it
 
@@ -51,7 +52,7 @@ def _drive(tuning: LayoutTuning, net: nn.Module, cost: dict[bool, float], now: l
     for _ in range(calls):
         x = torch.randn(2, 3, 8, 8)
         tuning.call(net, DEV, "key", (x,), {}, eager=eager)
-        out = tuning.run(net, lambda: net(x)) if eager and tuning.on else net(x)
+        out = tuning.run(net, DEV, lambda: net(x)) if eager and tuning.on else net(x)
         out.sum().backward()
         layouts.append(tuning.on)
         now[0] += cost[tuning.on]
@@ -72,6 +73,12 @@ def test_channels_last_is_kept_only_when_it_leads_by_more_than_the_margin(tmp_pa
         assert all(not m._forward_pre_hooks for m in (net.c1, net.dw))
     second = _tuning(tmp_path, now, reports)  # a second run starts on the cached outcome
     assert _drive(second, Net(), {True: cl_ms, False: 1.0}, now, 2) == [kept] * 2 and reports[-1]["cached"]
+    # a root first called once the layout is decided (a GAN's second network) runs it too: the session no longer
+    # tells an idle tuning of calls, it only runs them through it
+    late, x = Net(), torch.randn(2, 3, 8, 8)
+    assert second.idle
+    second.run(late, DEV, lambda: late(x)) if second.on else late(x)
+    assert late.seen == [kept]
 
 
 def test_results_and_gradients_match_the_scripts_layout_and_parameters_keep_theirs(tmp_path, cuda_convs):
@@ -86,7 +93,7 @@ def test_results_and_gradients_match_the_scripts_layout_and_parameters_keep_thei
     tuning.put(Layout.CHANNELS_LAST)
     for _ in range(2):
         x = torch.randn(4, 3, 9, 7)
-        out, want = tuning.run(net, lambda: net(x)), ref(x)
+        out, want = tuning.run(net, DEV, lambda: net(x)), ref(x)
         assert out.is_contiguous() and net.seen[-1]  # inside: channels_last; the script gets its layout back
         assert ((out - want).norm() / want.norm()).item() < 1e-5
         out.square().sum().backward()
@@ -108,7 +115,7 @@ def test_a_call_that_raises_under_channels_last_runs_again_in_the_scripts_layout
     tuning.key = "key:layout"
     tuning.put(Layout.CHANNELS_LAST)
     x, ref = torch.randn(2, 3, 8, 8), copy.deepcopy(net)
-    out, want = tuning.run(net, lambda: net(x)), ref(x)
+    out, want = tuning.run(net, DEV, lambda: net(x)), ref(x)
     assert ((out - want).norm() / want.norm()).item() < 1e-6
     assert tuning.done and not tuning.on and not net.c1._forward_pre_hooks
     assert reports[-1]["value"] == "contiguous" and "raised under channels_last" in reports[-1]["reason"]
@@ -121,7 +128,7 @@ def test_the_scripts_own_error_still_raises(tmp_path, cuda_convs):
     tuning.applies(net, DEV, True)
     tuning.put(Layout.CHANNELS_LAST)
     with pytest.raises(RuntimeError, match="channels"):  # 5 channels where the convolution takes 3
-        tuning.run(net, lambda: net(torch.randn(2, 5, 8, 8)))
+        tuning.run(net, DEV, lambda: net(torch.randn(2, 5, 8, 8)))
 
 
 def test_left_alone_where_the_script_chose_channels_last_or_a_path_compiles(tmp_path, cuda_convs):
@@ -138,19 +145,10 @@ def test_a_session_times_the_layout_then_cudnns_flag(monkeypatch, fresh_session,
     """The layout's trial first, then the flag's on the layout that stays; settled() waits for both; disable()
     takes every hook off the script's modules."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    now = [0.0]
-    session = Session(AutoMPConfig(dtype="bf16", path="eager"), clock=lambda: now[0])
-    session.install()
     torch.manual_seed(0)
     net, x = Net(), torch.randn(2, 3, 8, 8)
-    settled = []
-    try:
-        for _ in range(200):
-            net(x).sum().backward()
-            now[0] += (0.7 if session.layout.on else 1.0) * (0.8 if torch.backends.cudnn.benchmark else 1.0)
-            settled.append(session.settled())
-    finally:
-        report = session.uninstall()
+    report, settled = train(AutoMPConfig(dtype="bf16", path="eager"), net, x, 200, [0.0], lambda s: (
+        (0.7 if s.layout.on else 1.0) * (0.8 if torch.backends.cudnn.benchmark else 1.0)))
     assert settled[0] is False and settled[-1] is True
     layout, flag = report["settings"]
     assert layout["value"] == "channels-last" and flag["setting"] == "torch.backends.cudnn.benchmark"

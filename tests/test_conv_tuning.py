@@ -10,6 +10,8 @@ from automp.config import AutoMPConfig
 from automp.conv_tuning import MAX_SHAPES, SETTING, ConvTuning
 from automp.session import Session
 
+from .timed_session import train
+
 DEV = torch.device("cuda")  # only its type is read: nothing runs on it
 
 
@@ -118,18 +120,10 @@ def test_a_session_tunes_after_the_paths_are_chosen_and_settles_after_it(monkeyp
     waits for it, the report names the outcome, and disable() gives the script its flag back."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     now = [0.0]
-    session = Session(AutoMPConfig(dtype="bf16", path="eager", tune_layout=False), clock=lambda: now[0])
-    session.install()
     torch.manual_seed(0)
-    net, x = _conv(), torch.randn(2, 3, 8, 8)
-    settled = []
-    try:
-        for _ in range(80):
-            net(x).sum().backward()
-            now[0] += 0.8 if torch.backends.cudnn.benchmark else 1.0
-            settled.append(session.settled())
-    finally:
-        report = session.uninstall()
+    x = torch.randn(2, 3, 8, 8)
+    report, settled = train(AutoMPConfig(dtype="bf16", path="eager", tune_layout=False), _conv(), x, 80, now,
+                            lambda s: 0.8 if torch.backends.cudnn.benchmark else 1.0)
     assert settled[0] is False and settled[-1] is True
     (entry,) = report["settings"]
     assert entry["setting"] == SETTING and entry["value"] is True

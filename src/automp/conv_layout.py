@@ -120,10 +120,10 @@ class LayoutTuning(SettingTuning):
             handle.remove()
 
     # -- a call under channels_last -------------------------------------------------------------------------------
-    def run(self, module: nn.Module, call: Callable[[], Any]) -> Any:
-        """`call` (the root's eager path) with its convolutions fed channels_last, and its result given back in the
-        default layout. A call that raises is run again in the default layout, which stays from then on."""
-        if module not in self._eager_roots:
+    def run(self, module: nn.Module, device: torch.device, call: Callable[[], Any]) -> Any:
+        """`call` (root `module`'s eager path) with its convolutions fed channels_last, and its result given back in
+        the default layout. A call that raises is run again in the default layout, which stays from then on."""
+        if not self.applies(module, device, True):  # a root first called after the decision is found here too
             return call()
         hooks = self._hooks.get(module)
         if hooks is None:

@@ -181,9 +181,9 @@ class SettingTuning:
     def scripts_value(self) -> Any:
         return None
 
-    def end(self, value: enum.Enum, reason: str, cached: bool = False, timings: dict[str, float] | None = None) -> None:
+    def end(self, value: enum.Enum, reason: str) -> None:
         """Decided without (the rest of) a trial: cached, reported, put in force."""
-        self._apply(Verdict(value, reason, timings or {}), cached)
+        self._apply(Verdict(value, reason, {}), cached=False)
 
     def _apply(self, verdict: Verdict, cached: bool) -> None:
         if not cached:

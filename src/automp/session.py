@@ -38,8 +38,8 @@ from automp.unread_outputs import FieldReads, FieldWatch
 ORIG_CALL = compiled_paths.ORIG_CALL
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
 # called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
-_EAGER = (Path.FP32, Path.EAGER_LOW)  # the paths whose convolutions run as torch calls them (automp.conv_layout)
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
+_EAGER = (Path.FP32, Path.EAGER_LOW)  # the paths whose convolutions run as torch calls them (automp.conv_layout)
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
 
@@ -216,7 +216,7 @@ class Session:
             if tuning is not None and not tuning.idle:
                 tuning.call(module, root.device, root.key, args, kwargs, self._layout_settled, eager)
         if eager and layout is not None and layout.on:
-            return layout.run(module, lambda: self._run(module, root, path, args, kwargs))
+            return layout.run(module, root.device, lambda: self._run(module, root, path, args, kwargs))
         return self._run(module, root, path, args, kwargs)
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:

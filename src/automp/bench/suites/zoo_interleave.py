@@ -63,8 +63,9 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         anchor.step()
     torch.manual_seed(0)
     loop = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), "fp32-eager", device)
+    # as `automp run` reads them (AUTOMP_PATH forces a path, for diagnostics)
     automp.enable(dtype="bf16", inner=os.environ.get("AUTOMP_INNER", "inductor"),
-                  path=os.environ.get("AUTOMP_PATH", "auto"))  # as `automp run` reads them: a forced path for diagnostics
+                  path=os.environ.get("AUTOMP_PATH", "auto"))
     try:
         n = 0
         while n < warmup or (not automp.settled() and n < max_warmup):
