@@ -15,7 +15,7 @@ matches the anchor, the gap is in how automp's compiled function is built, not i
 `profile-one` profiles the autocast-compiled path alone; with `fp16 profile-one bf16` the anchor is the bf16 loop, so
 the kernel diff is what fp16 (loss scaling) adds.
 
-`interleave` runs automp as a user does (its own trial, then the path it chose) and then alternates blocks of automp
+`interleave` (or `interleave-no-tune_cudnn,no-tune_layout`: those automp.enable flags off) runs automp as a user does (its own trial, then the path it chose) and then alternates blocks of automp
 and of the anchor (A B, B A, ...) in the same process: automp.bench.suites.zoo_interleave, which `automp bench zoo
 --interleave` also uses.
 """
@@ -85,7 +85,7 @@ def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profil
                 torch.cuda.reset_peak_memory_stats()
             times = [block(loop, BLOCK) for _ in range(ROUNDS)]
             peak = torch.cuda.max_memory_allocated() / 2**30 - base if CUDA else float("nan")
-            prof = kernels(loop, profiled) if profiled else None
+            prof = kernels(loop.step, profiled) if profiled else None
     finally:
         compiled_paths.detach_unread = detach_unread
         compiled_paths.stock = stock
@@ -113,11 +113,11 @@ def diff_table(a, b, top=25):
         print(f"| {k} | {a.get(k, 0):.3f} | {b.get(k, 0):.3f} |")
 
 
-def interleaved(name, dev, dtype):
+def interleaved(name, dev, dtype, options):
     if dtype != "bf16":
         raise SystemExit("interleave: bf16 only (automp steps aside for the fp16 anchor's autocast, and its loss "
                          "scaling with it)")
-    got = zoo_interleave.interleaved(name, not CUDA, dev, BLOCK, 3, 200, rounds=8)
+    got = zoo_interleave.interleaved(name, not CUDA, dev, BLOCK, 3, 200, rounds=8, options=options)
     b = got["blocks"]
     print(f"interleaved, 8 rounds of {BLOCK} steps after automp's trial (settled: {got['settled']}): automp "
           f"{got['automp_ms']:.2f} ms ({min(b['automp']):.2f}-{max(b['automp']):.2f}) | anchor {got['anchor_ms']:.2f} "
@@ -128,8 +128,9 @@ def interleaved(name, dev, dtype):
 def main(name, dtype="bf16", which="paths", anchor_dtype=None):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = "cuda" if CUDA else "cpu"
-    if which == "interleave":
-        interleaved(name, dev, dtype)
+    if which.startswith("interleave"):  # interleave-no-tune_cudnn,no-fuse_optimizers: those automp.enable flags off
+        flags = which.partition("-")[2]
+        interleaved(name, dev, dtype, {f.removeprefix("no-"): False for f in flags.split(",") if f})
         return
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{anchor_dtype or dtype}-compile", dev)
@@ -146,8 +147,8 @@ def main(name, dtype="bf16", which="paths", anchor_dtype=None):
               f"{a_peak:.2f} | ratio {statistics.median(a) / statistics.median(times):.3f} | "
               f"unread {rep.get('unread_outputs')} compiles {rep.get('compiles')}", flush=True)
         if prof is not None:
-            ref = kernels(anchor, profiled)
-            for who, (per, wall, syncs) in (("anchor", ref), ("automp", prof)):
+            ref = kernels(anchor.step, profiled)
+            for who, (per, _, wall, syncs) in (("anchor", ref), ("automp", prof)):
                 print(f"  {who}: profiled wall {wall:.2f} ms/step, CUDA kernel total {sum(per.values()):.2f} ms/step, "
                       f"{len(per)} distinct kernels, host syncs/step {syncs:.1f}", flush=True)
             diff_table(ref[0], prof[0])

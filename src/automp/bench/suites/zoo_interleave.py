@@ -47,9 +47,10 @@ def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
 
 def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
                 rounds: int = ROUNDS, timer: Callable[[Callable[[], Any], int, str], float] = block_ms,
-                anchor_mode: str = zoo.ANCHOR) -> dict[str, Any]:
+                anchor_mode: str = zoo.ANCHOR, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"anchor_ms", "automp_ms", "ratio" (anchor / automp), "blocks": {side: [ms, ...]}, "paths"} for one model.
     anchor_mode: the zoo mode automp is timed against (the small scripts' bar is eager: "autocast-bf16-eager").
+    options: further automp.enable arguments, for ablations (e.g. {"tune_cudnn": False}).
     Only the script's own autocast modes: the anchor runs inside automp's session, which leaves a module called
     under the script's autocast as written, but would take over an FP32 loop's modules too."""
     if not anchor_mode.startswith("autocast-bf16"):
@@ -65,7 +66,7 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
     loop = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), "fp32-eager", device)
     # as `automp run` reads them (AUTOMP_PATH forces a path, for diagnostics)
     automp.enable(dtype="bf16", inner=os.environ.get("AUTOMP_INNER", "inductor"),
-                  path=os.environ.get("AUTOMP_PATH", "auto"))
+                  path=os.environ.get("AUTOMP_PATH", "auto"), **(options or {}))
     try:
         n = 0
         while n < warmup or (not automp.settled() and n < max_warmup):
