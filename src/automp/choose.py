@@ -51,7 +51,9 @@ class TrialConfig:
     the script's numerics, so it must lead by more than the noise to be kept; `automp demo` on a 2-core CPU chose low
     precision for its GPT on a 2% trial lead and then ran at 0.92x of FP32. confirm_after: a verdict for a path other
     than FP32 eager is re-measured once, after this many iterations on it, against the eager paths that came within
-    confirm_within of it (see `confirmation`); 0: never."""
+    confirm_within of it (see `confirmation`); 0: never. churn: a compiled path's recompiling training calls after its
+    verdict before it may go back to the eager path it beat, if compiling cost more than it saved
+    (automp.recompile_watch); 0: never."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
                                                              Path.COMPILED_AUTOCAST: 2})
@@ -64,6 +66,7 @@ class TrialConfig:
     fp32_margin: float = 0.03  # any other path must beat FP32 eager (the script as written) by more than this
     confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
     confirm_within: float = 0.25
+    churn: int = 3
 
 
 @dataclass

@@ -26,6 +26,7 @@ from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
+from automp.recompile_watch import COMPILED_PATHS, CompileWatch, watch_for
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.graph.capture import low_dtype, make_backend, traceable_attention
 from automp.graph_breaks import graph_breaks, report_graph_breaks
@@ -62,6 +63,7 @@ class _Root:
     params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
     lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (choose.agreed)
     eager_only: bool = False  # the script takes gradients with respect to its input (automp.input_grads)
+    watch: CompileWatch | None = None  # its compiled path's recompiles since the verdict (automp.recompile_watch)
 
 
 @dataclass
@@ -217,7 +219,14 @@ class Session:
                 tuning.call(module, root.device, root.key, args, kwargs, self._layout_settled, eager)
         if eager and layout is not None and layout.on:
             return layout.run(module, root.device, lambda: self._run(module, root, path, args, kwargs))
-        return self._run(module, root, path, args, kwargs)
+        if root.watch is None or root.confirm is not None or not torch.is_grad_enabled():
+            return self._run(module, root, path, args, kwargs)
+        first = (root.compiled if path is Path.COMPILED else root.stock) is None  # its first compile is no recompile
+        graphs, start = root.graphs, self.clock()
+        out = self._run(module, root, path, args, kwargs)
+        if not first and root.watch is not None and root.watch.observe(root.graphs > graphs, self.clock() - start):
+            self._give_up_compiled(root, root.watch)
+        return out
 
     def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
         # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
@@ -364,6 +373,8 @@ class Session:
 
     def _decide(self, root: _Root, verdict: Verdict) -> None:
         root.path, root.trial, root.verdict = verdict.path, None, verdict
+        # under DDP every rank must run the same path: a rank's own compile times are not a shared verdict
+        root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
         if root.path is not Path.COMPILED:
             root.compiled = None
@@ -371,6 +382,13 @@ class Session:
             root.stock = None
         self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
         self._pause_scaling_if_fp32()
+
+    def _give_up_compiled(self, root: _Root, watch: CompileWatch) -> None:
+        """Its compiled path recompiled more than it saved (automp.recompile_watch): the eager path it beat from now
+        on, and in the cache, so the next run does not compile it."""
+        verdict = watch.verdict(root.verdict)
+        self._decide(root, verdict)
+        self.cache.put({root.key: replace(verdict, detach=root.fields.detach)})
 
     def _pause_scaling_if_fp32(self) -> None:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
@@ -389,7 +407,7 @@ class Session:
             waiting = self.unfinished.get(root.trial, [])
             if root.label in waiting:
                 waiting.remove(root.label)
-        root.aside, root.path, root.trial, root.confirm = why, None, None, None
+        root.aside, root.path, root.trial, root.confirm, root.watch = why, None, None, None, None
         if self.layout is not None:
             for module in [m for m, r in self.roots.items() if r is root]:
                 self.layout.forget(module)
@@ -418,7 +436,7 @@ class Session:
             return
         root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, _sync(root.device),
                            note=input_grads.REASON)
-        root.path, root.compiled, root.stock = None, None, None
+        root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
 
     def script_failed(self, error: BaseException) -> str | None:
