@@ -11,8 +11,10 @@ again (the wall time of a call that compiled a graph; the backward's lazy compil
 towards keeping the path) against what the path saved, the verdict's measured lead over the fastest eager path times
 the training calls since. Once it has recompiled `churn` times and the compiling cost more than it saved, the root
 moves to that eager path, with the figures in its reason, and the cache remembers it, so the next run does not compile
-at all. A few recompiles are what every compiled script pays (a second input shape makes Dynamo's graph dynamic, a
-last short batch, an evaluation flipping `training`) and never move it; nor does a lead that paid for them.
+at all. Recompiles in the first `quiet` training calls are the settling every compiled script goes through (a second
+input length makes Dynamo's graph dynamic: a model trained on padded batches recompiles at its second and third
+batch, then never) and are not counted; a few late ones (a last short batch) never reach `churn`; evaluation calls
+(grad off) are not watched; and a lead that paid for the recompiles keeps the path.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class CompileWatch:
     fallback: Path  # the fastest eager path the verdict measured
     lead_ms: float  # per iteration, the compiled path's measured lead over it
     churn: int = 3  # recompiling training calls before the path may be given up
+    quiet: int = 10  # the first training calls, whose recompiles are the path settling, not churn
     recompiles: int = 0
     spent_s: float = 0.0  # wall time of the training calls that recompiled
     calls: int = 0  # training calls since the verdict
@@ -39,7 +42,7 @@ class CompileWatch:
         """One training call (grad mode on) on the path; compiled: it compiled a graph, taking `seconds`. True when
         the path has cost more than it saved and should be given up."""
         self.calls += 1
-        if compiled:
+        if compiled and self.calls > self.quiet:
             self.recompiles += 1
             self.spent_s += seconds
         return self.recompiles >= self.churn and self.spent_s > self.saved_s()
@@ -48,10 +51,10 @@ class CompileWatch:
         return self.lead_ms * self.calls / 1e3
 
     def verdict(self, old: Verdict) -> Verdict:
-        why = (f"{old.path.value} recompiled {self.recompiles} times in its first {self.calls} training calls after "
-               f"the trial, {self.spent_s:.1f} s of compiling against {self.saved_s():.2f} s its measured lead of "
-               f"{self.lead_ms:.2f} ms per iteration saved: its graphs depend on the data, so it runs "
-               f"{self.fallback.value} (the trial had measured {_listed(old.timings_ms)})")
+        why = (f"{old.path.value} recompiled {self.recompiles} times between training calls {self.quiet} and "
+               f"{self.calls} after the trial, {self.spent_s:.1f} s of compiling against {self.saved_s():.2f} s its "
+               f"measured lead of {self.lead_ms:.2f} ms per iteration saved: its graphs depend on the data, so it "
+               f"runs {self.fallback.value} (the trial had measured {_listed(old.timings_ms)})")
         return Verdict(self.fallback, why, dict(old.timings_ms))
 
 
