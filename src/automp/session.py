@@ -26,13 +26,13 @@ from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
 from automp.fused_optimizers import OptimizerFuser
 from automp.once_logging import ignore_once_logging
-from automp.recompile_watch import CompileWatch, watch_for
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.graph.capture import low_dtype, make_backend, traceable_attention
 from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder, dtype_name
+from automp.recompile_watch import CompileWatch, watch_for
 from automp.scaling import install_for
 from automp.unread_outputs import FieldReads, FieldWatch
 
