@@ -15,9 +15,9 @@ matches the anchor, the gap is in how automp's compiled function is built, not i
 `profile-one` profiles the autocast-compiled path alone; with `fp16 profile-one bf16` the anchor is the bf16 loop, so
 the kernel diff is what fp16 (loss scaling) adds.
 
-`interleave` (or `interleave-no-tune_cudnn,no-tune_layout`: those automp.enable flags off) runs automp as a user does (its own trial, then the path it chose) and then alternates blocks of automp
-and of the anchor (A B, B A, ...) in the same process: automp.bench.suites.zoo_interleave, which `automp bench zoo
---interleave` also uses.
+`interleave` (or `interleave-no-tune_cudnn,no-tune_layout`: those automp.enable flags off) runs automp as a user
+does (its own trial, then the path it chose) and then alternates blocks of automp and of the anchor (A B, B A, ...)
+in the same process: automp.bench.suites.zoo_interleave, which `automp bench zoo --interleave` also uses.
 """
 import contextlib
 import statistics

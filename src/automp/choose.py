@@ -35,6 +35,10 @@ class Path(enum.Enum):
     COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
 
 
+EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
+COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST})
+
+
 @dataclass
 class TrialConfig:
     """warmup: iterations of a candidate that are not timed (compilation, allocator and autotuning warm-up); measure:
@@ -274,7 +278,7 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
     own = verdict.timings_ms.get(verdict.path.value)
     if own is None:
         return None
-    rivals = [p for p in (Path.FP32, Path.EAGER_LOW) if p is not verdict.path and p.value in verdict.timings_ms
+    rivals = [p for p in EAGER_PATHS if p is not verdict.path and p.value in verdict.timings_ms
               and verdict.timings_ms[p.value] <= (1 + config.confirm_within) * own]
     if not rivals:
         return None

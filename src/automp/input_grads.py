@@ -21,9 +21,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from automp.choose import Path
-
-COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST})
 REASON = ("called with an input that is a leaf tensor requiring grad (a gradient with respect to the input, as in "
           "a gradient penalty or a physics-informed loss): torch.compile's backward cannot be differentiated again, "
           "so it runs on the eager paths only")

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from automp.choose import Path, Verdict
-
-COMPILED_PATHS = (Path.COMPILED, Path.COMPILED_AUTOCAST)
-EAGER_PATHS = (Path.EAGER_LOW, Path.FP32)
+from automp.choose import COMPILED_PATHS, EAGER_PATHS, Path, Verdict
 
 
 @dataclass

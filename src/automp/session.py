@@ -19,8 +19,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import call_state, compiled_paths, input_grads, rnn
 from automp.autocast_cache import SharedCasts
-from automp.choose import (Path, Trial, TrialConfig, Verdict, VerdictCache, agreed, candidate_paths, confirmation,
-                           distributed, for_ranks, module_key, rank0_start)
+from automp.choose import (COMPILED_PATHS, EAGER_PATHS, Path, Trial, TrialConfig, Verdict, VerdictCache, agreed,
+                           candidate_paths, confirmation, distributed, for_ranks, module_key, rank0_start)
 from automp.config import AutoMPConfig
 from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
@@ -40,7 +40,6 @@ ORIG_CALL = compiled_paths.ORIG_CALL
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
 # called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
-_EAGER = (Path.FP32, Path.EAGER_LOW)  # the paths whose convolutions run as torch calls them (automp.conv_layout)
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
 
@@ -180,7 +179,7 @@ class Session:
         return self._paths_settled() and (self.layout is None or not self.layout.pending(self._tunable_roots()))
 
     def _tunable_roots(self) -> Iterator[tuple[nn.Module, torch.device, bool]]:
-        return ((m, r.device, r.path in _EAGER) for m, r in list(self.roots.items()) if r.aside is None)
+        return ((m, r.device, r.path in EAGER_PATHS) for m, r in list(self.roots.items()) if r.aside is None)
 
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -211,7 +210,7 @@ class Session:
         if root.path is None:
             return self._run(module, root, root.trial.current, args, kwargs)
         path = root.confirm.current if root.confirm else root.path
-        eager, layout, tuning = path in _EAGER, self.layout, self.tuning
+        eager, layout, tuning = path in EAGER_PATHS, self.layout, self.tuning
         if root.confirm is None:
             if layout is not None and not layout.idle:
                 layout.call(module, root.device, root.key, args, kwargs, self._paths_settled, eager)
@@ -299,7 +298,7 @@ class Session:
             self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED)
         candidates, why = ([], "") if cached is not None else self._candidates(device, root.low)
         if root.eager_only:
-            candidates = [c for c in candidates if c not in input_grads.COMPILED_PATHS]
+            candidates = [c for c in candidates if c not in COMPILED_PATHS]
         root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
         if root.lockstep:
             cached, candidates, why = rank0_start(cached, candidates, why)
@@ -344,9 +343,12 @@ class Session:
         verdict = agreed(trial.verdict) if any(r.lockstep for r in members) else trial.verdict
         for root in members:
             self._decide(root, verdict)
-        # one entry each: the fields a module's script leaves unread are its own
-        self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
+        self._remember(members, verdict)
         return verdict
+
+    def _remember(self, members: list[_Root], verdict: Verdict) -> None:
+        """The verdict in the cache, one entry per module: the fields a module's script leaves unread are its own."""
+        self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
 
     def _confirm(self, members: list[_Root], verdict: Verdict, after: Trial | None) -> None:
         """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one. Modules whose
@@ -388,7 +390,7 @@ class Session:
         on, and in the cache, so the next run does not compile it."""
         verdict = watch.verdict(root.verdict)
         self._decide(root, verdict)
-        self.cache.put({root.key: replace(verdict, detach=root.fields.detach)})
+        self._remember([root], verdict)
 
     def _pause_scaling_if_fp32(self) -> None:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
@@ -424,11 +426,11 @@ class Session:
         root.eager_only = True
         self.recorder.add_fallback(root.label, input_grads.REASON)
         if root.path is None:
-            root.trial.exclude(input_grads.COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
+            root.trial.exclude(COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
             if root.trial.verdict is not None:
                 self._settle(root.trial)
             return
-        if root.path not in input_grads.COMPILED_PATHS:
+        if root.path not in COMPILED_PATHS:
             return
         root.confirm = None
         if self.config.forced_path is not None:
