@@ -15,7 +15,8 @@ matches the anchor, the gap is in how automp's compiled function is built, not i
 `profile-one` profiles the autocast-compiled path alone; with `fp16 profile-one bf16` the anchor is the bf16 loop, so
 the kernel diff is what fp16 (loss scaling) adds.
 
-`interleave` (or `interleave-no-tune_cudnn,no-tune_layout`: those automp.enable flags off) runs automp as a user
+`interleave` (or `interleave-no-tune_cudnn,no-tune_layout`: those automp.enable flags off; `interleave-profile`:
+each side traced after its last block) runs automp as a user
 does (its own trial, then the path it chose) and then alternates blocks of automp and of the anchor (A B, B A, ...)
 in the same process: automp.bench.suites.zoo_interleave, which `automp bench zoo --interleave` also uses.
 """
@@ -117,8 +118,25 @@ def interleaved(name, dev, dtype, options):
     if dtype != "bf16":
         raise SystemExit("interleave: bf16 only (automp steps aside for the fp16 anchor's autocast, and its loss "
                          "scaling with it)")
-    got = zoo_interleave.interleaved(name, not CUDA, dev, BLOCK, 3, 200, rounds=8, options=options)
+    profiles, calls = {}, {}
+
+    def timer(step, steps, device):  # `profile` in the flags: each side traced after its last block, automp still on
+        took = zoo_interleave.block_ms(step, steps, device)
+        calls[step] = calls.get(step, 0) + 1
+        if profile and calls[step] == 9:
+            profiles[len(profiles)] = kernels(step, PROFILED)
+        return took
+
+    profile = options.pop("profile", True) is False
+    got = zoo_interleave.interleaved(name, not CUDA, dev, BLOCK, 3, 200, rounds=8, options=options, timer=timer)
     b = got["blocks"]
+    print("blocks, in order: " + " | ".join(f"{side} {' '.join(f'{t:.1f}' for t in ts)}" for side, ts in b.items()))
+    if profiles:
+        first, second = profiles[0], profiles[1]  # round 8 runs automp first, then the anchor
+        for who, (per, _, wall, syncs) in (("automp", first), ("anchor", second)):
+            print(f"  {who}: profiled wall {wall:.2f} ms/step, CUDA kernel total {sum(per.values()):.2f} ms/step, "
+                  f"{len(per)} distinct kernels, host syncs/step {syncs:.1f}", flush=True)
+        diff_table(second[0], first[0])
     print(f"interleaved, 8 rounds of {BLOCK} steps after automp's trial (settled: {got['settled']}): automp "
           f"{got['automp_ms']:.2f} ms ({min(b['automp']):.2f}-{max(b['automp']):.2f}) | anchor {got['anchor_ms']:.2f} "
           f"ms ({min(b['anchor']):.2f}-{max(b['anchor']):.2f}) | ratio {got['ratio']:.3f} | paths {got['paths']}",
@@ -130,7 +148,7 @@ def main(name, dtype="bf16", which="paths", anchor_dtype=None):
     dev = "cuda" if CUDA else "cpu"
     if which.startswith("interleave"):  # interleave-no-tune_cudnn,no-fuse_optimizers: those automp.enable flags off
         flags = which.partition("-")[2]
-        interleaved(name, dev, dtype, {f.removeprefix("no-"): False for f in flags.split(",") if f})
+        interleaved(name, dev, dtype, {f.removeprefix("no-"): False for f in flags.split(",") if f})  # profile: False
         return
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, dev), f"autocast-{anchor_dtype or dtype}-compile", dev)

@@ -1,6 +1,8 @@
-"""Issue 11 diagnostic: per-step wall time and graphs compiled of the zoo detector under automp
-(python scripts/detector_steps.py <path: auto|compile|eager|fp32> <steps>): does a compiled detector keep
-recompiling as its proposals change, and where does automp's recompile watch (automp.recompile_watch) move it?"""
+"""Issue 11 diagnostic: per-step wall time and graphs compiled of the zoo detector (or another zoo model) under
+automp (python scripts/detector_steps.py <path: auto|compile|eager|fp32|autocast-graphs> <steps> [model]): does a
+compiled detector keep recompiling as its proposals change, and where does automp's recompile watch
+(automp.recompile_watch) move it? Path `reduce-overhead`: no automp, the hand-written autocast loop compiled with
+torch.compile(mode="reduce-overhead"), to compare automp's CUDA-graph path with torch's own."""
 import sys
 import time
 
@@ -10,11 +12,14 @@ import automp
 from automp.bench.suites import zoo
 
 
-def main(path: str, steps: int) -> None:
+def main(path: str, steps: int, model: str = "detector") -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    loop = zoo.ModeLoop(zoo.MODELS["detector"][0](dev == "cpu", dev), "fp32-eager", dev)
-    automp.enable(dtype="bf16", path=path)
+    plain = path == "reduce-overhead"
+    loop = zoo.ModeLoop(zoo.MODELS[model][0](dev == "cpu", dev), "autocast-bf16-eager" if plain else "fp32-eager", dev)
+    if plain:
+        loop.nets = {k: torch.compile(m, mode="reduce-overhead") for k, m in loop.work.modules.items()}
+    automp.enable(dtype="bf16", path="fp32" if plain else path)  # fp32 forced: the script's autocast is left alone
     roots = automp._session.roots
     for i in range(steps):
         t = time.perf_counter()
@@ -25,10 +30,12 @@ def main(path: str, steps: int) -> None:
         print(f"step {i}: {1e3 * (time.perf_counter() - t):.1f} ms, graphs {sum(r.graphs for r in roots.values())}, "
               f"{paths}", flush=True)
     report = automp.disable()
-    print("compiles", report.get("compiles"))
+    from torch._dynamo.utils import counters
+    print("compiles", report.get("compiles"), "| cudagraph counters",
+          {k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
     for c in report.get("choices", []):
         print("choice", c["module"], c["path"], "|", c["reason"])
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(*sys.argv[1:2], int(sys.argv[2]), *sys.argv[3:])

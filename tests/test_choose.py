@@ -5,7 +5,7 @@ import json
 import pytest
 import torch.nn as nn
 
-from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, module_key
+from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, candidate_paths, module_key
 
 
 class FakeClock:
@@ -189,6 +189,20 @@ def test_automp_compiled_must_beat_the_hand_written_path_by_more_than_the_noise(
     assert trial.verdict.path is chosen
     assert ("hand-written loop's own path is kept" in trial.verdict.reason) == (chosen is Path.COMPILED_AUTOCAST)
     assert trial.verdict.timings_ms[Path.COMPILED.value] == pytest.approx(100.0)  # the measured timings, unchanged
+
+
+@pytest.mark.parametrize("lead, chosen", [(0.01, Path.COMPILED_AUTOCAST), (0.10, Path.GRAPHED)])
+def test_cuda_graphs_must_beat_the_same_graphs_without_them_by_more_than_the_noise(lead, chosen):
+    # replayed graphs hold a memory pool and fixed addresses: worth it only where they clearly take time away
+    cost = {Path.GRAPHED: 0.100, Path.COMPILED_AUTOCAST: 0.100 * (1 + lead), Path.EAGER_LOW: 0.2}
+    trial, _ = run_until_verdict(cost)
+    assert trial.verdict.path is chosen
+    assert ("hand-written loop's own path is kept" in trial.verdict.reason) == (chosen is Path.COMPILED_AUTOCAST)
+
+
+def test_cuda_graphs_are_a_candidate_on_cuda_only():
+    assert Path.GRAPHED in candidate_paths("cuda", 10.0, "bf16")[0]
+    assert Path.GRAPHED not in candidate_paths("cpu", 10.0, "bf16")[0]
 
 
 @pytest.mark.parametrize("lead, chosen", [(0.02, Path.FP32), (0.10, Path.EAGER_LOW)])

@@ -41,7 +41,7 @@ def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
     from automp.choose import Path
     from automp.session import Session
 
-    paths = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32]
+    paths = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (paths, "test: every path"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -63,3 +63,89 @@ def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
     del net, opt, root
     gc.collect()
     assert param() is None
+
+
+def test_graphed_path_hands_the_script_copies_of_what_the_graph_returns(monkeypatch):
+    """A CUDA graph's replay writes its outputs into the same memory each time. Simulated here by a backend that
+    returns static buffers (on a CPU Inductor runs no CUDA graphs): without the copy, the first call's output would
+    silently become the second call's."""
+    import torch._inductor.compile_fx as compile_fx
+    from automp.compiled_paths import GRAPH_PATCHES
+    patches = []
+
+    def replayed(gm, example_inputs, config_patches=None):
+        patches.append(config_patches)
+        static = []
+
+        def run(*args):
+            outs = gm.forward(*args)
+            if not static:
+                static.extend(torch.empty_like(o) for o in outs)
+            for buffer, o in zip(static, outs):
+                buffer.copy_(o)
+            return type(outs)(static)
+        return run
+
+    monkeypatch.setattr(compile_fx, "compile_fx", replayed)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    xs = [torch.randn(16, 32) for _ in range(3)]
+    automp.enable(dtype="bf16", path="autocast-graphs")
+    with torch.no_grad():
+        outs = [net(x) for x in xs]
+    rep = automp.disable()
+    assert patches == [GRAPH_PATCHES]
+    assert [c["path"] for c in rep["choices"]] == ["autocast-graphed"]
+    with torch.no_grad():
+        for out, x in zip(outs, xs):
+            ref = net(x)
+            assert out.dtype == torch.float32 and 1e-5 < (out - ref).norm() / ref.norm() < 1e-2
+
+
+def test_graphed_path_trains_like_the_autocast_compiled_path():
+    """Gradients flow through the copy; the path compiles the same graphs as autocast-compiled (on a CPU Inductor
+    skips the CUDA graphs and says why), so a training step matches FP32 within bf16's tolerance."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    ref_net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    ref_net.load_state_dict(net.state_dict())
+    x = torch.randn(16, 32)
+    ref_net(x).pow(2).mean().backward()
+    automp.enable(dtype="bf16", path="autocast-graphs")
+    net(x).pow(2).mean().backward()
+    automp.disable()
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert 1e-6 < (p.grad - r.grad).norm() / r.grad.norm() < 3e-2
+
+
+def _eager_inductor(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_path, forced):
+    """A new input shape after the verdict (padded batches of another length) would be recorded again as CUDA graphs
+    for every shape: the module moves to the same graphs without them, and the cache keeps that. A path the user
+    forced stays."""
+    from automp.choose import Path
+    from automp.session import Session
+    _eager_inductor(monkeypatch)
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path), path="autocast-graphs" if forced else "auto")
+    for rows in (8, 8, 12, 12):
+        net(torch.randn(rows, 16)).pow(2).mean().backward()
+    root = automp._session.roots[net]
+    rep = automp.disable()
+    if forced:
+        assert root.path is Path.GRAPHED and [c["path"] for c in rep["choices"]] == ["autocast-graphed"]
+        return
+    assert root.path is Path.COMPILED_AUTOCAST and root.graphed is None
+    (choice,) = rep["choices"]  # the module's latest choice, with why
+    assert choice["path"] == "autocast-compiled" and "recorded again for every shape" in choice["reason"]
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))  # the next run starts without CUDA graphs
+    net(torch.randn(8, 16))
+    assert automp._session.roots[net].path is Path.COMPILED_AUTOCAST
+    automp.disable()

@@ -4,7 +4,8 @@ A cost model predicts; only the device knows. Small scripts are launch- or host-
 graphs buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like
 PAI's online feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate
 path (FP32 eager as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast —
-what a careful user would hand-write, so automp is never slower than that either), timed from one call of the
+what a careful user would hand-write, so automp is never slower than that either — and the same graphs replayed as
+CUDA graphs, which take the host's launch work away where a step is host-bound), timed from one call of the
 module to its next call — forward, backward, optimizer step and the data loading in between, everything the user
 waits for. The fastest path is kept for the rest of the run, re-measured once in steady state against the eager
 paths that came close (`confirmation`), and the verdict is cached on disk per module shape, dtype and device, so
@@ -33,10 +34,12 @@ class Path(enum.Enum):
     EAGER_LOW = "low-precision-eager"  # torch.autocast with automp's dtype: cuDNN/cuBLAS low-precision kernels
     COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
     COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
+    GRAPHED = "autocast-graphed"  # the same graphs replayed as CUDA graphs (automp.compiled_paths.stock)
 
 
 EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
-COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST})
+COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED})
+AUTOCAST_PATHS = frozenset({Path.COMPILED_AUTOCAST, Path.GRAPHED})  # compiled, under torch.autocast
 
 
 @dataclass
@@ -60,13 +63,13 @@ class TrialConfig:
     (automp.recompile_watch); 0: never."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
-                                                             Path.COMPILED_AUTOCAST: 2})
+                                                             Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3})
     measure: int = 4  # even: alternating rounds then cancel a linear drift exactly (x block iterations each)
     block: int = 2  # iterations per timed sample, run back to back as the script runs them (see Trial)
     give_up: float = 1.3
     give_up_first: float = 2.5
     switch_after: int = 4  # another module called this often between two calls of the timed one: time that one
-    anchor_margin: float = 0.03  # automp-compiled must beat autocast-compiled by more than this to be kept
+    anchor_margin: float = 0.03  # automp-compiled or autocast-graphed must beat autocast-compiled by more than this
     fp32_margin: float = 0.03  # any other path must beat FP32 eager (the script as written) by more than this
     confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
     confirm_within: float = 0.25
@@ -226,10 +229,11 @@ class Trial:
             tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {inc.value} (this "
                    f"measurement's noise), so {inc.value} is kept")
             winner = inc
-        if winner is Path.COMPILED and self._within(Path.COMPILED_AUTOCAST, winner, timings, self.config.anchor_margin):
-            winner = Path.COMPILED_AUTOCAST
-            tie = (f"; {Path.COMPILED.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
+        if winner in (Path.COMPILED, Path.GRAPHED) and self._within(Path.COMPILED_AUTOCAST, winner, timings,
+                                                                    self.config.anchor_margin):
+            tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
                    f"noise), so the hand-written loop's own path is kept")
+            winner = Path.COMPILED_AUTOCAST
         if winner is not Path.FP32 and self._within(Path.FP32, winner, timings, self.config.fp32_margin):
             tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Path.FP32.value} (this "
                     f"measurement's noise), so the script runs as written")
@@ -257,7 +261,7 @@ def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Pat
     if device_type != "cuda":
         return [Path.FP32, Path.EAGER_LOW], (f"{dtype} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled graphs "
                                              f"not tried on a CPU (compile time)")
-    every = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.FP32]
+    every = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
     return every, f"{dtype} GEMMs measured {gain:.1f}x FP32"
 
 

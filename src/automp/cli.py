@@ -18,10 +18,11 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-scale", default="dynamic",
                    help="dynamic | off | a constant such as 1024 (only matters for fp16)")
     p.add_argument("--report", default=None, help="write the precision report JSON here")
-    p.add_argument("--path", default="auto", choices=["auto", "compile", "eager", "autocast-compile", "fp32"],
-                   help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast and "
-                        "FP32 in the first iterations and keep the fastest (cached per model and device); or force "
-                        "one")
+    p.add_argument("--path", default="auto",
+                   choices=["auto", "compile", "eager", "autocast-compile", "autocast-graphs", "fp32"],
+                   help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
+                        "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
+                        "model and device); or force one")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")

@@ -1,6 +1,7 @@
 """How a root module's compiled paths are built: automp's graph pass (Path.COMPILED) and stock Inductor under
-torch.autocast (Path.COMPILED_AUTOCAST). The session (session.py) decides which one a module runs; what is built here
-must leave the module collectable (entry_point says why) and give each module a code object of its own.
+torch.autocast (Path.COMPILED_AUTOCAST), replayed as CUDA graphs or not (Path.GRAPHED). The session (session.py)
+decides which one a module runs; what is built here must leave the module collectable (entry_point says why) and give
+each module a code object of its own.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from automp.outputs import restore_outside_graph
+from automp.outputs import out_of_pool, restore_outside_graph
 from automp.unread_outputs import detach_unread
 
 ORIG_CALL = nn.Module.__call__  # taken at import, before a session patches it
@@ -21,31 +22,44 @@ _entry_ids = itertools.count()
 
 def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
     """torch.compile with automp's backend (graph/capture.make_backend)."""
-    return torch.compile(entry_point(module, root), backend=counted(root, backend))
+    return bound(torch.compile(entry_point(module, root), backend=counted(root, backend)), module)
 
 
-def stock(module: nn.Module, root: Any) -> Callable[..., Any]:
+# Inductor's CUDA graphs (cudagraph trees), as torch.compile(mode="reduce-overhead") sets them. Not with
+# triton.cudagraph_skip_dynamic_graphs: on an H100 (torch 2.11) it split the Llama-style model's graphs into 75
+# partitions around ops it took for dynamic, one of which was recorded again at every step (160-260 ms a step against
+# 23 ms without it). A graph whose shapes do vary is left by the session instead (Session._leave_graphs).
+GRAPH_PATCHES = {"triton.cudagraphs": True}
+
+
+def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
     region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
     in FP32 that the hand-written loop runs in bf16 (8.4 ms of FP32 GEMM kernels in place of 2.3 ms; kernel profiles,
     scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The
     outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
-    sees its own dtypes; a ModelOutput's fields only when read (automp.outputs)."""
-    entry = entry_point(module, root)
+    sees its own dtypes; a ModelOutput's fields only when read (automp.outputs).
 
-    def restored(*args: Any, **kwargs: Any) -> Any:
-        return restore_outside_graph(entry(*args, **kwargs))
+    graphs=True (Path.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
+    a few hundred kernels; on an H100 its kernels took 20.4 ms a step while the step itself ran 22 to 33 ms on
+    different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
+    spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory (outputs.out_of_pool)."""
+    entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
+
+    def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return restore_outside_graph(entry(mod, *args, **kwargs))
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES) if graphs else compile_fx(gm, example_inputs)
 
-    compiled = torch.compile(restored, backend=counted(root, inductor))
+    compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
 
     def autocast_call(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(root.device.type, dtype=root.low):
-            return compiled(*args, **kwargs)
+        with torch.autocast(device, dtype=low):
+            out = compiled(*args, **kwargs)
+        return out_of_pool(out, fields.detach) if graphs else out
 
     return autocast_call
 
@@ -64,6 +78,15 @@ def counted(root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
     return backend_counting
 
 
+def bound(compiled: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """`compiled` (of an entry_point) with `module` as its first argument, held weakly (see entry_point)."""
+    ref = weakref.ref(module)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return compiled(ref(), *args, **kwargs)
+    return call
+
+
 def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
     """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
     recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
@@ -74,11 +97,14 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
     process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
     parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
     outlived the script's last reference to it with its parameters and gradients (H100, the zoo's LSTM: +0.28 GiB in
-    the next model's run)."""
-    ref, fields = weakref.ref(module), root.fields
+    the next model's run).
 
-    def call(*args, **kwargs):
-        return detach_unread(ORIG_CALL(ref(), *args, **kwargs), fields)
+    The module is the function's first argument, as `self` is to the module's own compiled call (torch.compile(model)):
+    Dynamo sees it as the hand-written loop's compile does. `bound` supplies the argument, held weakly."""
+    fields = root.fields
+
+    def call(mod, *args, **kwargs):
+        return detach_unread(ORIG_CALL(mod, *args, **kwargs), fields)
 
     code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
     return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)

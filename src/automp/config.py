@@ -14,7 +14,7 @@ from automp.choose import Path
 DTYPES = ("auto", "fp16", "float16", "half", "bf16", "bfloat16")
 INNERS = ("inductor", "eager")
 PATHS = {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
-         "autocast-compile": Path.COMPILED_AUTOCAST}
+         "autocast-compile": Path.COMPILED_AUTOCAST, "autocast-graphs": Path.GRAPHED}
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ class AutoMPConfig:
     inner: "inductor" or "eager" (rewritten graphs run op by op: fast start, for tests and debugging).
     spec: plan casts for another device's costs ("h100", "cpu", ...).
     path: "auto" measures the candidate paths in the first iterations and keeps the fastest; "compile", "eager",
-    "autocast-compile" or "fp32" force automp's compiled pass, low-precision eager, stock Inductor under autocast,
-    or the script as written.
+    "autocast-compile", "autocast-graphs" or "fp32" force automp's compiled pass, low-precision eager, stock Inductor
+    under autocast, the same replayed as CUDA graphs, or the script as written.
     cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp).
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.fused_optimizers).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from automp.choose import Path
+from automp.choose import AUTOCAST_PATHS, COMPILED_PATHS, Path
 from automp.precision.report import Recorder
 
 _RNN_BREAK = ("_rnn_call", "allow_rnn", "RNN, GRU, or LSTM")
@@ -24,7 +24,8 @@ def graph_breaks() -> dict[str, int]:
 def report_graph_breaks(rec: Recorder, roots: Iterable[Any], before: dict[str, int]) -> None:
     """Add a fallback entry for each break reason new since `before` (once per reason); `roots` are the session's
     root records (their .path and .graphs say which compiled path ran)."""
-    paths = {r.path for r in roots if r.graphs and r.path in (Path.COMPILED, Path.COMPILED_AUTOCAST)}
+    paths = {Path.COMPILED_AUTOCAST if r.path in AUTOCAST_PATHS else r.path for r in roots
+             if r.graphs and r.path in COMPILED_PATHS}
     how = ("in FP32" if Path.COMPILED_AUTOCAST not in paths else "under torch.autocast" if len(paths) == 1 else
            "in FP32 (automp-compiled modules) or under torch.autocast (autocast-compiled modules)")
     for reason, n in graph_breaks().items():

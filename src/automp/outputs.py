@@ -44,6 +44,23 @@ def restore_outside_graph(out: Any) -> Any:
     return out if is_lazy_candidate(out) else restore_float32(out)
 
 
+def out_of_pool(out: Any, keep: tuple[str, ...] = ()) -> Any:
+    """`out` with copies of its tensors, made outside a call replayed as a CUDA graph (Path.GRAPHED): the graph's
+    next replay writes into the same memory, so what the previous call returned would change under a script that kept
+    it (losses collected on the device and summed at the end of an epoch; torch raises where it notices). A loss is
+    one element; a classifier's logits a few MB. ModelOutput fields named in `keep` (detached because the script does
+    not read them: automp.unread_outputs) stay where they are: copying GPT-2's unread logits would move 0.8 GB a
+    step."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if not is_lazy_candidate(out):
+        return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+    for name in list(dict.keys(out)):
+        if name not in keep:
+            out[name] = pytree.tree_map_only(torch.Tensor, torch.clone, dict.__getitem__(out, name))
+    return out
+
+
 def restore_lazily(out: Any, watch: Any = None) -> Any:
     """`out` with FP32 promised: a ModelOutput becomes its lazy twin (same object, class swapped), anything else is
     restored now. `watch.on_read(out, name)` is told of every field read before it happens (automp.unread_outputs)."""

@@ -56,6 +56,7 @@ class _Root:
     confirm: Trial | None = None  # the verdict's re-measurement in steady state, while it runs (choose.confirmation)
     compiled: Callable[..., Any] | None = None
     stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
+    graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Path.GRAPHED)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
@@ -218,12 +219,16 @@ class Session:
                 tuning.call(module, root.device, root.key, args, kwargs, self._layout_settled, eager)
         if eager and layout is not None and layout.on:
             return layout.run(module, root.device, lambda: self._run(module, root, path, args, kwargs))
-        if root.watch is None or root.confirm is not None or not torch.is_grad_enabled():
+        graphed = path is Path.GRAPHED and self.config.forced_path is None
+        if (root.watch is None and not graphed) or root.confirm is not None or not torch.is_grad_enabled():
             return self._run(module, root, path, args, kwargs)
-        first = (root.compiled if path is Path.COMPILED else root.stock) is None  # its first compile is no recompile
+        first = _built(root, path) is None  # its first compile is no recompile
         graphs, start = root.graphs, self.clock()
         out = self._run(module, root, path, args, kwargs)
-        if not first and root.watch is not None and root.watch.observe(root.graphs > graphs, self.clock() - start):
+        recompiled = not first and root.graphs > graphs
+        if recompiled and graphed:
+            self._leave_graphs(root)
+        elif not first and root.watch is not None and root.watch.observe(recompiled, self.clock() - start):
             self._give_up_compiled(root, root.watch)
         return out
 
@@ -237,16 +242,12 @@ class Session:
                 return ORIG_CALL(module, *args, **kwargs)
             if path is Path.EAGER_LOW:
                 return self._deliver(root, self.casts.call(module, root, args, kwargs), None)
-            if path is Path.COMPILED_AUTOCAST:
-                if root.stock is None:
-                    self._before_compile(root)
-                    root.stock = compiled_paths.stock(module, root)
-                compiled = root.stock
-            else:
-                if root.compiled is None:
-                    self._before_compile(root)
-                    root.compiled = self._compile(module, root)
-                compiled = root.compiled
+            compiled = _built(root, path)
+            if compiled is None:
+                self._before_compile(root)
+                compiled = (self._compile(module, root) if path is Path.COMPILED else
+                            compiled_paths.stock(module, root, graphs=path is Path.GRAPHED))
+                setattr(root, _BUILT[path], compiled)
             try:
                 with traceable_attention():
                     out = compiled(*args, **kwargs)
@@ -378,10 +379,9 @@ class Session:
         # under DDP every rank must run the same path: a rank's own compile times are not a shared verdict
         root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
-        if root.path is not Path.COMPILED:
-            root.compiled = None
-        if root.path is not Path.COMPILED_AUTOCAST:
-            root.stock = None
+        for path, attribute in _BUILT.items():
+            if root.path is not path:
+                setattr(root, attribute, None)
         self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
         self._pause_scaling_if_fp32()
 
@@ -389,6 +389,17 @@ class Session:
         """Its compiled path recompiled more than it saved (automp.recompile_watch): the eager path it beat from now
         on, and in the cache, so the next run does not compile it."""
         verdict = watch.verdict(root.verdict)
+        self._decide(root, verdict)
+        self._remember([root], verdict)
+
+    def _leave_graphs(self, root: _Root) -> None:
+        """A training call on CUDA graphs compiled a new graph after the verdict: the module meets new input shapes
+        (padded batches of another length, a last short batch), and each shape would be recorded again, with memory
+        of its own. The same graphs without CUDA graphs from now on, and in the cache."""
+        old = root.verdict
+        verdict = Verdict(Path.COMPILED_AUTOCAST, f"{Path.GRAPHED.value} recompiled after its verdict (new input "
+                                                  f"shapes): CUDA graphs would be recorded again for every shape, so "
+                                                  f"it runs without them ({old.reason})", dict(old.timings_ms))
         self._decide(root, verdict)
         self._remember([root], verdict)
 
@@ -473,6 +484,14 @@ class Session:
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
                                                                 label=root.label))
+
+
+_BUILT = {Path.COMPILED: "compiled", Path.COMPILED_AUTOCAST: "stock", Path.GRAPHED: "graphed"}  # _Root's field
+
+
+def _built(root: _Root, path: Path) -> Callable[..., Any] | None:
+    """The compiled function of `path` (a compiled path), once built."""
+    return getattr(root, _BUILT[path])
 
 
 def _device_of(module: nn.Module) -> torch.device:
