@@ -149,3 +149,34 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     net(torch.randn(8, 16))
     assert automp._session.roots[net].path is Path.COMPILED_AUTOCAST
     automp.disable()
+
+
+@pytest.mark.parametrize("share, tried", [(0.3, True), (0.8, False)])
+def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_their_pool(monkeypatch, tmp_path, share,
+                                                                                       tried):
+    from automp import compiled_paths
+    from automp.choose import Path
+    from automp.session import Session
+    _eager_inductor(monkeypatch)
+    total = 80 * 2**30
+    monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int(share * total), total))
+    monkeypatch.setattr(Session, "_candidates",
+                        lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(60):
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+        if automp.settled():
+            break
+    built = automp._session.roots[net].graphs
+    rep = automp.disable()
+    assert (Path.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
+    assert ("CUDA graphs keep a memory pool of their own" in rep["choices"][0]["reason"]) == (not tried)
+    assert built == (2 if tried else 1)  # never compiled when it does not fit
+
+
+def test_graphs_fit_names_the_memory_it_found():
+    from automp.compiled_paths import graphs_fit
+    assert graphs_fit(30 * 2**30, 80 * 2**30) is None
+    assert "up to 50.0 of the device's 80.0 GiB" in graphs_fit(50 * 2**30, 80 * 2**30)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from automp.choose import Path
 from automp.outputs import out_of_pool, restore_outside_graph
 from automp.unread_outputs import detach_unread
 
@@ -30,6 +31,28 @@ def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callabl
 # partitions around ops it took for dynamic, one of which was recorded again at every step (160-260 ms a step against
 # 23 ms without it). A graph whose shapes do vary is left by the session instead (Session._leave_graphs).
 GRAPH_PATCHES = {"triton.cudagraphs": True}
+
+
+# CUDA graphs keep a memory pool of their own: on an H100 the Llama-style step peaked 0.6 GiB (10%) above the same
+# graphs without them (scripts/peak_reserved.py). A trial offers them only while the script's peak so far leaves room.
+GRAPH_MEMORY_SHARE = 0.5
+
+
+def graphs_fit(peak_bytes: int, total_bytes: int) -> str | None:
+    """Why CUDA graphs are not tried for a script that has reserved up to `peak_bytes` of a device's `total_bytes`,
+    or None when they fit: near its memory limit, a pool of their own could run out of memory where the script as
+    written did not."""
+    if peak_bytes <= GRAPH_MEMORY_SHARE * total_bytes:
+        return None
+    return (f"{Path.GRAPHED.value} not tried: the script has reserved up to {peak_bytes / 2**30:.1f} of the device's "
+            f"{total_bytes / 2**30:.1f} GiB, and CUDA graphs keep a memory pool of their own")
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(peak bytes reserved so far, total bytes) of a CUDA device; None elsewhere (no CUDA graphs there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
 
 
 def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., Any]:

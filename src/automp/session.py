@@ -202,6 +202,8 @@ class Session:
             self._eager_only(root)
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
+            if root.trial.verdict is None and root.trial.current is Path.GRAPHED and root.graphed is None:
+                self._check_graphs_fit(root)
             if root.trial.verdict is not None:
                 self._settle(root.trial)
         elif root.confirm is not None:
@@ -391,6 +393,13 @@ class Session:
         verdict = watch.verdict(root.verdict)
         self._decide(root, verdict)
         self._remember([root], verdict)
+
+    def _check_graphs_fit(self, root: _Root) -> None:
+        """Before CUDA graphs are built in a trial: the script's memory so far must leave room for their pool."""
+        memory = compiled_paths.device_memory(root.device)
+        why = None if memory is None else compiled_paths.graphs_fit(*memory)
+        if why is not None:
+            root.trial.exclude({Path.GRAPHED}, why)
 
     def _leave_graphs(self, root: _Root) -> None:
         """A training call on CUDA graphs compiled a new graph after the verdict: the module meets new input shapes

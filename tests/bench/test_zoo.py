@@ -195,3 +195,15 @@ def test_passes_alternate_the_mode_order_and_take_the_median(monkeypatch):
     assert {r["step_ms"] for r in rows.values()} == {12.5}  # drift cancelled: equal code, equal medians
     assert rows["fp32-eager"]["peak_gib"] == 7.0  # the largest peak of the passes
     assert rows["automp-bf16"]["ratio_vs_anchor"] == pytest.approx(1.0)
+
+
+def test_markdown_shows_reserved_peak_where_measured():
+    """CUDA graphs' private pool shows only in the reserved count: a row with it shows both, a CPU row neither."""
+    rows = [{"model": "gpt2", "mode": zoo.ANCHOR, "step_ms": 30.0, "peak_gib": 6.43, "peak_reserved_gib": 7.1,
+             "loss": 9.05},
+            {"model": "gpt2", "mode": "automp-bf16", "step_ms": 26.0, "peak_gib": 1.47, "peak_reserved_gib": 7.25,
+             "loss": 9.05},
+            {"model": "mlp", "mode": "fp32-eager", "step_ms": 1.0, "peak_gib": None, "loss": 0.5}]
+    table = zoo.markdown(rows)
+    assert "| 6.43 / 7.10 |" in table and "| 1.47 / 7.25 |" in table
+    assert "| mlp | fp32-eager | 1.00 |  |  | 0.5000 |" in table
