@@ -180,3 +180,48 @@ def test_graphs_fit_names_the_memory_it_found():
     from automp.compiled_paths import graphs_fit
     assert graphs_fit(30 * 2**30, 80 * 2**30) is None
     assert "up to 50.0 of the device's 80.0 GiB" in graphs_fit(50 * 2**30, 80 * 2**30)
+
+
+def _two_candidates(monkeypatch):
+    from automp.choose import Path
+    from automp.session import Session
+    _eager_inductor(monkeypatch)
+    monkeypatch.setattr(Session, "_candidates",
+                        lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+
+
+def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch, tmp_path):
+    """A GAN: cudagraph trees reuse one module's graph memory when the other's backward runs (the zoo's DCGAN crashed
+    on an H100), so neither module's trial builds CUDA graphs."""
+    from automp.choose import Path
+    _two_candidates(monkeypatch)
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 1))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(60):
+        fake = gen(torch.randn(4, 8))
+        disc(fake.detach()).mean().backward()
+        disc(fake).mean().backward()
+        if automp.settled():
+            break
+    roots = automp._session.roots
+    assert all(r.graphed is None and r.path is Path.COMPILED_AUTOCAST for r in roots.values())
+    rep = automp.disable()
+    assert all(Path.GRAPHED.value not in c["timings_ms"] and "run under automp together" in c["reason"]
+               for c in rep["choices"])
+
+
+def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
+    from automp.choose import Path
+    _two_candidates(monkeypatch)
+    monkeypatch.setattr(automp.session.Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test"))
+    torch.manual_seed(0)
+    net, head = nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 4)
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    net(torch.randn(8, 16)).sum().backward()
+    first = automp._session.roots[net]
+    assert first.path is Path.GRAPHED
+    head(net(torch.randn(8, 16))).sum().backward()
+    assert first.path is Path.COMPILED_AUTOCAST and first.graphed is None
+    assert "run under automp together" in first.verdict.reason
+    automp.disable()

@@ -185,7 +185,7 @@ class Session:
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """A module called from the script (patched_call has already passed submodules and traced calls through)."""
-        root = self.roots.get(module)
+        root = new = self.roots.get(module)
         if root is None:
             if not any(True for _ in module.parameters()):
                 return ORIG_CALL(module, *args, **kwargs)
@@ -198,6 +198,8 @@ class Session:
                                    "(and loss scaling) to the script", user_precision=True)
         if root.aside is not None:
             return self._run(module, root, Path.FP32, args, kwargs)  # as written, nested modules included
+        if new is None:
+            self._graphs_for_one_module()
         if not root.eager_only and input_grads.asks_input_grad(args, kwargs):
             self._eager_only(root)
         if root.path is None:
@@ -401,14 +403,34 @@ class Session:
         if why is not None:
             root.trial.exclude({Path.GRAPHED}, why)
 
-    def _leave_graphs(self, root: _Root) -> None:
+    def _graphs_for_one_module(self) -> None:
+        """CUDA graphs only while automp runs a single module. Cudagraph trees start a new generation of their
+        memory at a compiled call after a backward: a GAN's discriminator backward, then its call on the generator's
+        output, freed the generator's saved activations before the generator's backward (an H100 run of the zoo's
+        DCGAN crashed on "accessing tensor output of CUDAGraphs that has been overwritten", BENCHMARKS.md, fourth
+        session). So a second module that automp runs takes CUDA graphs out of every trial, and a module already on
+        them moves to the same graphs without them (a forced path stays)."""
+        roots = [r for r in self.roots.values() if r.aside is None]
+        if len(roots) < 2:
+            return
+        why = (f"{Path.GRAPHED.value} not for a script whose modules ({', '.join(r.label for r in roots)}) run under "
+               f"automp together: CUDA graph memory of one module is reused when another's backward runs")
+        for root in roots:
+            for trial in (root.trial, root.confirm):
+                if trial is not None and trial.verdict is None and Path.GRAPHED in trial.alive:
+                    trial.exclude({Path.GRAPHED}, why)
+            if root.path is Path.GRAPHED and self.config.forced_path is None:
+                self._leave_graphs(root, why)
+
+    def _leave_graphs(self, root: _Root, why: str | None = None) -> None:
         """A training call on CUDA graphs compiled a new graph after the verdict: the module meets new input shapes
         (padded batches of another length, a last short batch), and each shape would be recorded again, with memory
-        of its own. The same graphs without CUDA graphs from now on, and in the cache."""
+        of its own. The same graphs without CUDA graphs from now on, and in the cache. `why`: another reason."""
         old = root.verdict
-        verdict = Verdict(Path.COMPILED_AUTOCAST, f"{Path.GRAPHED.value} recompiled after its verdict (new input "
-                                                  f"shapes): CUDA graphs would be recorded again for every shape, so "
-                                                  f"it runs without them ({old.reason})", dict(old.timings_ms))
+        why = why or (f"{Path.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
+                      f"recorded again for every shape, so it runs without them")
+        verdict = Verdict(Path.COMPILED_AUTOCAST, f"{why} ({old.reason})", dict(old.timings_ms))
+        root.confirm = None
         self._decide(root, verdict)
         self._remember([root], verdict)
 
