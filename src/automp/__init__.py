@@ -18,7 +18,7 @@ from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder
 
-__version__ = "0.3.4"
+__version__ = "0.3.5"
 __all__ = ["enable", "disable", "compile", "report", "is_enabled", "settled", "AutoMPConfig", "__version__"]
 
 _session = None  # the open automp.session.Session, if any
