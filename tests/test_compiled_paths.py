@@ -225,3 +225,22 @@ def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
     assert first.path is Path.COMPILED_AUTOCAST and first.graphed is None
     assert "run under automp together" in first.verdict.reason
     automp.disable()
+
+
+def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
+    """Under DDP every rank runs rank 0's path; the memory check and the moves off CUDA graphs are a rank's own."""
+    import automp.session as session
+    from automp.choose import Path
+    _eager_inductor(monkeypatch)
+    monkeypatch.setattr(session.Session, "_candidates", lambda self, device, low: (
+        [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
+    monkeypatch.setattr(session, "distributed", lambda: True)
+    monkeypatch.setattr(session, "_LOCKSTEP", ("Sequential",))
+    monkeypatch.setattr(session, "rank0_start", lambda cached, candidates, why: (cached, candidates, why))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    net(torch.randn(8, 16)).sum().backward()
+    root = automp._session.roots[net]
+    assert root.lockstep and root.trial.candidates == [Path.EAGER_LOW, Path.COMPILED_AUTOCAST]
+    automp.disable()

@@ -305,7 +305,8 @@ class Session:
         if root.eager_only:
             candidates = [c for c in candidates if c not in COMPILED_PATHS]
         root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
-        if root.lockstep:
+        if root.lockstep:  # CUDA graphs' memory check and moves are a rank's own: every rank must run rank 0's path
+            candidates = [c for c in candidates if c is not Path.GRAPHED]
             cached, candidates, why = rank0_start(cached, candidates, why)
         if cached is not None:
             if cached.detach:  # what the run that measured it learned the script does not read
