@@ -244,3 +244,30 @@ def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     root = automp._session.roots[net]
     assert root.lockstep and root.trial.candidates == [Path.EAGER_LOW, Path.COMPILED_AUTOCAST]
     automp.disable()
+
+
+
+def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkeypatch, tmp_path):
+    """enable(cuda_graphs=False), for a script that needs the memory: no candidate, and no verdict of a run that had
+    them (a different cache key); forcing them then is a contradiction, refused before anything is installed."""
+    from automp.choose import Path
+    from automp.config import AutoMPConfig
+    from automp.session import Session
+    _eager_inductor(monkeypatch)
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (
+        [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    keys = {}
+    for graphs in (True, False):
+        automp.enable(dtype="bf16", cache_dir=str(tmp_path), cuda_graphs=graphs)
+        net(torch.randn(8, 16)).sum().backward()
+        root = automp._session.roots[net]
+        keys[graphs] = root.key
+        assert (Path.GRAPHED in root.trial.candidates) == graphs
+        automp.disable()
+    assert keys[True] != keys[False]
+    with pytest.raises(ValueError, match="cuda_graphs=False"):
+        AutoMPConfig(path="autocast-graphs", cuda_graphs=False)
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        AutoMPConfig(cuda_graphs="no")

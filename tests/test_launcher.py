@@ -42,15 +42,16 @@ def test_good_report_path_runs_the_script_and_writes_the_report(tmp_path, monkey
 
 
 def test_the_switches_reach_the_session(tmp_path, monkeypatch):
-    """`automp run --no-tune-cudnn --no-fuse-optimizers` configures the session the script runs under."""
+    """`automp run --no-tune-cudnn --no-fuse-optimizers --no-cuda-graphs` configures the session the script runs
+    under."""
     from automp.cli import main
 
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "config.txt"
     script = tmp_path / "train.py"
     script.write_text("import automp\nc = automp._session.config\n"
-                      f"open({str(out)!r}, 'w').write(f'{{c.tune_cudnn}} {{c.fuse_optimizers}}')\n")
-    assert main(["run", "--no-tune-cudnn", "--no-fuse-optimizers", str(script)]) == 0
-    assert out.read_text() == "False False"
+                      f"open({str(out)!r}, 'w').write(f'{{c.tune_cudnn}} {{c.fuse_optimizers}} {{c.cuda_graphs}}')\n")
+    assert main(["run", "--no-tune-cudnn", "--no-fuse-optimizers", "--no-cuda-graphs", str(script)]) == 0
+    assert out.read_text() == "False False False"
     assert main(["run", str(script)]) == 0
-    assert out.read_text() == "True True"
+    assert out.read_text() == "True True True"

@@ -26,7 +26,8 @@ _session = None  # the open automp.session.Session, if any
 
 def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None = None, inner: str = "inductor",
            spec: str | None = None, path: str = "auto", cache_dir: str | None = None,
-           fuse_optimizers: bool = True, tune_cudnn: bool = True, tune_layout: bool = True) -> None:
+           fuse_optimizers: bool = True, tune_cudnn: bool = True, tune_layout: bool = True,
+           cuda_graphs: bool = True) -> None:
     """Turn automatic mixed precision on for every module called from now on (arguments: see AutoMPConfig).
 
     Every argument is checked before anything is installed: a bad one raises and leaves automp as it was. Called
@@ -35,7 +36,7 @@ def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None 
     global _session
     from automp.session import Session, reconfigured
     config = AutoMPConfig(dtype, loss_scale, report, inner, spec, path, cache_dir, fuse_optimizers, tune_cudnn,
-                          tune_layout)
+                          tune_layout, cuda_graphs)
     recorder = None
     if _session is not None:
         config = reconfigured(_session, config)

@@ -32,6 +32,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tune-layout", dest="tune_layout", action="store_false",
                    help="leave eager convolutions in the script's memory layout (default: time channels_last "
                         "activations against it once the paths are chosen, keep them only if they measured faster)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="never replay the compiled graphs as CUDA graphs (default: time them in the trial, for a "
+                        "single module on CUDA; they take a memory pool of their own)")
 
 
 _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback from the training loop
@@ -41,7 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from automp.launcher import run_script
     return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report,
                       path=args.path, fuse_optimizers=args.fuse_optimizers, tune_cudnn=args.tune_cudnn,
-                      tune_layout=args.tune_layout)
+                      tune_layout=args.tune_layout, cuda_graphs=args.cuda_graphs)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

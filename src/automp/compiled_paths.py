@@ -67,7 +67,8 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
     graphs=True (Path.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
     a few hundred kernels; on an H100 its kernels took 20.4 ms a step while the step itself ran 22 to 33 ms on
     different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
-    spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory (outputs.out_of_pool)."""
+    spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory
+    (outputs.out_of_pool)."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
 
     def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +76,9 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES) if graphs else compile_fx(gm, example_inputs)
+        if graphs:
+            return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
+        return compile_fx(gm, example_inputs)
 
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
 

@@ -33,7 +33,9 @@ class AutoMPConfig:
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
     the faster (automp.conv_tuning); a script that set the flag itself is left alone.
     tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
-    the script's layout, and keep the faster (automp.conv_layout); parameters keep their layout."""
+    the script's layout, and keep the faster (automp.conv_layout); parameters keep their layout.
+    cuda_graphs: on CUDA, let the trial time autocast-compiled's graphs replayed as CUDA graphs (Path.GRAPHED); off
+    for a script that needs the memory their pool takes."""
 
     dtype: str = "auto"
     loss_scale: Any = "dynamic"
@@ -45,6 +47,7 @@ class AutoMPConfig:
     fuse_optimizers: bool = True
     tune_cudnn: bool = True
     tune_layout: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,11 +55,13 @@ class AutoMPConfig:
         _check_loss_scale(self.loss_scale)
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
-        for flag in ("fuse_optimizers", "tune_cudnn", "tune_layout"):
+        for flag in ("fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.path not in PATHS:
             raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
+        if PATHS[self.path] is Path.GRAPHED and not self.cuda_graphs:
+            raise ValueError(f"path {self.path!r} asks for the CUDA graphs that cuda_graphs=False turns off")
         if self.spec:
             from automp.precision import cost
             cost.spec_named(self.spec)

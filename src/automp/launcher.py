@@ -17,7 +17,8 @@ from automp.files import check_writable, same_file
 
 def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale: Any = "dynamic",
                report: str | None = None, inner: str | None = None, path: str | None = None,
-               fuse_optimizers: bool = True, tune_cudnn: bool = True, tune_layout: bool = True) -> int:
+               fuse_optimizers: bool = True, tune_cudnn: bool = True, tune_layout: bool = True,
+               cuda_graphs: bool = True) -> int:
     if not os.path.isfile(script):
         print(f"automp run: cannot open file {script!r}: no such file", file=sys.stderr)
         return 2
@@ -30,7 +31,7 @@ def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale
                       inner=inner or os.environ.get("AUTOMP_INNER", "inductor"),
                       path=path if path not in (None, "auto") else os.environ.get("AUTOMP_PATH", "auto"),
                       fuse_optimizers=fuse_optimizers, tune_cudnn=tune_cudnn,
-                      tune_layout=tune_layout)
+                      tune_layout=tune_layout, cuda_graphs=cuda_graphs)
     except (ValueError, TypeError) as e:
         print(f"automp run: {e}", file=sys.stderr)
         return 2

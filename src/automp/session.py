@@ -292,7 +292,7 @@ class Session:
         self.recorder.device = self._spec(device).name if device.type == "cuda" else "cpu"
         spec = self.config.spec or ("h100" if device.type == "cuda" else "cpu")
         root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}",
-                              extra=f"{self.config.inner}:{spec}")
+                              extra=f"{self.config.inner}:{spec}" + ("" if self.config.cuda_graphs else ":no-graphs"))
         forced = self.config.forced_path
         if forced is not None:
             self._decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
@@ -305,8 +305,10 @@ class Session:
         if root.eager_only:
             candidates = [c for c in candidates if c not in COMPILED_PATHS]
         root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
-        if root.lockstep:  # CUDA graphs' memory check and moves are a rank's own: every rank must run rank 0's path
+        # under DDP, CUDA graphs' memory check and moves would be a rank's own: every rank must run rank 0's path
+        if root.lockstep or not self.config.cuda_graphs:
             candidates = [c for c in candidates if c is not Path.GRAPHED]
+        if root.lockstep:
             cached, candidates, why = rank0_start(cached, candidates, why)
         if cached is not None:
             if cached.detach:  # what the run that measured it learned the script does not read
