@@ -418,10 +418,9 @@ class Session:
             return
         why = (f"{Path.GRAPHED.value} not for a script whose modules ({', '.join(r.label for r in roots)}) run under "
                f"automp together: CUDA graph memory of one module is reused when another's backward runs")
-        for root in roots:
-            for trial in (root.trial, root.confirm):
-                if trial is not None and trial.verdict is None and Path.GRAPHED in trial.alive:
-                    trial.exclude({Path.GRAPHED}, why)
+        for root in roots:  # a re-measurement of a graphed verdict ends with _leave_graphs
+            if root.trial is not None and root.trial.verdict is None and Path.GRAPHED in root.trial.alive:
+                root.trial.exclude({Path.GRAPHED}, why)
             if root.path is Path.GRAPHED and self.config.forced_path is None:
                 self._leave_graphs(root, why)
 
