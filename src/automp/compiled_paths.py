@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from automp import graph_pool
 from automp.choose import Path
 from automp.outputs import out_of_pool, restore_outside_graph
 from automp.unread_outputs import detach_unread
@@ -68,7 +69,8 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
     a few hundred kernels; on an H100 its kernels took 20.4 ms a step while the step itself ran 22 to 33 ms on
     different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
     spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory
-    (outputs.out_of_pool)."""
+    (outputs.out_of_pool), and so are gradients the next replay would free (graph_pool.GradRescue); the returned
+    function's `pool` gives the graphs' memory back once the session leaves them (graph_pool.PoolRelease)."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
 
     def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -81,13 +83,26 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
         return compile_fx(gm, example_inputs)
 
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
+    if not graphs:
+        def autocast_call(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device, dtype=low):
+                return compiled(*args, **kwargs)
+        return autocast_call
 
-    def autocast_call(*args: Any, **kwargs: Any) -> Any:
+    index = root.device.index if root.device.index is not None else (
+        torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    rescue, pool = graph_pool.GradRescue(index), graph_pool.PoolRelease(index)
+    params = [weakref.ref(p) for p in module.parameters() if p.requires_grad]  # weakly: see entry_point
+
+    def graphed_call(*args: Any, **kwargs: Any) -> Any:
+        rescue.before_replay(p for p in (ref() for ref in params) if p is not None)
         with torch.autocast(device, dtype=low):
             out = compiled(*args, **kwargs)
-        return out_of_pool(out, fields.detach) if graphs else out
+        pool.seen()
+        return out_of_pool(out, fields.detach)
 
-    return autocast_call
+    graphed_call.pool = pool  # type: ignore[attr-defined]  # for the session, once it leaves the path
+    return graphed_call
 
 
 def counted(root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from automp import call_state, compiled_paths, input_grads, rnn
+from automp import call_state, compiled_paths, graph_pool, input_grads, rnn
 from automp.autocast_cache import SharedCasts
 from automp.choose import (COMPILED_PATHS, EAGER_PATHS, Path, Trial, TrialConfig, Verdict, VerdictCache, agreed,
                            candidate_paths, confirmation, distributed, for_ranks, module_key, rank0_start)
@@ -87,6 +87,8 @@ class Session:
     step_hook: Any = None  # drops those casts when any optimizer steps
     layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once the paths are chosen
     tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
+    releasing: Any = None  # the memory pool of CUDA graphs automp left, until it is given back (graph_pool)
+    release_tries: int = 0
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -126,6 +128,11 @@ class Session:
             self.step_hook.remove()
             self.step_hook = None
         self.casts.clear()
+        graphed = next((r.graphed for r in self.roots.values() if r.graphed is not None), None)
+        if graphed is not None:  # nothing replays them any more
+            self._release_graphs(graphed.pool, last=True)
+        elif self.releasing is not None:
+            self._try_release(last=True)
         for tuning in (self.layout, self.tuning):
             if tuning is not None:
                 tuning.restore()
@@ -185,6 +192,8 @@ class Session:
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """A module called from the script (patched_call has already passed submodules and traced calls through)."""
+        if self.releasing is not None:
+            self._try_release()
         root = new = self.roots.get(module)
         if root is None:
             if not any(True for _ in module.parameters()):
@@ -386,9 +395,12 @@ class Session:
         # under DDP every rank must run the same path: a rank's own compile times are not a shared verdict
         root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
+        left = root.graphed if root.path is not Path.GRAPHED else None
         for path, attribute in _BUILT.items():
             if root.path is not path:
                 setattr(root, attribute, None)
+        if left is not None:
+            self._release_graphs(left.pool)
         self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
         self._pause_scaling_if_fp32()
 
@@ -435,6 +447,25 @@ class Session:
         root.confirm = None
         self._decide(root, verdict)
         self._remember([root], verdict)
+
+    def _release_graphs(self, pool: graph_pool.PoolRelease, last: bool = False) -> None:
+        self.releasing, self.release_tries = pool, 0
+        self._try_release(last)
+
+    def _try_release(self, last: bool = False) -> None:
+        """Gives the pool of CUDA graphs automp no longer replays back once none of its tensors is alive (gradients
+        the last graphed backward left go at the script's next zero_grad); reported either way."""
+        outcome = self.releasing.attempt()
+        self.release_tries += 1
+        if outcome == "pending" and not last and self.release_tries < graph_pool.RELEASE_TRIES:
+            return
+        self.releasing = None
+        why = {"released": "given back: automp no longer replays CUDA graphs",
+               "kept": "kept: CUDA graphs the script compiled itself share it, or torch's cudagraph trees are not "
+                       "as automp knows them",
+               "pending": "kept: tensors in it are still alive (gradients kept across steps?)"}[outcome]
+        self.recorder.add_setting({"setting": "CUDA graphs memory pool", "value": outcome.replace("pending", "kept"),
+                                   "reason": why})
 
     def _pause_scaling_if_fp32(self) -> None:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,

@@ -1,0 +1,78 @@
+"""Issue 11 diagnostic: where the memory of a CUDA-graphed training step goes, in a process of its own.
+
+For one zoo model in one mode, after warm-up (cached blocks released, peaks reset), the last step records at three
+points (forward done, backward done, optimizer stepped) the bytes allocated and reserved in the default pool and in
+CUDA graphs' private pools (torch.cuda.memory_snapshot's segment_pool_id), and the steady-state peaks.
+
+    python scripts/graph_memory.py llama anchor|anchor-ro|autocast-compile|autocast-graphs [steps]
+
+anchor-ro: the anchor compiled with mode="reduce-overhead" (stock CUDA graphs, the hand-written way to get them).
+"""
+import sys
+
+import torch
+
+import automp
+from automp.bench.suites import zoo
+
+GIB = 2**30
+
+
+def pools() -> dict[str, float]:
+    out = {"default_alloc": 0, "default_resv": 0, "graph_alloc": 0, "graph_resv": 0}
+    for seg in torch.cuda.memory_snapshot():
+        kind = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph"
+        out[f"{kind}_alloc"] += seg["allocated_size"]
+        out[f"{kind}_resv"] += seg["total_size"]
+    return {k: round(v / GIB, 3) for k, v in out.items()}
+
+
+class Probe(zoo.ModeLoop):
+    """A ModeLoop that records memory around the update when asked to."""
+    record: list | None = None
+
+    def update(self, loss, name):
+        if self.record is not None:
+            torch.cuda.synchronize()
+            self.record.append(("forward", pools()))
+        opt = self.work.optimizers[name]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.record is not None:
+            torch.cuda.synchronize()
+            self.record.append(("backward", pools()))
+        opt.step()
+        if self.record is not None:
+            torch.cuda.synchronize()
+            self.record.append(("step", pools()))
+
+
+def main(name, mode, steps=8):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    anchor = mode.startswith("anchor")
+    loop = Probe(zoo.MODELS[name][0](False, "cuda"), zoo.ANCHOR if anchor else "fp32-eager", "cuda")
+    if mode == "anchor-ro":
+        loop.nets = {k: torch.compile(m, mode="reduce-overhead") for k, m in loop.work.modules.items()}
+    if not anchor:
+        automp.enable(dtype="bf16", path=mode)
+    for _ in range(int(steps)):
+        loop.step()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        loop.step()
+    loop.record = []
+    loop.step()
+    torch.cuda.synchronize()
+    peak_a, peak_r = torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
+    if not anchor:
+        automp.disable()
+    print(f"{name} {mode}: steady peak allocated {peak_a:.3f} GiB, reserved {peak_r:.3f} GiB", flush=True)
+    for where, p in loop.record:
+        print(f"    after {where:8s} {p}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
