@@ -74,23 +74,38 @@ def release():
     setting = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
     print(f"  reserved: before {base:.3f} GiB, on graphs {held:.3f}, after disable {after:.3f}; report {setting}")
     # CUDA graphs after the release still work (a new tree)
-    again = torch.compile(model(), mode="reduce-overhead")
+    again = torch.compile(mine := model(), mode="reduce-overhead")
     for _ in range(4):
+        mine.zero_grad()
         y = again(x).float().pow(2).mean()
         y.backward()
     torch.cuda.synchronize()
     print(f"  the script's own reduce-overhead graphs after the release: loss {y.item():.4f}")
 
 
+def count_copies():
+    """Wraps GradRescue.before_replay to count the gradients it copies, per loop."""
+    copied, plain = [], graph_pool.GradRescue.before_replay
+
+    def counting(self, params):
+        copied.append(plain(self, params))
+        return copied[-1]
+    graph_pool.GradRescue.before_replay = counting
+    return copied
+
+
 def main(mode=""):
     if mode == "no-rescue":
         graph_pool.GradRescue.before_replay = lambda self, params: 0
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, rescue {'off' if mode else 'on'}", flush=True)
+    copied = count_copies()
     for loop in ("top", "tutorial", "accumulate", "keep"):
         ref, err_ref = train("autocast-compile", loop)
+        copied.clear()
         out, err = train("autocast-graphs", loop)
         diff = None if ref is None or out is None else ((out - ref).norm() / ref.norm()).item()
-        print(f"  {loop:10s} graphed vs autocast-compiled: rel diff {diff}  error {err or err_ref}", flush=True)
+        print(f"  {loop:10s} graphed vs autocast-compiled: rel diff {diff}  error {err or err_ref}; gradients copied "
+              f"per graphed call {copied}", flush=True)
     if not mode:
         release()
 

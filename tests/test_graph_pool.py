@@ -73,6 +73,23 @@ def test_copies_go_on_while_the_script_accumulates_into_them(monkeypatch):
     assert copied == [3, 0] * 5
 
 
+def test_copies_go_on_for_a_loop_that_zeroes_at_its_top_and_accumulates(monkeypatch):
+    """zero_grad, then two micro-batches, then the step: each step's copies are dropped by the next zero_grad, but
+    the next forward finds no gradient at all, which says nothing about the loop (an H100 run stopped copying here
+    after two steps when it counted as a drop)."""
+    rescue, copied = graph_pool.GradRescue(0), []
+    ps = _params()
+    for step in range(5):
+        for p in ps:
+            p.grad = None  # zero_grad()
+        copied.append(rescue.before_replay(ps))  # first micro-batch
+        for p in ps:
+            p.grad = torch.randn(5, 7)  # its backward, into the pool
+        _pool_holds(monkeypatch, [p.grad for p in ps])
+        copied.append(rescue.before_replay(ps))  # second micro-batch
+    assert copied == [0, 3] * 5
+
+
 class _Node:
     def __init__(self, live):
         self.live = live

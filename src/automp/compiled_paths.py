@@ -75,6 +75,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
 
     def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return restore_outside_graph(entry(mod, *args, **kwargs))
+    restored = own_code(restored, f"{entry.__name__}_autocast")  # the frame Dynamo compiles: see entry_point
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
@@ -147,5 +148,12 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
     def call(mod, *args, **kwargs):
         return detach_unread(ORIG_CALL(mod, *args, **kwargs), fields)
 
-    code = call.__code__.replace(co_name=f"automp_{type(module).__name__}_{next(_entry_ids)}")
-    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
+    return own_code(call, f"automp_{type(module).__name__}_{next(_entry_ids)}")
+
+
+def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` with a code object of its own, named `name`: Dynamo's compiled graphs and its recompile limit are per
+    code object. The stock path's outer function once shared one code object across modules and enable() calls: on
+    an H100, the ninth compile of a process hit the limit (8) and ran that frame uncompiled."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

@@ -10,8 +10,10 @@ path the user did not ask for:
    of CUDAGraphs that has been overwritten", where the same script without automp ran. `GradRescue` copies such
    gradients out of the pool just before a replay would free them. The tutorial loop (forward, zero_grad, backward,
    step) also reaches a forward with gradients alive, and sets them to None right after: there the copies are wasted
-   time and memory, so once copies were dropped unread LEARN times in a row, the loop is taken to be that one and
-   copying stops.
+   time and memory, so once copies were replaced by a new backward's gradients LEARN times in a row, the loop is
+   taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its copies at each
+   step too, but reaches the next forward with no gradient: that is no evidence, and copying goes on. On an H100,
+   counting it as a drop stopped the copies of such a loop after two steps.)
 2. Memory. A pool stays reserved while any function that replays into it is alive, and Dynamo keeps compiled
    functions for the life of the process: CUDA graphs recorded for a trial they lost kept their pool (on an H100 the
    zoo's ConvNeXt held 14.4 GiB reserved on autocast-compiled, against 7.7 GiB for the hand-written loop).
@@ -90,14 +92,18 @@ class GradRescue:
         """Copies out what the replay would free; returns how many gradients were copied."""
         if not self.copying:
             return 0
+        params = list(params)
+        with_grad = [p for p in params if p.grad is not None]
         if self.copies:
-            kept = any(ref() is not None for ref in self.copies)
-            self.dropped = 0 if kept else self.dropped + 1
+            if any(ref() is not None for ref in self.copies):
+                self.dropped = 0
+            elif with_grad:  # the copies were dropped and a backward stole new gradients: set to None before it
+                self.dropped += 1
+            # dropped with no gradient since (zero_grad at the top of a loop that accumulates): no evidence either way
             self.copies = []
             if self.dropped >= LEARN:
                 self.copying = False
                 return 0
-        with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
             return 0
         live = live_storages(self.device_index)
