@@ -123,9 +123,9 @@ def test_pool_released_once_its_tensors_are_dead(monkeypatch, resets):
     c0.live_cudagraphify_fns = 2  # automp's forward and backward graphs
     pool.seen()
     c0.tree_manager.current_node.live = [123]  # last backward's gradients
-    assert pool.attempt() == "pending" and resets == []
+    assert pool.attempt() is graph_pool.Release.PENDING and resets == []
     c0.tree_manager.current_node.live = []
-    assert pool.attempt() == "released" and resets == ["reset"]
+    assert pool.attempt() is graph_pool.Release.RELEASED and resets == ["reset"]
 
 
 @pytest.mark.parametrize("case", ["before", "after", "other-device", "unknown"])
@@ -138,7 +138,7 @@ def test_pool_kept_where_the_script_has_cuda_graphs_of_its_own(monkeypatch, rese
         c0.live_cudagraphify_fns += 1
     if case == "unknown":  # torch's internals are not as automp knows them
         monkeypatch.setattr(graph_pool, "_containers", lambda: None)
-    assert pool.attempt() == "kept" and resets == []
+    assert pool.attempt() is graph_pool.Release.KEPT and resets == []
 
 
 def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp_path):
@@ -149,7 +149,8 @@ def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp
     import torch._inductor.compile_fx as compile_fx
     monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
-    outcomes = iter(["pending", "pending", "released"])
+    R = graph_pool.Release
+    outcomes = iter([R.PENDING, R.PENDING, R.RELEASED])
     attempts = []
     monkeypatch.setattr(graph_pool.PoolRelease, "attempt", lambda self: attempts.append(1) or next(outcomes))
     torch.manual_seed(0)

@@ -8,7 +8,8 @@ path the user did not ask for:
    pool (AccumulateGrad steals it). A script that keeps gradients across the next forward (accumulation over
    micro-batches, zero_grad(set_to_none=False)) then fails in its next backward with "accessing gradient tensor output
    of CUDAGraphs that has been overwritten", where the same script without automp ran. `GradRescue` copies such
-   gradients out of the pool just before a replay would free them. The tutorial loop (forward, zero_grad, backward,
+   gradients out of the pool just before a replay would free them (on an H100 four loop shapes then trained
+   bit-identically to the same graphs without CUDA graphs, scripts/graph_pool_check.py). The tutorial loop (forward, zero_grad, backward,
    step) also reaches a forward with gradients alive, and sets them to None right after: there the copies are wasted
    time and memory, so once copies were replaced by a new backward's gradients LEARN times in a row, the loop is
    taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its copies at each
@@ -17,13 +18,16 @@ path the user did not ask for:
 2. Memory. A pool stays reserved while any function that replays into it is alive, and Dynamo keeps compiled
    functions for the life of the process: CUDA graphs recorded for a trial they lost kept their pool (on an H100 the
    zoo's ConvNeXt held 14.4 GiB reserved on autocast-compiled, against 7.7 GiB for the hand-written loop).
-   `release` gives the pool back once nothing in it is alive, when automp's were the only CUDA graphs on the device.
+   `PoolRelease` gives the pool back (torch's reset of the trees) once nothing in it is alive, when automp's were the
+   only CUDA graphs of the process: then S11-5 read 7.41 GiB for that ConvNeXt. Graphs a script compiled itself are
+   never touched: the pool is kept, and the report says so.
 
 Both reach into torch._inductor.cudagraph_trees (torch 2.11-2.13). Where its internals are not as expected, the
 rescue copies every gradient (the safe side) and the pool is kept.
 """
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Iterable
 
@@ -114,6 +118,14 @@ class GradRescue:
         return len(self.copies)
 
 
+class Release(enum.Enum):
+    """What became of a pool automp left: RELEASED, KEPT (not its own, or torch's internals unknown: for good) or
+    PENDING (tensors in it still alive: ask again later)."""
+    RELEASED = "released"
+    KEPT = "kept"
+    PENDING = "pending"
+
+
 class PoolRelease:
     """Gives back the pool of CUDA graphs automp recorded and no longer replays. `seen` follows automp's graphed
     calls (how many graph functions the tree had, so one the script compiled itself is noticed); `attempt` releases
@@ -135,20 +147,19 @@ class PoolRelease:
         if n is None:
             self.foreign = True
 
-    def attempt(self) -> str:
-        """'released', 'kept' (another user of the pool: closed) or 'pending' (its tensors still alive)."""
+    def attempt(self) -> Release:
         n, containers = graph_functions(self.device_index), _containers()
         if self.foreign or n is None or n > self.ours or containers is None:
-            return "kept"
+            return Release.KEPT
         # torch resets the trees of every device at once: another device's graphs must not be the script's own
         if any(getattr(c, "live_cudagraphify_fns", 1) for i, c in containers.items() if i != self.device_index):
-            return "kept"
+            return Release.KEPT
         live = live_storages(self.device_index)
         if live is None:
-            return "kept"
+            return Release.KEPT
         if live:
-            return "pending"
+            return Release.PENDING
         from torch._inductor.cudagraph_trees import reset_cudagraph_trees
         reset_cudagraph_trees()
         torch.cuda.empty_cache()
-        return "released"
+        return Release.RELEASED

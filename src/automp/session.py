@@ -25,6 +25,7 @@ from automp.config import AutoMPConfig
 from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
 from automp.fused_optimizers import OptimizerFuser
+from automp.graph_pool import Release
 from automp.once_logging import ignore_once_logging
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.graph.capture import low_dtype, make_backend, traceable_attention
@@ -457,15 +458,15 @@ class Session:
         the last graphed backward left go at the script's next zero_grad); reported either way."""
         outcome = self.releasing.attempt()
         self.release_tries += 1
-        if outcome == "pending" and not last and self.release_tries < graph_pool.RELEASE_TRIES:
+        if outcome is Release.PENDING and not last and self.release_tries < graph_pool.RELEASE_TRIES:
             return
         self.releasing = None
-        why = {"released": "given back: automp no longer replays CUDA graphs",
-               "kept": "kept: CUDA graphs the script compiled itself share it, or torch's cudagraph trees are not "
-                       "as automp knows them",
-               "pending": "kept: tensors in it are still alive (gradients kept across steps?)"}[outcome]
-        self.recorder.add_setting({"setting": "CUDA graphs memory pool", "value": outcome.replace("pending", "kept"),
-                                   "reason": why})
+        why = {Release.RELEASED: "given back: automp no longer replays CUDA graphs",
+               Release.KEPT: "kept: CUDA graphs the script compiled itself share it, or torch's cudagraph trees are "
+                             "not as automp knows them",
+               Release.PENDING: "kept: tensors in it are still alive (gradients kept across steps?)"}[outcome]
+        value = Release.KEPT if outcome is Release.PENDING else outcome
+        self.recorder.add_setting({"setting": "CUDA graphs memory pool", "value": value.value, "reason": why})
 
     def _pause_scaling_if_fp32(self) -> None:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
