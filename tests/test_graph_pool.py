@@ -187,3 +187,20 @@ def test_graphed_calls_copy_pool_gradients_before_the_replay(monkeypatch):
     for p, old, r in zip(net.parameters(), first, ref.parameters()):
         assert p.grad is not old  # copied out before the second replay, then accumulated into
         assert 1e-6 < (p.grad - r.grad).norm() / r.grad.norm() < 3e-2
+
+
+def test_disable_gives_back_the_pool_of_a_module_still_on_cuda_graphs(monkeypatch):
+    """automp.disable(): nothing replays automp's CUDA graphs any more, so their pool goes back (or the report says
+    why it stays)."""
+    import torch._inductor.compile_fx as compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
+    attempts = []
+    monkeypatch.setattr(graph_pool.PoolRelease, "attempt",
+                        lambda self: attempts.append(1) or graph_pool.Release.PENDING)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", path="autocast-graphs")
+    net(torch.randn(8, 16)).pow(2).mean().backward()
+    rep = automp.disable()
+    assert attempts == [1]  # once: disable does not wait
+    (setting,) = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
+    assert setting["value"] == "kept" and "still alive" in setting["reason"]
