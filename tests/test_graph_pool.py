@@ -204,3 +204,41 @@ def test_disable_gives_back_the_pool_of_a_module_still_on_cuda_graphs(monkeypatc
     assert attempts == [1]  # once: disable does not wait
     (setting,) = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
     assert setting["value"] == "kept" and "still alive" in setting["reason"]
+
+
+def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(monkeypatch, tmp_path):
+    """The caching allocator keeps the other candidates' activations; CUDA graphs' pool cannot reuse them, so they are
+    given back before the graphs' first call in a trial, and again once the graphs win (they do not come back)."""
+    from automp import compiled_paths
+    from automp.choose import Path, TrialConfig
+    from automp.config import AutoMPConfig
+    from automp.session import Session
+    import torch._inductor.compile_fx as compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
+    cost = {Path.FP32: 0.030, Path.GRAPHED: 0.010}
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
+    released = []
+    monkeypatch.setattr(compiled_paths, "release_cached", lambda device: released.append(device))
+    monkeypatch.setattr(graph_pool.PoolRelease, "attempt", lambda self: graph_pool.Release.RELEASED)
+    now = [0.0]
+    session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path)),
+                      trial_config=TrialConfig(), clock=lambda: now[0])
+    session.install()
+    net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
+    first_graphed, decided_at = None, None
+    try:
+        for i in range(80):
+            out = net(x)
+            root = session.roots[net]
+            path = root.trial.current if root.path is None else root.path
+            if path is Path.GRAPHED and first_graphed is None:
+                first_graphed, before = i, len(released)
+            if root.path is not None and decided_at is None:
+                decided_at, at_verdict = i, len(released)
+            now[0] += cost[path]
+            out.sum().backward()
+    finally:
+        session.uninstall()
+    assert root.path is Path.GRAPHED
+    assert before == 1  # on the graphed candidate's first call, before it ran
+    assert at_verdict == 2 and len(released) == 2  # once more at its verdict, and never again

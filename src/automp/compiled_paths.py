@@ -49,6 +49,14 @@ def graphs_fit(peak_bytes: int, total_bytes: int) -> str | None:
             f"{total_bytes / 2**30:.1f} GiB, and CUDA graphs keep a memory pool of their own")
 
 
+def release_cached(device: torch.device) -> None:
+    """Gives back the device memory torch's caching allocator keeps for tensors that are gone, around CUDA graphs in a
+    trial: their pool cannot reuse it, so before their recording it would sit beside the pool (the other candidates'
+    activations, as large as the pool), and once they win those activations do not come back."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def device_memory(device: torch.device) -> tuple[int, int] | None:
     """(peak bytes reserved so far, total bytes) of a CUDA device; None elsewhere (no CUDA graphs there)."""
     if device.type != "cuda":

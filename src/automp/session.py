@@ -397,6 +397,8 @@ class Session:
         root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
         left = root.graphed if root.path is not Path.GRAPHED else None
+        if root.path is Path.GRAPHED and root.graphed is not None:  # won a trial it ran in
+            compiled_paths.release_cached(root.device)
         for path, attribute in _BUILT.items():
             if root.path is not path:
                 setattr(root, attribute, None)
@@ -418,6 +420,8 @@ class Session:
         why = None if memory is None else compiled_paths.graphs_fit(*memory)
         if why is not None:
             root.trial.exclude({Path.GRAPHED}, why)
+        else:
+            compiled_paths.release_cached(root.device)
 
     def _graphs_for_one_module(self) -> None:
         """CUDA graphs only while automp runs a single module. Cudagraph trees start a new generation of their
