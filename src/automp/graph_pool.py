@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -163,3 +163,25 @@ class PoolRelease:
         reset_cudagraph_trees()
         torch.cuda.empty_cache()
         return Release.RELEASED
+
+
+class Releasing:
+    """A pool on its way back, asked again at each module call until it is closed (RELEASE_TRIES at most), then
+    reported through `report` (the recorder's add_setting)."""
+
+    def __init__(self, pool: PoolRelease, report: Callable[[dict], None]):
+        self.pool, self.report, self.tries = pool, report, 0
+
+    def retry(self, last: bool = False) -> Releasing | None:
+        """Itself while the pool's tensors are alive, None once closed and reported. last: no later call (disable)."""
+        outcome = self.pool.attempt()
+        self.tries += 1
+        if outcome is Release.PENDING and not last and self.tries < RELEASE_TRIES:
+            return self
+        why = {Release.RELEASED: "given back: automp no longer replays CUDA graphs",
+               Release.KEPT: "kept: CUDA graphs the script compiled itself share it, or torch's cudagraph trees are "
+                             "not as automp knows them",
+               Release.PENDING: "kept: tensors in it are still alive (gradients kept across steps?)"}[outcome]
+        value = Release.KEPT if outcome is Release.PENDING else outcome
+        self.report({"setting": "CUDA graphs memory pool", "value": value.value, "reason": why})
+        return None

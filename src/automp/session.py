@@ -25,7 +25,6 @@ from automp.config import AutoMPConfig
 from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
 from automp.fused_optimizers import OptimizerFuser
-from automp.graph_pool import Release
 from automp.once_logging import ignore_once_logging
 from automp.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.graph.capture import low_dtype, make_backend, traceable_attention
@@ -88,8 +87,7 @@ class Session:
     step_hook: Any = None  # drops those casts when any optimizer steps
     layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once the paths are chosen
     tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
-    releasing: Any = None  # the memory pool of CUDA graphs automp left, until it is given back (graph_pool)
-    release_tries: int = 0
+    releasing: graph_pool.Releasing | None = None  # CUDA graphs' pool automp left, until it is given back
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
@@ -133,7 +131,7 @@ class Session:
         if graphed is not None:  # nothing replays them any more
             self._release_graphs(graphed.pool, last=True)
         elif self.releasing is not None:
-            self._try_release(last=True)
+            self.releasing = self.releasing.retry(last=True)
         for tuning in (self.layout, self.tuning):
             if tuning is not None:
                 tuning.restore()
@@ -194,7 +192,7 @@ class Session:
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """A module called from the script (patched_call has already passed submodules and traced calls through)."""
         if self.releasing is not None:
-            self._try_release()
+            self.releasing = self.releasing.retry()
         root = new = self.roots.get(module)
         if root is None:
             if not any(True for _ in module.parameters()):
@@ -454,23 +452,7 @@ class Session:
         self._remember([root], verdict)
 
     def _release_graphs(self, pool: graph_pool.PoolRelease, last: bool = False) -> None:
-        self.releasing, self.release_tries = pool, 0
-        self._try_release(last)
-
-    def _try_release(self, last: bool = False) -> None:
-        """Gives the pool of CUDA graphs automp no longer replays back once none of its tensors is alive (gradients
-        the last graphed backward left go at the script's next zero_grad); reported either way."""
-        outcome = self.releasing.attempt()
-        self.release_tries += 1
-        if outcome is Release.PENDING and not last and self.release_tries < graph_pool.RELEASE_TRIES:
-            return
-        self.releasing = None
-        why = {Release.RELEASED: "given back: automp no longer replays CUDA graphs",
-               Release.KEPT: "kept: CUDA graphs the script compiled itself share it, or torch's cudagraph trees are "
-                             "not as automp knows them",
-               Release.PENDING: "kept: tensors in it are still alive (gradients kept across steps?)"}[outcome]
-        value = Release.KEPT if outcome is Release.PENDING else outcome
-        self.recorder.add_setting({"setting": "CUDA graphs memory pool", "value": value.value, "reason": why})
+        self.releasing = graph_pool.Releasing(pool, self.recorder.add_setting).retry(last)
 
     def _pause_scaling_if_fp32(self) -> None:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
