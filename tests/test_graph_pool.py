@@ -46,6 +46,15 @@ def test_unknown_pool_state_copies_every_gradient(monkeypatch):
     assert all(p.grad is not old and torch.equal(p.grad, old) for p, old in zip(ps, before))
 
 
+def test_sparse_gradients_are_left_alone(monkeypatch):
+    """nn.Embedding(sparse=True) gives a sparse gradient: it has no storage to look up, and the pool holds none."""
+    ps = _params()
+    ps[0].grad = ps[0].grad.to_sparse()
+    sparse = ps[0].grad
+    monkeypatch.setattr(graph_pool, "live_storages", lambda index: None)
+    assert graph_pool.GradRescue(0).before_replay(ps) == 2 and ps[0].grad is sparse
+
+
 def test_copies_stop_once_the_loop_drops_them_unread(monkeypatch):
     """The tutorial loop (forward, zero_grad, backward, step) reaches each forward with last step's gradients alive
     and drops them right after: copying them is wasted."""

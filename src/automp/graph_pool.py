@@ -112,6 +112,8 @@ class GradRescue:
             return 0
         live = live_storages(self.device_index)
         for p in with_grad:
+            if p.grad.layout is not torch.strided:  # a sparse gradient has no storage, and the pool holds none
+                continue
             if live is None or p.grad.untyped_storage().data_ptr() in live:
                 p.grad = p.grad.clone()
                 self.copies.append(weakref.ref(p.grad))
