@@ -118,11 +118,7 @@ def test_graphed_path_trains_like_the_autocast_compiled_path():
         assert 1e-6 < (p.grad - r.grad).norm() / r.grad.norm() < 3e-2
 
 
-def _eager_inductor(monkeypatch):
-    import torch._inductor.compile_fx as compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
-
-
+@pytest.mark.usefixtures("eager_inductor")
 @pytest.mark.parametrize("forced", [False, True])
 def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_path, forced):
     """A new input shape after the verdict (padded batches of another length) would be recorded again as CUDA graphs
@@ -130,7 +126,6 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     forced stays."""
     from automp.choose import Path
     from automp.session import Session
-    _eager_inductor(monkeypatch)
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -151,13 +146,13 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     automp.disable()
 
 
+@pytest.mark.usefixtures("eager_inductor")
 @pytest.mark.parametrize("share, tried", [(0.3, True), (0.8, False)])
 def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_their_pool(monkeypatch, tmp_path, share,
                                                                                        tried):
     from automp import compiled_paths
     from automp.choose import Path
     from automp.session import Session
-    _eager_inductor(monkeypatch)
     total = 80 * 2**30
     monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int(share * total), total))
     monkeypatch.setattr(Session, "_candidates",
@@ -185,11 +180,11 @@ def test_graphs_fit_names_the_memory_it_found():
 def _two_candidates(monkeypatch):
     from automp.choose import Path
     from automp.session import Session
-    _eager_inductor(monkeypatch)
     monkeypatch.setattr(Session, "_candidates",
                         lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch, tmp_path):
     """A GAN: cudagraph trees reuse one module's graph memory when the other's backward runs (the zoo's DCGAN crashed
     on an H100), so neither module's trial builds CUDA graphs."""
@@ -211,6 +206,7 @@ def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch,
                for c in rep["choices"])
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
     from automp.choose import Path
     _two_candidates(monkeypatch)
@@ -227,11 +223,11 @@ def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
     automp.disable()
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     """Under DDP every rank runs rank 0's path; the memory check and the moves off CUDA graphs are a rank's own."""
     import automp.session as session
     from automp.choose import Path
-    _eager_inductor(monkeypatch)
     monkeypatch.setattr(session.Session, "_candidates", lambda self, device, low: (
         [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
     monkeypatch.setattr(session, "distributed", lambda: True)
@@ -247,13 +243,13 @@ def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
 
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkeypatch, tmp_path):
     """enable(cuda_graphs=False), for a script that needs the memory: no candidate, and no verdict of a run that had
     them (a different cache key); forcing them then is a contradiction, refused before anything is installed."""
     from automp.choose import Path
     from automp.config import AutoMPConfig
     from automp.session import Session
-    _eager_inductor(monkeypatch)
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (
         [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
     torch.manual_seed(0)
@@ -273,12 +269,12 @@ def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkey
         AutoMPConfig(cuda_graphs="no")
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeypatch):
     """Dynamo counts recompiles per code object, up to 8: the stock path's outer function once shared one across
     modules and enable() calls, and on an H100 the ninth compile of a process ran that frame uncompiled. (Dynamo's
     warning is caught by a handler of the test's own: caplog is gone under `pytest -p no:logging`.)"""
     import logging
-    _eager_inductor(monkeypatch)
     messages = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: messages.append(record.getMessage())

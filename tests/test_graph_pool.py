@@ -150,13 +150,12 @@ def test_pool_kept_where_the_script_has_cuda_graphs_of_its_own(monkeypatch, rese
     assert pool.attempt() is graph_pool.Release.KEPT and resets == []
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp_path):
     """A training call that recompiles after the verdict moves the module off CUDA graphs: their pool is given back
     once the last graphed backward's gradients are gone, and the report says so."""
     from automp.choose import Path
     from automp.session import Session
-    import torch._inductor.compile_fx as compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
     R = graph_pool.Release
     outcomes = iter([R.PENDING, R.PENDING, R.RELEASED])
@@ -175,11 +174,10 @@ def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp
     assert setting["value"] == "released"
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_graphed_calls_copy_pool_gradients_before_the_replay(monkeypatch):
     """Accumulating over two micro-batches on CUDA graphs: with every gradient taken for pool memory, the second
     forward copies them out first, and the accumulated gradients match a plain loop's."""
-    import torch._inductor.compile_fx as compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
     monkeypatch.setattr(graph_pool, "live_storages", lambda index: None)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
@@ -198,11 +196,10 @@ def test_graphed_calls_copy_pool_gradients_before_the_replay(monkeypatch):
         assert 1e-6 < (p.grad - r.grad).norm() / r.grad.norm() < 3e-2
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_disable_gives_back_the_pool_of_a_module_still_on_cuda_graphs(monkeypatch):
     """automp.disable(): nothing replays automp's CUDA graphs any more, so their pool goes back (or the report says
     why it stays)."""
-    import torch._inductor.compile_fx as compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
     attempts = []
     monkeypatch.setattr(graph_pool.PoolRelease, "attempt",
                         lambda self: attempts.append(1) or graph_pool.Release.PENDING)
@@ -215,6 +212,7 @@ def test_disable_gives_back_the_pool_of_a_module_still_on_cuda_graphs(monkeypatc
     assert setting["value"] == "kept" and "still alive" in setting["reason"]
 
 
+@pytest.mark.usefixtures("eager_inductor")
 def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(monkeypatch, tmp_path):
     """The caching allocator keeps the other candidates' activations; CUDA graphs' pool cannot reuse them, so they are
     given back before the graphs' first call in a trial, and again once the graphs win (they do not come back)."""
@@ -222,8 +220,6 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
     from automp.choose import Path, TrialConfig
     from automp.config import AutoMPConfig
     from automp.session import Session
-    import torch._inductor.compile_fx as compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
     cost = {Path.FP32: 0.030, Path.GRAPHED: 0.010}
     monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     released = []
