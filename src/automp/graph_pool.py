@@ -10,8 +10,8 @@ path the user did not ask for:
    of CUDAGraphs that has been overwritten", where the same script without automp ran. `GradRescue` copies such
    gradients out of the pool just before a replay would free them (on an H100 four loop shapes then trained
    bit-identically to the same graphs without CUDA graphs, scripts/graph_pool_check.py). The tutorial loop (forward,
-   zero_grad, backward, step) also reaches a forward with gradients alive, and sets them to None right after: there the copies are wasted
-   time and memory, so once copies were replaced by a new backward's gradients LEARN times in a row, the loop is
+   zero_grad, backward, step) also reaches a forward with gradients alive, and sets them to None right after: there
+   the copies are wasted time and memory, so once copies were replaced by a new backward's gradients LEARN times in a row, the loop is
    taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its copies at each
    step too, but reaches the next forward with no gradient: that is no evidence, and copying goes on. On an H100,
    counting it as a drop stopped the copies of such a loop after two steps.)
