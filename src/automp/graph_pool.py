@@ -5,16 +5,16 @@ backward) the tree frees whatever the last one left alive and makes any access t
 path the user did not ask for:
 
 1. Gradients. A backward replayed into the pool hands each parameter whose .grad is None a gradient that lives in the
-   pool (AccumulateGrad steals it). A script that keeps gradients across the next forward (accumulation over
-   micro-batches, zero_grad(set_to_none=False)) then fails in its next backward with "accessing gradient tensor output
-   of CUDAGraphs that has been overwritten", where the same script without automp ran. `GradRescue` copies such
-   gradients out of the pool just before a replay would free them (on an H100 four loop shapes then trained
-   bit-identically to the same graphs without CUDA graphs, scripts/graph_pool_check.py). The tutorial loop (forward,
+   pool (AccumulateGrad steals it). A script that keeps gradients across the next forward (accumulation over micro-
+   batches, zero_grad(set_to_none=False)) then fails in its next backward with "accessing gradient tensor output of
+   CUDAGraphs that has been overwritten", where the same script without automp ran. `GradRescue` copies such
+   gradients out of the pool just before a replay would free them (on an H100 four loop shapes then trained bit-
+   identically to the same graphs without CUDA graphs, scripts/graph_pool_check.py). The tutorial loop (forward,
    zero_grad, backward, step) also reaches a forward with gradients alive, and sets them to None right after: there
-   the copies are wasted time and memory, so once copies were replaced by a new backward's gradients LEARN times in a row, the loop is
-   taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its copies at each
-   step too, but reaches the next forward with no gradient: that is no evidence, and copying goes on. On an H100,
-   counting it as a drop stopped the copies of such a loop after two steps.)
+   the copies are wasted time and memory, so once copies were replaced by a new backward's gradients LEARN times in a
+   row, the loop is taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its
+   copies at each step too, but reaches the next forward with no gradient: that is no evidence, and copying goes on.
+   On an H100, counting it as a drop stopped the copies of such a loop after two steps.)
 2. Memory. A pool stays reserved while any function that replays into it is alive, and Dynamo keeps compiled
    functions for the life of the process: CUDA graphs recorded for a trial they lost kept their pool (on an H100 the
    zoo's ConvNeXt held 14.4 GiB reserved on autocast-compiled, against 7.7 GiB for the hand-written loop).
