@@ -6,8 +6,12 @@ CUDA graphs' private pools (torch.cuda.memory_snapshot's segment_pool_id), and t
 
     python scripts/graph_memory.py llama anchor|anchor-ro|autocast-compile|autocast-graphs [steps]
 
+Also prints the whole run's reserved peak (warm-up and trial included) and each pool's largest segments; the
+allocator's settings come from PYTORCH_CUDA_ALLOC_CONF. A mode that is not an anchor is automp's path (auto: the trial).
+
 anchor-ro: the anchor compiled with mode="reduce-overhead" (stock CUDA graphs, the hand-written way to get them).
 """
+import os
 import sys
 
 import torch
@@ -59,6 +63,7 @@ def main(name, mode, steps=8):
     for _ in range(int(steps)):
         loop.step()
     torch.cuda.synchronize()
+    whole = torch.cuda.max_memory_reserved() / GIB
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(2):
@@ -69,9 +74,23 @@ def main(name, mode, steps=8):
     peak_a, peak_r = torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
     if not anchor:
         automp.disable()
-    print(f"{name} {mode}: steady peak allocated {peak_a:.3f} GiB, reserved {peak_r:.3f} GiB", flush=True)
+    print(f"{name} {mode}: steady peak allocated {peak_a:.3f} GiB, reserved {peak_r:.3f} GiB; whole-run reserved "
+          f"peak {whole:.3f} GiB; allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}", flush=True)
     for where, p in loop.record:
         print(f"    after {where:8s} {p}", flush=True)
+    segments()
+
+
+def segments() -> None:
+    """Each pool's segments by size: how much of what is reserved is one large block vs many small ones."""
+    by: dict[str, list] = {}
+    for seg in torch.cuda.memory_snapshot():
+        kind = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph"
+        by.setdefault(kind, []).append((seg["total_size"], seg["allocated_size"], seg.get("segment_type", "")))
+    for kind, segs in by.items():
+        segs.sort(reverse=True)
+        top = ", ".join(f"{t / 2**20:.0f}/{a / 2**20:.0f}" for t, a, _ in segs[:12])
+        print(f"    {kind}: {len(segs)} segments; largest (MiB total/allocated): {top}", flush=True)
 
 
 if __name__ == "__main__":

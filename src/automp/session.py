@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from automp import call_state, compiled_paths, graph_pool, input_grads, rnn
+from automp.allocator import ExpandableSegments
 from automp.autocast_cache import SharedCasts
 from automp.choose import (COMPILED_PATHS, EAGER_PATHS, Path, Trial, TrialConfig, Verdict, VerdictCache, agreed,
                            candidate_paths, confirmation, distributed, for_ranks, module_key, rank0_start)
@@ -88,12 +89,14 @@ class Session:
     layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once the paths are chosen
     tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
     releasing: graph_pool.Releasing | None = None  # CUDA graphs' pool automp left, until it is given back
+    allocator: ExpandableSegments = field(default_factory=ExpandableSegments)  # process-wide: restored at uninstall
 
     def __post_init__(self) -> None:
         self.cache = VerdictCache(self.config.cache_dir)
 
     # -- install / uninstall --------------------------------------------------------------------------------------
     def install(self) -> None:
+        self.allocator.turn_on(self.recorder.add_setting)  # first: before anything allocates device memory
         if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
             self.fuser = OptimizerFuser(self._fused)
             self.fuser.install()
@@ -141,6 +144,7 @@ class Session:
             self.undo_once_logging = None
         if "__call__" in vars(nn.RNNBase):
             del nn.RNNBase.__call__
+        self.allocator.restore()
         self.update_report()
         if self.scaler is not None:
             from automp.scaling import autograd_hook
