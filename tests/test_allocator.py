@@ -91,8 +91,9 @@ def test_new_segments_are_expandable_while_automp_is_enabled(allocator_default, 
         ptr = t.data_ptr()
         return next(s for s in torch.cuda.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"])
 
-    size = 96 * 2**20 // 4  # 96 MiB of float32: a segment of its own
+    size = 200 * 2**20 // 4  # 200 MiB of float32: a segment of its own
     automp.enable()
+    torch.cuda.empty_cache()  # not a block cached by an earlier test
     x = torch.randn(size, device="cuda")
     seg = segment_of(x)
     if "is_expandable" not in seg:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from automp import conv_tuning
+from automp import allocator, conv_tuning
 from automp.choose import TrialConfig, VerdictCache
 from automp.config import AutoMPConfig
 from automp.conv_layout import CL, Layout, LayoutTuning
@@ -150,7 +150,7 @@ def test_a_session_times_the_layout_then_cudnns_flag(monkeypatch, fresh_session,
     report, settled = train(AutoMPConfig(dtype="bf16", path="eager"), net, x, 200, [0.0], lambda s: (
         (0.7 if s.layout.on else 1.0) * (0.8 if torch.backends.cudnn.benchmark else 1.0)))
     assert settled[0] is False and settled[-1] is True
-    layout, flag = report["settings"]
+    layout, flag = [s for s in report["settings"] if s["setting"] != allocator.SETTING]  # CUDA's own: see allocator
     assert layout["value"] == "channels-last" and flag["setting"] == "torch.backends.cudnn.benchmark"
     assert flag["value"] is True and set(flag["timings_ms"]) == {"cudnn-benchmark", "cudnn-heuristics"}
     assert not any(m._forward_pre_hooks for m in (net.c1, net.bn, net.dw))
