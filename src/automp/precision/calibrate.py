@@ -27,8 +27,11 @@ from automp.precision.cost import DeviceSpec
 SCHEMA = 1  # bump when the file layout changes: older files then read as corrupt and are re-measured
 BUCKETS = {"small": 256, "medium": 1024, "large": 4096}  # square GEMM sizes, smallest first
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A low-precision GEMM this much slower than FP32 at one size is emulated: timing it at bigger sizes would blow the
-# time budget on such CPUs and could not change the verdict (it does not pay).
+# On a CPU, a low-precision GEMM this much slower than FP32 at one size is emulated: timing it at bigger sizes would
+# blow the time budget on such CPUs and could not change the verdict (it does not pay). Not on CUDA, where every size
+# takes milliseconds: there the small size is latency-bound, and on a GPU shared with other work its float16 rate
+# read under a quarter of FP32's (H100, a parallel test run), which would have kept a real Tensor Core device in FP32
+# and cached that verdict.
 EMULATED_SLOWDOWN = 4.0
 LAUNCHES = 100  # tiny kernels per timed call: amortizes the timer's own overhead (a sync, a clock read)
 
@@ -151,7 +154,7 @@ def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, fl
                 bench = _gemm(device, name, bucket, r, gen)
                 rates[name][bucket] = bench.flops / _timed(timer, bench) / 1e12
                 fp32 = rates["float32"][bucket]
-                if rates[name][bucket] * EMULATED_SLOWDOWN < fp32:
+                if device.type != "cuda" and rates[name][bucket] * EMULATED_SLOWDOWN < fp32:
                     break  # emulated: see EMULATED_SLOWDOWN
     finally:
         torch.set_float32_matmul_precision(precision)
