@@ -213,3 +213,11 @@ def test_default_timer_is_not_sized_by_a_jit_in_the_warmup(monkeypatch):
     durations = iter([0.05, 0.008, 0.008] + [0.0002] * 10)
     bench = Bench("gemm", lambda: now.__setitem__(0, now[0] + next(durations)), 1)
     assert default_timer(torch.device("cpu"))(bench) == pytest.approx(0.0002)
+
+
+def test_only_a_cpu_is_taken_for_emulating_a_slow_dtype():
+    """A CUDA device's small GEMMs are latency-bound and slow under other work: that must not end its measurement."""
+    slow, fp32 = 0.2, 1.0  # the float16 rate a shared H100 read at the small size, relative to FP32
+    assert calibrate.emulated(torch.device("cpu"), slow, fp32)
+    assert not calibrate.emulated(torch.device("cuda"), slow, fp32)
+    assert not calibrate.emulated(torch.device("cpu"), 0.5, fp32)  # within EMULATED_SLOWDOWN: timed on

@@ -141,6 +141,12 @@ def _plan(device: torch.device) -> tuple[list[str], dict[str, int], int]:
     return ["float32", "bfloat16", "float16"], {"small": 1, "medium": 1}, 1 << 23
 
 
+def emulated(device: torch.device, rate: float, fp32_rate: float) -> bool:
+    """Whether a low-precision GEMM rate marks the dtype as emulated, so that bigger sizes are not timed
+    (EMULATED_SLOWDOWN says why only on a CPU)."""
+    return device.type != "cuda" and rate * EMULATED_SLOWDOWN < fp32_rate
+
+
 def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, float]]:
     dtypes, reps, _ = _plan(device)
     gen = torch.Generator(device=device).manual_seed(0)  # keeps the user's RNG stream untouched
@@ -154,8 +160,8 @@ def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, fl
                 bench = _gemm(device, name, bucket, r, gen)
                 rates[name][bucket] = bench.flops / _timed(timer, bench) / 1e12
                 fp32 = rates["float32"][bucket]
-                if device.type != "cuda" and rates[name][bucket] * EMULATED_SLOWDOWN < fp32:
-                    break  # emulated: see EMULATED_SLOWDOWN
+                if emulated(device, rates[name][bucket], fp32):
+                    break
     finally:
         torch.set_float32_matmul_precision(precision)
     return rates
