@@ -5,7 +5,7 @@ import json
 import pytest
 import torch.nn as nn
 
-from automp.choose import Path, Trial, TrialConfig, Verdict, VerdictCache, candidate_paths, module_key
+from automp.choose import RECORD_LAST, Path, Trial, TrialConfig, Verdict, VerdictCache, candidate_paths, module_key
 
 
 class FakeClock:
@@ -28,9 +28,9 @@ class FakeClock:
 
 
 def run_until_verdict(cost: dict[Path, float], config: TrialConfig | None = None, limit: int = 100,
-                      clock: FakeClock | None = None, order: list[Path] | None = None):
+                      clock: FakeClock | None = None, order: list[Path] | None = None, later=()):
     clock = clock or FakeClock(cost)
-    trial = Trial(order or list(cost), config or TrialConfig(), clock, lambda: None)
+    trial = Trial(order or list(cost), config or TrialConfig(), clock, lambda: None, later=later)
     ran: list[Path] = []
     for _ in range(limit):
         if trial.verdict is not None:
@@ -366,3 +366,65 @@ def test_a_script_that_never_trains_has_its_inference_calls_timed():
         trial.tick(1, training=False)
         clock.now += cost[trial.current]
     assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW
+
+
+# the zoo's ResNet-50 on an H100 (twelfth session's trial): FP32 eager is 5x the compiled paths
+RESNET = {Path.EAGER_LOW: 0.0347, Path.COMPILED: 0.0300, Path.COMPILED_AUTOCAST: 0.0304, Path.GRAPHED: 0.0245,
+          Path.FP32: 0.150}
+
+
+def test_cuda_graphs_are_recorded_after_the_first_round_has_dropped_fp32():
+    """RECORD_LAST: the graphs' pool must not sit beside FP32 eager's activations. FP32 is timed and dropped before
+    autocast-graphed's first (warm-up) iteration, and autocast-graphed still wins on the samples it got."""
+    trial, ran = run_until_verdict(RESNET, later=RECORD_LAST)
+    first_graphed = ran.index(Path.GRAPHED)
+    assert Path.FP32 in ran[:first_graphed] and Path.FP32 not in ran[first_graphed:]
+    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1
+    assert trial.verdict.path is Path.GRAPHED
+    assert len(trial.samples[Path.GRAPHED]) == TrialConfig().measure - 1  # timed from the second round on
+    assert trial.verdict.timings_ms[Path.GRAPHED.value] == pytest.approx(24.5)
+
+
+def test_without_later_the_graphs_are_recorded_before_fp32_is_timed():
+    """The same trial without `later`: what RECORD_LAST changes (FP32 runs after the graphs were recorded)."""
+    _, ran = run_until_verdict(RESNET)
+    assert Path.FP32 in ran[ran.index(Path.GRAPHED):]
+
+
+def test_a_later_candidate_with_a_slow_first_sample_is_judged_by_the_first_rounds_margin():
+    """Its first sample comes in the second round, where the others are judged by give_up: a one-off slow first
+    sample (1.4-1.8x on an H100) must not drop it."""
+    class OneOff(FakeClock):
+        graphed_runs = 0
+
+        def seconds(self, trial):
+            c = self.cost[trial.current]
+            if trial.current is Path.GRAPHED:
+                self.graphed_runs += 1
+                if self.graphed_runs == 4:  # after its three warm-up iterations
+                    return 1.8 * c
+            return c
+
+    trial, _ = run_until_verdict(RESNET, TrialConfig(block=1), clock=OneOff(RESNET), later=RECORD_LAST)
+    assert max(trial.samples[Path.GRAPHED]) == pytest.approx(1.8 * 0.0245)
+    assert trial.verdict.path is Path.GRAPHED and Path.GRAPHED not in trial.abandoned
+
+
+def test_a_later_candidate_is_measured_even_when_one_round_would_decide():
+    trial, ran = run_until_verdict(RESNET, TrialConfig(measure=1), later=RECORD_LAST)
+    assert trial.samples[Path.GRAPHED] and trial.verdict.path is Path.GRAPHED
+
+
+def test_a_trial_of_later_candidates_only_or_with_the_others_excluded_still_decides():
+    trial, ran = run_until_verdict({Path.GRAPHED: 0.01}, later=RECORD_LAST)
+    assert trial.verdict.path is Path.GRAPHED and set(ran) == {Path.GRAPHED} and len(ran) > 1  # warmed up, not deferred
+    clock = FakeClock({Path.EAGER_LOW: 0.03, Path.GRAPHED: 0.02})
+    trial = Trial([Path.EAGER_LOW, Path.GRAPHED], TrialConfig(), clock, lambda: None, later=RECORD_LAST)
+    for _ in range(3):
+        clock.run(trial)
+    trial.exclude({Path.EAGER_LOW}, "a member cannot run it")
+    for _ in range(40):
+        if trial.verdict is not None:
+            break
+        clock.run(trial)
+    assert trial.verdict is not None and trial.verdict.path is Path.GRAPHED

@@ -37,6 +37,11 @@ class Path(enum.Enum):
     GRAPHED = "autocast-graphed"  # the same graphs replayed as CUDA graphs (automp.compiled_paths.stock)
 
 
+# Candidates a trial warms up only after its first round has dropped the clear losers. CUDA graphs record a memory
+# pool that stays for the rest of the trial. Recorded before that round, the pool sat beside FP32 eager's
+# activations, the largest of any path and the path most often dropped in that round: ResNet-50's trial reserved
+# 18.2 GiB on an H100 against 6.7 GiB in steady state (BENCHMARKS.md, twelfth session).
+RECORD_LAST = frozenset({Path.GRAPHED})
 EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
 COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED})
 AUTOCAST_PATHS = frozenset({Path.COMPILED_AUTOCAST, Path.GRAPHED})  # compiled, under torch.autocast
@@ -100,7 +105,9 @@ class Trial:
 
     First each candidate warms up (untimed), then the candidates take turns, one timed sample each per round:
     interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that
-    would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped.
+    would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped
+    (`give_up_first` while it has one sample). Candidates in `later` are warmed up after the first round, and timed
+    from the second on (RECORD_LAST says why).
 
     A sample is `block` iterations run back to back, with the device synchronized only at its two ends: the script
     after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
@@ -110,7 +117,8 @@ class Trial:
 
     def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
                  sync: Callable[[], None], note: str = "", incumbent: Path | None = None,
-                 warmup: Mapping[Path, int] | None = None, clock_member: int | None = None):
+                 warmup: Mapping[Path, int] | None = None, clock_member: int | None = None,
+                 later: Iterable[Path] = ()):
         if not candidates:
             raise ValueError("a trial needs at least one candidate path")
         self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
@@ -120,9 +128,13 @@ class Trial:
         self.samples: dict[Path, list[float]] = {c: [] for c in candidates}
         self.alive = list(candidates)
         self.abandoned: set[Path] = set()
+        self._warmup = warmup
+        later = set(later)
+        # not warmed up yet; with nothing else to time first, nothing waits
+        self._later = [] if all(c in later for c in candidates) else [c for c in candidates if c in later]
         # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each
         self._queue: list[tuple[Path, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
-                                                     if warmup.get(c, 1) > 0]
+                                                     if c not in self._later and warmup.get(c, 1) > 0]
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
@@ -197,18 +209,26 @@ class Trial:
         if self._queue:
             return
         if self._rounds:
-            best = min(statistics.median(self.samples[p]) for p in self.alive)
-            factor = self.config.give_up_first if self._rounds == 1 else self.config.give_up
-            for p in list(self.alive):
+            sampled = [p for p in self.alive if self.samples[p]]  # none when exclude() took every timed one
+            best = min((statistics.median(self.samples[p]) for p in sampled), default=0.0)
+            for p in sampled:
+                factor = self.config.give_up_first if len(self.samples[p]) == 1 else self.config.give_up
                 if min(self.samples[p]) > factor * best:
                     self.alive.remove(p)
                     self.abandoned.add(p)
-        if self._rounds >= self.config.measure or len(self.alive) == 1:
+        waiting = [c for c in self._later if c in self.alive]
+        if (self._rounds >= self.config.measure and not waiting) or len(self.alive) == 1:
             self._decide()
             return
         self._rounds += 1
         order = self.alive if self._rounds % 2 else self.alive[::-1]  # A B, B A, ...: linear drift cancels
-        self._queue = [(c, True, max(1, self.config.block)) for c in order]
+        warm: list[tuple[Path, bool, int]] = []
+        if waiting and self._rounds == 1 and len(waiting) < len(self.alive):
+            order = [c for c in order if c not in waiting]
+        else:
+            warm = [(c, False, self._warmup.get(c, 1)) for c in waiting if self._warmup.get(c, 1) > 0]
+            self._later = []
+        self._queue = warm + [(c, True, max(1, self.config.block)) for c in order]
 
     def _measured(self) -> tuple[dict[str, float], Any, str]:
         """Each candidate's median ms (by its value), the fastest candidate still in, and the timings as a reason

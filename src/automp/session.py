@@ -20,8 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from automp import call_state, compiled_paths, graph_pool, input_grads, rnn
 from automp.allocator import ExpandableSegments
 from automp.autocast_cache import SharedCasts
-from automp.choose import (COMPILED_PATHS, EAGER_PATHS, Path, Trial, TrialConfig, Verdict, VerdictCache, agreed,
-                           candidate_paths, confirmation, distributed, for_ranks, module_key, rank0_start)
+from automp.choose import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict, VerdictCache,
+                           agreed, candidate_paths, confirmation, distributed, for_ranks, module_key, rank0_start)
 from automp.config import AutoMPConfig
 from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
@@ -336,7 +336,8 @@ class Session:
             self.cache.put({root.key: verdict})
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
-            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, _sync(device), note=why)
+            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, _sync(device), note=why,
+                               later=RECORD_LAST)
             self.unfinished[self.trial] = []
         root.trial = self.trial
         self.unfinished[self.trial].append(root.label)
