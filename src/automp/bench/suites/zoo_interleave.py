@@ -6,7 +6,8 @@ same BERT anchor ran 34.0 ms in one run and 45.8 ms in another; EfficientNet's a
 torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would, then blocks of
 steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block hits both.
 
-Both models are resident, so this measures time only: peak memory and loss stay the separate rows'. bf16 only: the
+Both models are resident, so this measures time only: peak memory and loss stay the separate rows'. Both also run
+under the allocator setting automp makes (automp.allocator), which the anchor's separate row does not have. bf16 only: the
 anchor runs inside the automp session (automp steps aside for a module called under the script's own autocast, as
 the report says), and under fp16 that step-aside would also take automp's loss scaling off for the automp loop.
 """
