@@ -104,3 +104,28 @@ def test_new_segments_are_expandable_while_automp_is_enabled(allocator_default, 
     torch.cuda.empty_cache()
     y = torch.randn(size, device="cuda")
     assert not segment_of(y)["is_expandable"]
+
+
+def test_a_process_sharing_failure_gets_a_hint_only_when_automp_made_the_setting(allocator_default):
+    failure = RuntimeError("pidfd_getfd: Operation not permitted")
+    seg = ExpandableSegments()
+    assert seg.hint(failure) is None  # not set by automp: not automp's to explain
+    seg.turn_on(lambda entry: None, environ={}, cuda=True)
+    try:
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in seg.hint(failure)
+        assert seg.hint(RuntimeError("CUDA error: invalid argument in cudaIpcGetMemHandle")) is not None
+        assert seg.hint(ValueError("the script's own bug")) is None
+    finally:
+        seg.restore()
+    assert seg.hint(failure) is None
+
+
+def test_the_session_passes_the_hint_on(allocator_default, fresh_session):
+    session = Session(AutoMPConfig(), allocator=_AsIfCuda())
+    session.install()
+    try:
+        hint = session.script_failed(RuntimeError("pidfd_getfd: Operation not permitted"))
+        assert hint is not None and "expandable_segments:False" in hint
+        assert session.script_failed(KeyError("x")) is None
+    finally:
+        session.uninstall()

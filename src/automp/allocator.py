@@ -16,6 +16,11 @@ the pool grows and unmaps them when it shrinks, so the reserved size follows the
 
 The setting is process-wide, so automp.disable() sets it back. It is left alone when the environment configured the
 allocator itself (PYTORCH_CUDA_ALLOC_CONF and its aliases) or when there is no CUDA. The report says which applied.
+
+One known cost: CUDA tensors shared between processes (torch.multiprocessing) travel differently from expandable
+segments. torch passes file descriptors, through pidfd_getfd, which some containers forbid (pytorch/pytorch#165685),
+and the legacy cudaIpcGetMemHandle refuses such memory (vllm-project/vllm#42609). A script that fails that way gets
+a hint (`hint`) naming the switch that turns the setting off.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 ENVIRONMENT = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 ON, OFF = "expandable_segments:True", "expandable_segments:False"
+IPC_SIGNS = ("pidfd_getfd", "cudaipcgetmemhandle", "expandable")  # lower case: how those failures read
 SETTING = "CUDA allocator"
 
 
@@ -79,3 +85,12 @@ class ExpandableSegments:
         if self.applied:
             _setter()(OFF)
             self.applied = False
+
+    def hint(self, error: BaseException) -> str | None:
+        """What to do about `error` when it may come from the setting automp made, else None."""
+        text = f"{type(error).__name__}: {error}".lower()
+        if not self.applied or not any(sign in text for sign in IPC_SIGNS):
+            return None
+        return ("automp: automp had turned on the CUDA allocator's expandable segments, and this error looks like a "
+                "CUDA tensor shared between processes, which they can break. Run again with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False: automp then leaves the allocator as torch sets it.")

@@ -510,9 +510,10 @@ class Session:
 
     def script_failed(self, error: BaseException) -> str | None:
         """The script ended with `error`. A double backward through a compiled graph (automp.input_grads) is
-        remembered for the modules that ran one, so the next run keeps them eager; the hint for the user, or None."""
+        remembered for the modules that ran one, so the next run keeps them eager; the hint for the user, or None
+        (the allocator's, for an error that setting may have caused)."""
         if not input_grads.is_double_backward(error):
-            return None
+            return self.allocator.hint(error)
         compiled = [r for r in self.roots.values() if r.compiled is not None or r.stock is not None]
         self.cache.put({r.key: Verdict(Path.EAGER_LOW, input_grads.REASON_CRASHED, {}, eager_only=True)
                         for r in compiled if r.key})
