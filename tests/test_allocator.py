@@ -115,6 +115,7 @@ def test_a_process_sharing_failure_gets_a_hint_only_when_automp_made_the_setting
         assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in seg.hint(failure)
         assert seg.hint(RuntimeError("CUDA error: invalid argument in cudaIpcGetMemHandle")) is not None
         assert seg.hint(ValueError("the script's own bug")) is None
+        assert seg.hint(RuntimeError('sum_to_size: size "[3]" is not expandable to size "[2]"')) is None
     finally:
         seg.restore()
     assert seg.hint(failure) is None

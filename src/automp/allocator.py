@@ -31,7 +31,8 @@ import torch
 
 ENVIRONMENT = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 ON, OFF = "expandable_segments:True", "expandable_segments:False"
-IPC_SIGNS = ("pidfd_getfd", "cudaipcgetmemhandle", "expandable")  # lower case: how those failures read
+# lower case; not "expandable" alone: a shape error reads 'size "[3]" is not expandable to size "[2]"'
+IPC_SIGNS = ("pidfd_getfd", "cudaipcgetmemhandle", "expandable_segment", "expandable segment")
 SETTING = "CUDA allocator"
 
 
