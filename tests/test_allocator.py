@@ -18,13 +18,12 @@ def allocator_default():
     allocator._setter()(allocator.OFF)
 
 
-def test_left_alone_without_cuda_or_when_the_environment_configures_it(allocator_default):
-    assert why_not({}, cuda=False) == "no CUDA device"
-    why = why_not({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, cuda=True)
+def test_left_alone_when_the_environment_configures_it(allocator_default):
+    why = why_not({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
     assert "PYTORCH_CUDA_ALLOC_CONF" in why and "max_split_size_mb:128" in why
-    assert "PYTORCH_ALLOC_CONF" in why_not({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, cuda=True)
-    assert why_not({"PYTORCH_CUDA_ALLOC_CONF": ""}, cuda=True) is None  # set but empty configures nothing
-    assert why_not({}, cuda=True) is None
+    assert "PYTORCH_ALLOC_CONF" in why_not({"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    assert why_not({"PYTORCH_CUDA_ALLOC_CONF": ""}) is None  # set but empty configures nothing
+    assert why_not({}) is None
 
 
 @needs_getter
@@ -54,7 +53,7 @@ def test_a_configured_environment_is_neither_changed_nor_restored(allocator_defa
 @needs_getter
 def test_a_script_that_set_it_itself_is_left_alone(allocator_default):
     allocator._setter()("expandable_segments:True")
-    assert why_not({}, cuda=True) == "left as the script set it"
+    assert why_not({}) == "left as the script set it"
 
 
 def test_nothing_to_report_on_a_cpu_run(allocator_default):

@@ -37,7 +37,7 @@ SETTING = "CUDA allocator"
 
 
 def _setter() -> Callable[[str], None]:
-    # torch 2.13 has the accelerator-generic binding; the older one is deprecated there and missing from neither
+    # torch 2.13's accelerator-generic binding, else torch.cuda.memory's (deprecated in 2.13)
     return getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
 
 
@@ -46,10 +46,8 @@ def _current() -> str:
     return getter() if getter is not None else ""
 
 
-def why_not(environ: Mapping[str, str], cuda: bool) -> str | None:
-    """Why the allocator stays as it is, or None when automp may turn expandable segments on."""
-    if not cuda:
-        return "no CUDA device"
+def why_not(environ: Mapping[str, str]) -> str | None:
+    """Why a CUDA process's allocator stays as it is, or None when automp may turn expandable segments on."""
     for name in ENVIRONMENT:
         if environ.get(name):
             return f"left as {name}={environ[name]!r} sets it"
@@ -66,10 +64,9 @@ class ExpandableSegments:
 
     def turn_on(self, report: Callable[[dict[str, Any]], None], environ: Mapping[str, str] | None = None,
                 cuda: bool | None = None) -> None:
-        why = why_not(os.environ if environ is None else environ,
-                      torch.cuda.is_available() if cuda is None else cuda)
-        if why == "no CUDA device":
-            return  # nothing to report on a CPU run
+        if not (torch.cuda.is_available() if cuda is None else cuda):
+            return  # nothing to set or report on a CPU run
+        why = why_not(os.environ if environ is None else environ)
         if why is None:
             try:
                 _setter()(ON)
