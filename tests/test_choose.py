@@ -60,22 +60,28 @@ def test_warmup_iterations_are_not_timed():
     assert max(trial.samples[Path.COMPILED]) == pytest.approx(0.005)
 
 
+class OneOff(FakeClock):
+    """`path`'s `nth` iteration, its first timed one, takes 1.8x its others (a compiled path's, seen on an H100)."""
+
+    def __init__(self, cost: dict[Path, float], path: Path, nth: int):
+        super().__init__(cost)
+        self.path, self.nth, self.runs = path, nth, 0
+
+    def seconds(self, trial):
+        c = self.cost[trial.current]
+        if trial.current is self.path:
+            self.runs += 1
+            if self.runs == self.nth:
+                return 1.8 * c
+        return c
+
+
 def test_a_one_off_slow_first_sample_does_not_drop_the_fastest_path():
-    class OneOff(FakeClock):  # the compiled path's first timed iteration is 1.8x its others (seen on an H100)
-        compiled_runs = 0
-
-        def seconds(self, trial):
-            c = self.cost[trial.current]
-            if trial.current is Path.COMPILED:
-                self.compiled_runs += 1
-                if self.compiled_runs == 2:  # after its one warm-up iteration
-                    return 1.8 * c
-            return c
-
     cost = {Path.EAGER_LOW: 0.0375, Path.COMPILED: 0.031, Path.FP32: 0.145}
     trial, _ = run_until_verdict(cost, TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1, Path.FP32: 1},
                                                    block=1),  # a sample of one iteration: the one-off undiluted
-                                 clock=OneOff(cost), order=[Path.EAGER_LOW, Path.COMPILED, Path.FP32])
+                                 clock=OneOff(cost, Path.COMPILED, 2),  # after its one warm-up iteration
+                                 order=[Path.EAGER_LOW, Path.COMPILED, Path.FP32])
     assert max(trial.samples[Path.COMPILED]) == pytest.approx(1.8 * 0.031)  # the one-off was timed
     assert trial.verdict.path is Path.COMPILED and Path.COMPILED not in trial.abandoned
     assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1  # 3.9x: dropped after one round
@@ -394,18 +400,8 @@ def test_without_later_the_graphs_are_recorded_before_fp32_is_timed():
 def test_a_later_candidate_with_a_slow_first_sample_is_judged_by_the_first_rounds_margin():
     """Its first sample comes in the second round, where the others are judged by give_up: a one-off slow first
     sample (1.4-1.8x on an H100) must not drop it."""
-    class OneOff(FakeClock):
-        graphed_runs = 0
-
-        def seconds(self, trial):
-            c = self.cost[trial.current]
-            if trial.current is Path.GRAPHED:
-                self.graphed_runs += 1
-                if self.graphed_runs == 4:  # after its three warm-up iterations
-                    return 1.8 * c
-            return c
-
-    trial, _ = run_until_verdict(RESNET, TrialConfig(block=1), clock=OneOff(RESNET), later=RECORD_LAST)
+    clock = OneOff(RESNET, Path.GRAPHED, 4)  # after its three warm-up iterations
+    trial, _ = run_until_verdict(RESNET, TrialConfig(block=1), clock=clock, later=RECORD_LAST)
     assert max(trial.samples[Path.GRAPHED]) == pytest.approx(1.8 * 0.0245)
     assert trial.verdict.path is Path.GRAPHED and Path.GRAPHED not in trial.abandoned
 
