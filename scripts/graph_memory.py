@@ -22,10 +22,15 @@ from automp.bench.suites import zoo
 GIB = 2**30
 
 
+def pool_of(seg: dict) -> str:
+    """A memory_snapshot segment's pool: the default one, or a CUDA graphs' private one."""
+    return "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph"
+
+
 def pools() -> dict[str, float]:
     out = {"default_alloc": 0, "default_resv": 0, "graph_alloc": 0, "graph_resv": 0}
     for seg in torch.cuda.memory_snapshot():
-        kind = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph"
+        kind = pool_of(seg)
         out[f"{kind}_alloc"] += seg["allocated_size"]
         out[f"{kind}_resv"] += seg["total_size"]
     return {k: round(v / GIB, 3) for k, v in out.items()}
@@ -85,11 +90,10 @@ def segments() -> None:
     """Each pool's segments by size: how much of what is reserved is one large block vs many small ones."""
     by: dict[str, list] = {}
     for seg in torch.cuda.memory_snapshot():
-        kind = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else "graph"
-        by.setdefault(kind, []).append((seg["total_size"], seg["allocated_size"], seg.get("segment_type", "")))
+        by.setdefault(pool_of(seg), []).append((seg["total_size"], seg["allocated_size"]))
     for kind, segs in by.items():
         segs.sort(reverse=True)
-        top = ", ".join(f"{t / 2**20:.0f}/{a / 2**20:.0f}" for t, a, _ in segs[:12])
+        top = ", ".join(f"{t / 2**20:.0f}/{a / 2**20:.0f}" for t, a in segs[:12])
         print(f"    {kind}: {len(segs)} segments; largest (MiB total/allocated): {top}", flush=True)
 
 
