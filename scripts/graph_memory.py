@@ -70,8 +70,10 @@ def main(name, mode, steps=8):
         loop.nets = {k: torch.compile(m, mode="reduce-overhead") for k, m in loop.work.modules.items()}
     if not (anchor or plain):
         automp.enable(dtype="bf16", path=mode)
-    for _ in range(int(steps)):
-        loop.step()
+    done = 0
+    while done < int(steps) or (not (anchor or plain) and not automp.settled() and done < 300):
+        loop.step()  # automp's trial must be over, or "steady state" would time the recording of a graph
+        done += 1
     torch.cuda.synchronize()
     whole = torch.cuda.max_memory_reserved() / GIB
     torch.cuda.empty_cache()
@@ -83,9 +85,11 @@ def main(name, mode, steps=8):
     torch.cuda.synchronize()
     peak_a, peak_r = torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
     if not (anchor or plain):
-        automp.disable()
+        for c in automp.disable().get("choices", []):
+            print(f"    automp: {c['module']} runs {c['path']}", flush=True)
     print(f"{name} {mode}: steady peak allocated {peak_a:.3f} GiB, reserved {peak_r:.3f} GiB; whole-run reserved "
-          f"peak {whole:.3f} GiB; allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}", flush=True)
+          f"peak {max(whole, peak_r):.3f} GiB ({done} steps to settle); allocator "
+          f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}", flush=True)
     for where, p in loop.record:
         print(f"    after {where:8s} {p}", flush=True)
     segments()
