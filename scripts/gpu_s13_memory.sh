@@ -3,4 +3,7 @@
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src OMP_NUM_THREADS=4
 run() { echo "=== $*"; timeout 240 python3 scripts/graph_memory.py "$@" 2>&1 | grep -v "Warning\|warn(" | tail -45; }
-for m in ${MODES:-"gan auto 8" "mlp auto 8" "resnet50 auto 20" "t5 auto 20"}; do GRAPH_MEMORY_HISTORY=${HIST:-} run $m; done
+GRAPH_MEMORY_HISTORY=1 run gan auto 8
+GRAPH_MEMORY_HISTORY=1 run mlp auto 8
+run resnet50 auto 20
+run t5 auto 20
