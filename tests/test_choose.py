@@ -391,6 +391,27 @@ def test_cuda_graphs_are_recorded_after_the_first_round_has_dropped_fp32():
     assert trial.verdict.timings_ms[Path.GRAPHED.value] == pytest.approx(24.5)
 
 
+# the zoo's T5-small: FP32 eager is 2x the fastest compiled path, inside the compiled paths' first-sample margin
+T5 = {Path.EAGER_LOW: 0.040, Path.COMPILED: 0.030, Path.COMPILED_AUTOCAST: 0.031, Path.GRAPHED: 0.016, Path.FP32: 0.060}
+
+
+def test_an_eager_loser_is_dropped_by_the_later_rounds_margin_before_the_graphs_are_recorded():
+    """An eager path compiles nothing, so its first sample is not a one-off: 2x the best drops it after round 1,
+    before the graph pool exists (T5's trial had reserved 7.1 GiB beside FP32's 4.7). A compiled path at 1.8x the
+    best on its first sample stays: its first timed iteration can be that slow."""
+    trial, ran = run_until_verdict(T5, later=RECORD_LAST)
+    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1
+    assert Path.FP32 not in ran[ran.index(Path.GRAPHED):]
+    assert Path.EAGER_LOW in trial.abandoned and len(trial.samples[Path.EAGER_LOW]) == 1  # 1.33x > give_up 1.3
+    assert trial.verdict.path is Path.GRAPHED
+    unrecorded = {p: c for p, c in T5.items() if p is not Path.GRAPHED}
+    clock = OneOff(unrecorded, Path.COMPILED, 3)  # its first timed iteration after two warm-up ones
+    trial, _ = run_until_verdict(unrecorded, TrialConfig(block=1), clock=clock)
+    assert max(trial.samples[Path.COMPILED]) == pytest.approx(1.8 * 0.030)
+    assert len(trial.samples[Path.COMPILED]) > 1 and trial.verdict.path is Path.COMPILED
+    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1
+
+
 def test_without_later_the_graphs_are_recorded_before_fp32_is_timed():
     """The same trial without `later`: what RECORD_LAST changes (FP32 runs after the graphs were recorded)."""
     _, ran = run_until_verdict(RESNET)

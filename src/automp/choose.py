@@ -55,7 +55,10 @@ class TrialConfig:
     no more evidence, and every trial iteration of a slow path is time the user loses. give_up_first: the same after the
     first round, where each candidate has one sample and one sample can be a one-off: on an H100 the first timed
     iteration of a compiled path measured 1.4-1.8x its later ones in some runs (BERT-base: 51-69 ms against 31-34),
-    which dropped the path that would have won. anchor_margin: autocast-compiled is what a user hand-writes (stock
+    which dropped the path that would have won. An eager path's first sample is judged by give_up: it compiles
+    nothing, so its first timed iteration is like its later ones, and keeping a clear eager loser into the second round
+    kept its activations beside the CUDA graph pool recorded then (RECORD_LAST): T5-small's trial reserved 7.1 GiB on
+    an H100, against 4.7 GiB for the FP32 script itself. anchor_margin: autocast-compiled is what a user hand-writes (stock
     Inductor under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph pass
     replaces it only when it measured faster by more than the margin. Two identical loops measured 3-6% apart on an H100
     host (BENCHMARKS.md section 0), and trials chose automp-compiled on leads of 0.2% that an interleaved run then
@@ -106,8 +109,8 @@ class Trial:
     First each candidate warms up (untimed), then the candidates take turns, one timed sample each per round:
     interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that
     would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped
-    (`give_up_first` while it has one sample). Candidates in `later` are warmed up after the first round, and timed
-    from the second on (RECORD_LAST says why).
+    (`give_up_first` while a compiled one has one sample). Candidates in `later` are warmed up after the first round,
+    and timed from the second on (RECORD_LAST says why).
 
     A sample is `block` iterations run back to back, with the device synchronized only at its two ends: the script
     after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
@@ -212,7 +215,8 @@ class Trial:
             sampled = [p for p in self.alive if self.samples[p]]  # none when exclude() took every timed one
             best = min((statistics.median(self.samples[p]) for p in sampled), default=0.0)
             for p in sampled:
-                factor = self.config.give_up_first if len(self.samples[p]) == 1 else self.config.give_up
+                first = len(self.samples[p]) == 1 and p in COMPILED_PATHS  # TrialConfig says why
+                factor = self.config.give_up_first if first else self.config.give_up
                 if min(self.samples[p]) > factor * best:
                     self.alive.remove(p)
                     self.abandoned.add(p)
