@@ -4,7 +4,8 @@ loop on autocast-compiled, and the graphs' memory pool given back at automp.disa
     python scripts/graph_pool_check.py [no-rescue]
 
 Loops: top (zero_grad, forward, backward, step), tutorial (forward, zero_grad, backward, step), accumulate (two
-micro-batches per step, zero_grad at the top), keep (zero_grad(set_to_none=False)). Prints per loop the relative
+micro-batches per step, zero_grad at the top), keep (zero_grad(set_to_none=False)), siamese (the module called on two
+inputs before one backward: the second replay must not overwrite what the first saved for the backward). Prints per loop the relative
 difference of the final parameters, or the error the loop raised. no-rescue: graph_pool.GradRescue switched off.
 """
 import sys
@@ -39,7 +40,10 @@ def train(path, loop, steps=8):
                 continue
             if loop in ("top", "keep"):
                 opt.zero_grad(set_to_none=loop == "top")
-            loss = net(xs[i % 4]).float().pow(2).mean()
+            if loop == "siamese":
+                loss = (net(xs[i % 4]).float() - net(xs[(i + 1) % 4]).float()).pow(2).mean()
+            else:
+                loss = net(xs[i % 4]).float().pow(2).mean()
             if loop == "tutorial":
                 opt.zero_grad()
             loss.backward()
@@ -99,7 +103,7 @@ def main(mode=""):
         graph_pool.GradRescue.before_replay = lambda self, params: 0
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, rescue {'off' if mode else 'on'}", flush=True)
     copied = count_copies()
-    for loop in ("top", "tutorial", "accumulate", "keep"):
+    for loop in ("top", "tutorial", "accumulate", "keep", "siamese"):
         ref, err_ref = train("autocast-compile", loop)
         copied.clear()
         out, err = train("autocast-graphs", loop)
