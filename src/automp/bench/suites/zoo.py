@@ -365,7 +365,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="warmup steps per mode (automp: more until settled)")
-    p.add_argument("--max-warmup", type=int, default=150, help="cap on automp's warmup while it has not settled")
+    p.add_argument("--max-warmup", type=int, default=300,
+                   help="cap on automp's warmup while it has not settled (the DCGAN settles after ~170 steps: two "
+                        "modules, their re-measurement, then the convolution layout and cuDNN trials)")
     p.add_argument("--mode-timeout", type=float, default=150,
                    help="seconds one mode may take (build, compile, steps) before it ends with an error row; 0: none. "
                         "automp modes get twice this: they compile two paths before their trial settles")
