@@ -1,11 +1,8 @@
 """The measure-and-choose trial with an injected clock: which path wins, when losers are dropped, how the timed
-module is picked, and the verdict cache (write, read, corrupt file)."""
-import json
-
+module is picked, and the re-measurement in steady state (the verdict cache: test_verdict_cache.py)."""
 import pytest
-import torch.nn as nn
 
-from automp.choose import RECORD_LAST, Path, Trial, TrialConfig, Verdict, VerdictCache, candidate_paths, module_key
+from automp.choose import RECORD_LAST, Path, Trial, TrialConfig, Verdict, candidate_paths
 
 
 class FakeClock:
@@ -162,32 +159,6 @@ def test_interval_is_timed_on_the_module_called_every_iteration():
     assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW
 
 
-def test_verdict_cache_round_trip_and_corrupt_file(tmp_path):
-    cache = VerdictCache(tmp_path)
-    v = Verdict(Path.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0})
-    cache.put({"k": v})
-    got = cache.get("k")
-    assert got.path is Path.EAGER_LOW and got.cached and got.timings_ms == v.timings_ms
-    assert cache.get("other") is None
-    cache.path.write_text("{not json")
-    assert cache.get("k") is None  # corrupt: ignored, not fatal
-    cache.put({"k2": v, "k3": v})
-    stored = json.loads(cache.path.read_text())
-    assert stored["k2"]["path"] == stored["k3"]["path"] == "low-precision-eager"
-    cache.path.write_text(json.dumps({"k": {"path": "warp-drive"}}))
-    assert cache.get("k") is None
-
-
-def test_module_key_depends_on_shapes_not_values():
-    a, b, c = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 9)
-    import torch
-    x = torch.randn(2, 4)
-    assert module_key(a, (x,), "bf16", "cpu") == module_key(b, (x,), "bf16", "cpu")
-    assert module_key(a, (x,), "bf16", "cpu") != module_key(c, (x,), "bf16", "cpu")
-    assert module_key(a, (x,), "bf16", "cpu") != module_key(a, (torch.randn(3, 4),), "bf16", "cpu")
-    assert module_key(a, (x,), "bf16", "cpu") != module_key(a, (x,), "fp16", "cpu")
-
-
 @pytest.mark.parametrize("contender", [Path.COMPILED, Path.GRAPHED])
 @pytest.mark.parametrize("lead, kept", [(0.01, True), (0.10, False)])
 def test_a_compiled_contender_must_beat_the_hand_written_path_by_more_than_the_noise(contender, lead, kept):
@@ -280,13 +251,6 @@ def test_the_confirmation_gives_the_script_back_when_its_lead_over_fp32_is_noise
     steady = {Path.EAGER_LOW: 0.100, Path.FP32: 0.102}
     _, again, _ = run_confirmation({Path.EAGER_LOW: 0.100, Path.FP32: 0.120}, steady, TrialConfig())
     assert again.verdict.path is Path.FP32 and "the script runs as written" in again.verdict.reason
-
-
-def test_verdict_cache_keeps_whether_a_verdict_was_confirmed(tmp_path):
-    cache = VerdictCache(tmp_path)
-    cache.put({"a": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0}, confirmed=True),
-               "b": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0})})
-    assert cache.get("a").confirmed and not cache.get("b").confirmed
 
 
 def _agree_worker(rank: int, port: int, out: str) -> None:

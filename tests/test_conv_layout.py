@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 
 from automp import allocator, conv_tuning
-from automp.choose import TrialConfig, VerdictCache
+from automp.choose import TrialConfig
 from automp.config import AutoMPConfig
 from automp.conv_layout import CL, Layout, LayoutTuning
+from automp.verdict_cache import VerdictCache
 
 from .timed_session import train
 

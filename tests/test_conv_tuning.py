@@ -5,10 +5,11 @@ import torch
 import torch.nn as nn
 
 from automp import allocator, conv_tuning
-from automp.choose import TrialConfig, VerdictCache
+from automp.choose import TrialConfig
 from automp.config import AutoMPConfig
 from automp.conv_tuning import MAX_SHAPES, SETTING, ConvTuning
 from automp.session import Session
+from automp.verdict_cache import VerdictCache
 
 from .timed_session import train
 

@@ -8,23 +8,16 @@ what a careful user would hand-write, so automp is never slower than that either
 CUDA graphs, which take the host's launch work away where a step is host-bound), timed from one call of the
 module to its next call — forward, backward, optimizer step and the data loading in between, everything the user
 waits for. The fastest path is kept for the rest of the run, re-measured once in steady state against the eager
-paths that came close (`confirmation`), and the verdict is cached on disk per module shape, dtype and device, so
-the next run of the same script starts on the winner and pays nothing.
+paths that came close (`confirmation`), and the verdict is cached on disk per module shape, dtype and device (automp.verdict_cache),
+so the next run of the same script starts on the winner and pays nothing.
 """
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
 import math
-import os
 import statistics
-import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path as FsPath
 from typing import Any, Callable, Iterable, Mapping
-
-from automp.files import atomic_output
 
 
 class Path(enum.Enum):
@@ -364,62 +357,3 @@ def agreed(verdict: Verdict) -> Verdict:
         return replace(verdict, timings_ms=chosen[1])
     return replace(verdict, path=Path(chosen[0]), timings_ms=chosen[1],
                    reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")
-
-
-class VerdictCache:
-    """Verdicts on disk, keyed by what decides the outcome: the module's structure and shapes, dtype, device and
-    the torch/automp versions. A corrupt file is ignored (and replaced at the next write), never fatal."""
-
-    def __init__(self, directory: str | os.PathLike | None = None):
-        root = directory or os.environ.get("AUTOMP_CACHE_DIR") or FsPath.home() / ".cache" / "automp"
-        self.path = FsPath(root) / "verdicts.json"
-
-    def _load(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def get(self, key: str, kind: type[enum.Enum] = Path) -> Verdict | None:
-        """kind: what the entry's "path" names (a Path; automp.conv_tuning caches a Flag the same way)."""
-        entry = self._load().get(key)
-        try:
-            return Verdict(kind(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True,
-                           detach=tuple(str(n) for n in entry.get("detach", ())),
-                           confirmed=bool(entry.get("confirmed", False)), eager_only=bool(entry.get("eager_only")))
-        except (TypeError, KeyError, ValueError):
-            return None
-
-    def put(self, verdicts: Mapping[str, Verdict]) -> None:
-        """One read and one write for all the modules a trial settles (key -> its verdict)."""
-        data = self._load()
-        when = time.strftime("%Y-%m-%dT%H:%M:%S")
-        data.update({key: {**v.as_dict(), "detach": list(v.detach), "eager_only": v.eager_only, "when": when}
-                     for key, v in verdicts.items()})
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_output(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
-        except OSError:
-            pass  # an unwritable cache costs a new trial next run, nothing else
-
-
-def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra: str = "") -> str:
-    """What makes two runs the same for the verdict: module classes and parameter shapes (not values), the shapes
-    and dtypes of the first call's tensor arguments, dtype, device and versions."""
-    import torch
-
-    import automp
-
-    parts = [type(module).__qualname__, dtype, device, torch.__version__, automp.__version__, extra]
-    parts += [f"{n}:{_shape(p)}:{p.dtype}" for n, p in module.named_parameters()]
-    parts += [f"{tuple(a.shape)}:{a.dtype}" for a in args if isinstance(a, torch.Tensor)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
-
-
-def _shape(p: Any) -> str:
-    """A parameter's shape; a lazy module's (nn.LazyLinear) before its first call has none yet."""
-    from torch.nn.parameter import is_lazy
-
-    return "uninitialized" if is_lazy(p) else str(tuple(p.shape))

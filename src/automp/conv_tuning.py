@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from automp.choose import Trial, TrialConfig, Verdict, VerdictCache
+from automp.choose import Trial, TrialConfig, Verdict
+from automp.verdict_cache import VerdictCache
 
 SETTING = "torch.backends.cudnn.benchmark"
 MAX_SHAPES = 8  # distinct input shapes of the convolutional roots with the flag on, before it goes back off

@@ -20,8 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from automp import call_state, compiled_paths, graph_pool, input_grads, rnn
 from automp.allocator import ExpandableSegments
 from automp.autocast_cache import SharedCasts
-from automp.choose import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict, VerdictCache,
-                           agreed, candidate_paths, confirmation, distributed, for_ranks, module_key, rank0_start)
+from automp.choose import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict, agreed,
+                           candidate_paths, confirmation, distributed, for_ranks, rank0_start)
 from automp.config import AutoMPConfig
 from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
@@ -36,6 +36,7 @@ from automp.precision.report import Recorder, dtype_name
 from automp.recompile_watch import CompileWatch, watch_for
 from automp.scaling import install_for
 from automp.unread_outputs import FieldReads, FieldWatch
+from automp.verdict_cache import VerdictCache, module_key
 
 ORIG_CALL = compiled_paths.ORIG_CALL
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
