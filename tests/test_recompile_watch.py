@@ -126,12 +126,12 @@ def test_recompiles_while_the_path_settles_do_not_move_it(monkeypatch, fresh_ses
 
 def test_a_ddp_modules_path_is_not_watched_every_rank_must_run_the_same_one(fresh_session):
     """A rank's own compile times are not a verdict the ranks share (choose.agreed): no watch on lockstep roots."""
-    from automp.session import _Root
+    from automp.root_paths import Root
 
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"))
     verdict = Verdict(Path.COMPILED, "trial", dict(TIMINGS))
-    alone = _Root("Net", torch.device("cpu"), torch.bfloat16)
-    ranked = _Root("DistributedDataParallel", torch.device("cpu"), torch.bfloat16, lockstep=True)
+    alone = Root("Net", torch.device("cpu"), torch.bfloat16)
+    ranked = Root("DistributedDataParallel", torch.device("cpu"), torch.bfloat16, lockstep=True)
     for root in (alone, ranked):
         session._decide(root, verdict)
     assert alone.watch is not None and alone.watch.fallback is Path.EAGER_LOW

@@ -99,7 +99,7 @@ class SharedCasts:
 
     def call(self, module: torch.nn.Module, root: Any, args: tuple, kwargs: dict) -> Any:
         """`module(*args, **kwargs)` as written, under autocast with `root.low`, its weight casts shared (the eager
-        path of automp.session's `_Root`, whose parameter list is kept in `root.params`)."""
+        path of automp.root_paths' `Root`, whose parameter list is kept in `root.params`)."""
         params = root.params
         if params is None:  # a lazy module's (nn.LazyLinear) parameters exist after its first call
             params = list(module.parameters())

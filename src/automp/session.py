@@ -4,7 +4,8 @@ Every top-level call of a module with parameters (a "root": the model, a GAN's g
 through `Session.call`. Nested modules are part of their root's graph and are never roots themselves. A root runs
 on one `Path` (choose.py): chosen by a short timed trial, read from the verdict cache, forced by the config, or
 the script as written when automp has to step aside (the script manages precision itself with torch.autocast, or
-the model is already half precision). Every such choice lands in the report with its reason.
+the model is already half precision). Every such choice lands in the report with its reason. What changes a root's
+path once a trial has spoken is in automp.root_paths.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from automp import call_state, compiled_paths, graph_pool, input_grads, rnn
 from automp.allocator import ExpandableSegments
 from automp.autocast_cache import SharedCasts
-from automp.choose import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict, agreed,
-                           candidate_paths, confirmation, distributed, for_ranks, rank0_start)
+from automp.choose import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict,
+                           candidate_paths, distributed, for_ranks, rank0_start)
 from automp.config import AutoMPConfig
 from automp.conv_layout import LayoutTuning
 from automp.conv_tuning import ConvTuning
@@ -33,9 +34,9 @@ from automp.graph_breaks import graph_breaks, report_graph_breaks
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
 from automp.precision.report import Recorder, dtype_name
-from automp.recompile_watch import CompileWatch, watch_for
+from automp.root_paths import BUILT, Root, RootPaths, built, sync_for
 from automp.scaling import install_for
-from automp.unread_outputs import FieldReads, FieldWatch
+from automp.unread_outputs import FieldWatch
 from automp.verdict_cache import VerdictCache, module_key
 
 ORIG_CALL = compiled_paths.ORIG_CALL
@@ -47,35 +48,13 @@ _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp wa
 
 
 @dataclass
-class _Root:
-    label: str
-    device: torch.device
-    low: torch.dtype
-    key: str = ""
-    path: Path | None = None  # None while its trial runs
-    trial: Trial | None = None
-    verdict: Verdict | None = None  # what decided its path
-    confirm: Trial | None = None  # the verdict's re-measurement in steady state, while it runs (choose.confirmation)
-    compiled: Callable[..., Any] | None = None
-    stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
-    graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Path.GRAPHED)
-    graphs: int = 0  # graphs compiled for this root (recompiles included)
-    aside: str | None = None  # why automp leaves this module as written
-    fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
-    params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
-    lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (choose.agreed)
-    eager_only: bool = False  # the script takes gradients with respect to its input (automp.input_grads)
-    watch: CompileWatch | None = None  # its compiled path's recompiles since the verdict (automp.recompile_watch)
-
-
-@dataclass
-class Session:
+class Session(RootPaths):
     config: AutoMPConfig
     recorder: Recorder = field(default_factory=Recorder)
     trial_config: TrialConfig = field(default_factory=TrialConfig)
     clock: Callable[[], float] = time.perf_counter
     scaler: Any = None
-    roots: "weakref.WeakKeyDictionary[nn.Module, _Root]" = field(default_factory=weakref.WeakKeyDictionary)
+    roots: "weakref.WeakKeyDictionary[nn.Module, Root]" = field(default_factory=weakref.WeakKeyDictionary)
     trial: Trial | None = None  # the trial new roots join while it runs
     confirming: Trial | None = None  # the latest re-measurement (choose.confirmation), for roots to join
     breaks_before: dict[str, int] = field(default_factory=dict)
@@ -239,7 +218,7 @@ class Session:
         graphed = path is Path.GRAPHED and self.config.forced_path is None
         if (root.watch is None and not graphed) or root.confirm is not None or not torch.is_grad_enabled():
             return self._run(module, root, path, args, kwargs)
-        first = _built(root, path) is None  # its first compile is no recompile
+        first = built(root, path) is None  # its first compile is no recompile
         graphs, start = root.graphs, self.clock()
         out = self._run(module, root, path, args, kwargs)
         recompiled = not first and root.graphs > graphs
@@ -249,7 +228,7 @@ class Session:
             self._give_up_compiled(root, root.watch)
         return out
 
-    def _run(self, module: nn.Module, root: _Root, path: Path, args: tuple, kwargs: dict) -> Any:
+    def _run(self, module: nn.Module, root: Root, path: Path, args: tuple, kwargs: dict) -> Any:
         # saved and restored, not reset: a re-run (automp.unread_outputs) may start inside another root's call
         state = call_state.local
         outer = getattr(state, "depth", 0), getattr(state, "path", None), getattr(state, "low", None)
@@ -259,12 +238,12 @@ class Session:
                 return ORIG_CALL(module, *args, **kwargs)
             if path is Path.EAGER_LOW:
                 return self._deliver(root, self.casts.call(module, root, args, kwargs), None)
-            compiled = _built(root, path)
+            compiled = built(root, path)
             if compiled is None:
                 self._before_compile(root)
                 compiled = (self._compile(module, root) if path is Path.COMPILED else
                             compiled_paths.stock(module, root, graphs=path is Path.GRAPHED))
-                setattr(root, _BUILT[path], compiled)
+                setattr(root, BUILT[path], compiled)
             try:
                 with traceable_attention():
                     out = compiled(*args, **kwargs)
@@ -279,7 +258,7 @@ class Session:
             state.depth, state.path, state.low = outer
         return ORIG_CALL(module, *args, **kwargs)
 
-    def _deliver(self, root: _Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
+    def _deliver(self, root: Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
         """What the script gets: its FP32 dtypes (automp.outputs) and, for a ModelOutput, a watch over which fields
         it reads (automp.unread_outputs). rerun is None on the eager path, where nothing is detached."""
         if not is_lazy_candidate(out):
@@ -289,9 +268,9 @@ class Session:
         return restore_lazily(out, FieldWatch(out, root.fields, detached, rerun))
 
     # -- roots, trials, verdicts ----------------------------------------------------------------------------------
-    def _new_root(self, module: nn.Module, args: tuple) -> _Root:
+    def _new_root(self, module: nn.Module, args: tuple) -> Root:
         device = _device_of(module)
-        root = self.roots[module] = _Root(self._label(module), device, low_dtype(self.config.dtype, device))
+        root = self.roots[module] = Root(self._label(module), device, low_dtype(self.config.dtype, device))
         label, recorder = root.label, self.recorder  # not root: see compiled_paths.entry_point
         root.fields.on_reattach = lambda why: recorder.unread_outputs.setdefault(
             label, {"detached": []}).update(detached=[], reattached=why)
@@ -337,7 +316,7 @@ class Session:
             self.cache.put({root.key: verdict})
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
-            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, _sync(device), note=why,
+            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(device), note=why,
                                later=RECORD_LAST)
             self.unfinished[self.trial] = []
         root.trial = self.trial
@@ -355,124 +334,7 @@ class Session:
             return [Path.FP32], f"could not measure this device ({e}): kept FP32"
         return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
 
-    def _settle(self, trial: Trial) -> None:
-        self.unfinished.pop(trial, None)
-        members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
-        self._confirm(members, self._conclude(members, trial), trial)
-
-    def _conclude(self, members: list[_Root], trial: Trial) -> Verdict:
-        """A trial's (or re-measurement's) verdict for its members, rank 0's under DDP, decided and cached."""
-        verdict = agreed(trial.verdict) if any(r.lockstep for r in members) else trial.verdict
-        for root in members:
-            self._decide(root, verdict)
-        self._remember(members, verdict)
-        return verdict
-
-    def _remember(self, members: list[_Root], verdict: Verdict) -> None:
-        """The verdict in the cache, one entry per module: the fields a module's script leaves unread are its own."""
-        self.cache.put({r.key: replace(verdict, detach=r.fields.detach) for r in members})
-
-    def _confirm(self, members: list[_Root], verdict: Verdict, after: Trial | None) -> None:
-        """Start the verdict's re-measurement in steady state (choose.confirmation), if it has one. Modules whose
-        cached verdicts arrive together (a GAN's, settled by one trial in an earlier run) join one re-measurement
-        while it has timed nothing yet, as new modules join one trial: every iteration then runs one path."""
-        if not members:
-            return
-        trial = confirmation(verdict, for_ranks(self.trial_config), self.clock, _sync(members[0].device), after)
-        pending = self.confirming
-        if (trial is not None and after is None and pending is not None and pending.verdict is None
-                and pending.candidates == trial.candidates and not any(pending.samples.values())):
-            trial = pending
-        if trial is not None:
-            self.confirming = trial
-        for root in members:
-            root.confirm = trial
-
-    def _confirmed(self, trial: Trial) -> None:
-        """The re-measurement is in: its winner runs from now on, and the cache keeps the confirmed verdict."""
-        members = [r for r in self.roots.values() if r.confirm is trial]
-        for root in members:
-            root.confirm = None
-        self._conclude(members, trial)
-
-    def _decide(self, root: _Root, verdict: Verdict) -> None:
-        root.path, root.trial, root.verdict = verdict.path, None, verdict
-        # under DDP every rank must run the same path: a rank's own compile times are not a shared verdict
-        root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
-        # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
-        left = root.graphed if root.path is not Path.GRAPHED else None
-        if root.path is Path.GRAPHED and root.graphed is not None:  # won a trial it ran in
-            compiled_paths.release_cached(root.device)
-        for path, attribute in _BUILT.items():
-            if root.path is not path:
-                setattr(root, attribute, None)
-        if left is not None:
-            self._release_graphs(left.pool)
-        self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
-        self._pause_scaling_if_fp32()
-
-    def _give_up_compiled(self, root: _Root, watch: CompileWatch) -> None:
-        """Its compiled path recompiled more than it saved (automp.recompile_watch): the eager path it beat from now
-        on, and in the cache, so the next run does not compile it."""
-        verdict = watch.verdict(root.verdict)
-        self._decide(root, verdict)
-        self._remember([root], verdict)
-
-    def _check_graphs_fit(self, root: _Root) -> None:
-        """Before CUDA graphs are built in a trial: the script's memory so far must leave room for their pool."""
-        memory = compiled_paths.device_memory(root.device)
-        why = None if memory is None else compiled_paths.graphs_fit(*memory)
-        if why is not None:
-            root.trial.exclude({Path.GRAPHED}, why)
-        else:
-            compiled_paths.release_cached(root.device)
-
-    def _graphs_for_one_module(self) -> None:
-        """CUDA graphs only while automp runs a single module. Cudagraph trees start a new generation of their
-        memory at a compiled call after a backward: a GAN's discriminator backward, then its call on the generator's
-        output, freed the generator's saved activations before the generator's backward (an H100 run of the zoo's
-        DCGAN crashed on "accessing tensor output of CUDAGraphs that has been overwritten", BENCHMARKS.md, fourth
-        session). So a second module that automp runs takes CUDA graphs out of every trial, and a module already on
-        them moves to the same graphs without them (a forced path stays)."""
-        roots = [r for r in self.roots.values() if r.aside is None]
-        if len(roots) < 2:
-            return
-        why = (f"{Path.GRAPHED.value} not for a script whose modules ({', '.join(r.label for r in roots)}) run under "
-               f"automp together: CUDA graph memory of one module is reused when another's backward runs")
-        for root in roots:  # a re-measurement of a graphed verdict ends with _leave_graphs
-            if root.trial is not None and root.trial.verdict is None and Path.GRAPHED in root.trial.alive:
-                root.trial.exclude({Path.GRAPHED}, why)
-            if root.path is Path.GRAPHED and self.config.forced_path is None:
-                self._leave_graphs(root, why)
-
-    def _leave_graphs(self, root: _Root, why: str | None = None) -> None:
-        """A training call on CUDA graphs compiled a new graph after the verdict: the module meets new input shapes
-        (padded batches of another length, a last short batch), and each shape would be recorded again, with memory
-        of its own. The same graphs without CUDA graphs from now on, and in the cache. `why`: another reason."""
-        old = root.verdict
-        why = why or (f"{Path.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
-                      f"recorded again for every shape, so it runs without them")
-        verdict = Verdict(Path.COMPILED_AUTOCAST, f"{why} ({old.reason})", dict(old.timings_ms))
-        root.confirm = None
-        self._decide(root, verdict)
-        self._remember([root], verdict)
-
-    def _release_graphs(self, pool: graph_pool.PoolRelease, last: bool = False) -> None:
-        self.releasing = graph_pool.Releasing(pool, self.recorder.add_setting).retry(last)
-
-    def _pause_scaling_if_fp32(self) -> None:
-        """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
-        and scaling would only add kernels to every backward — on a launch-bound script, a slowdown automp chose.
-        A module that appears later and needs a trial brings it back (see _new_root)."""
-        if self.scaler is None or any(r.aside is None and r.path is not Path.FP32 for r in self.roots.values()):
-            return  # some module runs (or may run, mid-trial) in low precision
-        from automp.scaling import autograd_hook
-        self.recorder.loss_scale = self.scaler.summary()
-        self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
-        autograd_hook.uninstall()
-        self.scaler, self.scaling_paused = None, True
-
-    def _step_aside(self, root: _Root, why: str, user_precision: bool = False) -> None:
+    def _step_aside(self, root: Root, why: str, user_precision: bool = False) -> None:
         if root.trial is not None:  # it joined a trial at its first call: it is no longer waiting for a verdict
             waiting = self.unfinished.get(root.trial, [])
             if root.label in waiting:
@@ -488,7 +350,7 @@ class Session:
             autograd_hook.uninstall()
             self.scaler = None
 
-    def _eager_only(self, root: _Root) -> None:
+    def _eager_only(self, root: Root) -> None:
         """Off the compiled paths for good (automp.input_grads): out of its trial, or onto a new trial of the eager
         paths if a compiled one had won (or straight to low precision eager where the configuration forced one)."""
         root.eager_only = True
@@ -504,7 +366,7 @@ class Session:
         if self.config.forced_path is not None:
             self._decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
             return
-        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, _sync(root.device),
+        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, sync_for(root.device),
                            note=input_grads.REASON)
         root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
@@ -525,7 +387,7 @@ class Session:
         n = self.labels[name] = self.labels.get(name, 0) + 1
         return name if n == 1 else f"{name}#{n}"
 
-    def _before_compile(self, root: _Root) -> None:
+    def _before_compile(self, root: Root) -> None:
         """At the first compilation, not at install: transformers adds its log-once methods when the script imports
         it, after automp was enabled. The fields to detach are fixed here, from the calls seen so far."""
         if root.fields.decide():
@@ -536,7 +398,7 @@ class Session:
     def _spec(self, device: torch.device) -> cost.DeviceSpec:
         return cost.spec_named(self.config.spec) if self.config.spec else cost.spec_for(device)
 
-    def _compile(self, module: nn.Module, root: _Root) -> Callable[..., Any]:
+    def _compile(self, module: nn.Module, root: Root) -> Callable[..., Any]:
         config = PrecisionConfig(dtype=root.low, spec=self._spec(root.device))
         planned = config.spec.name
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
@@ -544,23 +406,10 @@ class Session:
                                                                 label=root.label))
 
 
-_BUILT = {Path.COMPILED: "compiled", Path.COMPILED_AUTOCAST: "stock", Path.GRAPHED: "graphed"}  # _Root's field
-
-
-def _built(root: _Root, path: Path) -> Callable[..., Any] | None:
-    """The compiled function of `path` (a compiled path), once built."""
-    return getattr(root, _BUILT[path])
-
-
 def _device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    """What a trial on `device` waits for the device with."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _device_name(device: torch.device) -> str:
