@@ -1,5 +1,6 @@
 """A root module's path over a run: the verdict of its trial, the re-measurement in steady state, and the moves
-off a path afterwards (recompiles, CUDA graphs that no longer fit the script, every module on FP32).
+off a path afterwards (recompiles, CUDA graphs that no longer fit the script, every module on FP32, gradients
+with respect to inputs, a script that manages precision itself).
 
 `RootPaths` is the part of `automp.session.Session` that changes a root's path once a trial or a re-measurement has
 spoken: everything here reads and writes the session's roots, cache and report, and nothing here runs a module.
@@ -11,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from automp import compiled_paths, graph_pool
-from automp.choose import Path, Trial, Verdict, agreed, confirmation, for_ranks
+from automp import compiled_paths, graph_pool, input_grads
+from automp.choose import COMPILED_PATHS, Path, Trial, Verdict, agreed, confirmation, for_ranks
 from automp.recompile_watch import CompileWatch, watch_for
 from automp.unread_outputs import FieldReads
 
@@ -160,6 +161,43 @@ class RootPaths:
         self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
         autograd_hook.uninstall()
         self.scaler, self.scaling_paused = None, True
+
+    def _step_aside(self, root: Root, why: str, user_precision: bool = False) -> None:
+        if root.trial is not None:  # it joined a trial at its first call: it is no longer waiting for a verdict
+            waiting = self.unfinished.get(root.trial, [])
+            if root.label in waiting:
+                waiting.remove(root.label)
+        root.aside, root.path, root.trial, root.confirm, root.watch = why, None, None, None, None
+        if self.layout is not None:
+            for module in [m for m, r in self.roots.items() if r is root]:
+                self.layout.forget(module)
+        self.recorder.add_choice(root.label, None, why)
+        self.scaling_paused = False  # never bring scaling back on top of the script's own
+        if user_precision and self.scaler is not None:
+            from automp.scaling import autograd_hook
+            autograd_hook.uninstall()
+            self.scaler = None
+
+    def _eager_only(self, root: Root) -> None:
+        """Off the compiled paths for good (automp.input_grads): out of its trial, or onto a new trial of the eager
+        paths if a compiled one had won (or straight to low precision eager where the configuration forced one)."""
+        root.eager_only = True
+        self.recorder.add_fallback(root.label, input_grads.REASON)
+        if root.path is None:
+            root.trial.exclude(COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
+            if root.trial.verdict is not None:
+                self._settle(root.trial)
+            return
+        if root.path not in COMPILED_PATHS:
+            return
+        root.confirm = None
+        if self.config.forced_path is not None:
+            self._decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
+            return
+        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, sync_for(root.device),
+                           note=input_grads.REASON)
+        root.path, root.compiled, root.stock, root.watch = None, None, None, None
+        self.unfinished[root.trial] = [root.label]
 
 
 BUILT = {Path.COMPILED: "compiled", Path.COMPILED_AUTOCAST: "stock", Path.GRAPHED: "graphed"}  # Root's field

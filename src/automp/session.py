@@ -334,43 +334,6 @@ class Session(RootPaths):
             return [Path.FP32], f"could not measure this device ({e}): kept FP32"
         return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
 
-    def _step_aside(self, root: Root, why: str, user_precision: bool = False) -> None:
-        if root.trial is not None:  # it joined a trial at its first call: it is no longer waiting for a verdict
-            waiting = self.unfinished.get(root.trial, [])
-            if root.label in waiting:
-                waiting.remove(root.label)
-        root.aside, root.path, root.trial, root.confirm, root.watch = why, None, None, None, None
-        if self.layout is not None:
-            for module in [m for m, r in self.roots.items() if r is root]:
-                self.layout.forget(module)
-        self.recorder.add_choice(root.label, None, why)
-        self.scaling_paused = False  # never bring scaling back on top of the script's own
-        if user_precision and self.scaler is not None:
-            from automp.scaling import autograd_hook
-            autograd_hook.uninstall()
-            self.scaler = None
-
-    def _eager_only(self, root: Root) -> None:
-        """Off the compiled paths for good (automp.input_grads): out of its trial, or onto a new trial of the eager
-        paths if a compiled one had won (or straight to low precision eager where the configuration forced one)."""
-        root.eager_only = True
-        self.recorder.add_fallback(root.label, input_grads.REASON)
-        if root.path is None:
-            root.trial.exclude(COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
-            if root.trial.verdict is not None:
-                self._settle(root.trial)
-            return
-        if root.path not in COMPILED_PATHS:
-            return
-        root.confirm = None
-        if self.config.forced_path is not None:
-            self._decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
-            return
-        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, sync_for(root.device),
-                           note=input_grads.REASON)
-        root.path, root.compiled, root.stock, root.watch = None, None, None, None
-        self.unfinished[root.trial] = [root.label]
-
     def script_failed(self, error: BaseException) -> str | None:
         """The script ended with `error`. A double backward through a compiled graph (automp.input_grads) is
         remembered for the modules that ran one, so the next run keeps them eager; the hint for the user, or None
