@@ -110,7 +110,7 @@ def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fre
     assert all(c["confirmed"] and "re-measured in steady state" in c["reason"] for c in report["choices"])
     # a run that ends after its trial but before the re-measurement caches unconfirmed verdicts ...
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "second"))
-    _, report = run(14)  # the trial decides within 8 iterations, the re-measurement starts 10 later
+    _, report = run(25)
     assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Path.EAGER_LOW.value, False)] * 2
     # ... which the next run re-measures, both modules in one re-measurement
     iterations, report = run(80)

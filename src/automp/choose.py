@@ -1,15 +1,15 @@
 """Never slower: time the ways a model can run during its first training iterations and keep the fastest.
 
-A cost model predicts; only the device knows. Small scripts are launch- or host-bound, where casts and compiled
-graphs buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like
-PAI's online feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate
-path (FP32 eager as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast —
-what a careful user would hand-write, so automp is never slower than that either — and the same graphs replayed as
-CUDA graphs, which take the host's launch work away where a step is host-bound), timed from one call of the
-module to its next call — forward, backward, optimizer step and the data loading in between, everything the user
-waits for. The fastest path is kept for the rest of the run, re-measured once in steady state against the eager
-paths that came close (`confirmation`), and the verdict is cached on disk per module shape, dtype and device (automp.verdict_cache),
-so the next run of the same script starts on the winner and pays nothing.
+A cost model predicts; only the device knows. Small scripts are launch- or host-bound, where casts and compiled graphs
+buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like PAI's online
+feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate path (FP32 eager
+as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast — what a careful user
+would hand-write, so automp is never slower than that either — and the same graphs replayed as CUDA graphs, which take
+the host's launch work away where a step is host-bound), timed from one call of the module to its next call — forward,
+backward, optimizer step and the data loading in between, everything the user waits for. The fastest path is kept for
+the rest of the run, re-measured once in steady state against the eager paths that came close (`confirmation`), and the
+verdict is cached on disk per module shape, dtype and device (automp.verdict_cache), so the next run of the same script
+starts on the winner and pays nothing.
 """
 from __future__ import annotations
 
@@ -48,20 +48,21 @@ class TrialConfig:
     no more evidence, and every trial iteration of a slow path is time the user loses. give_up_first: the same after the
     first round, where each candidate has one sample and one sample can be a one-off: on an H100 the first timed
     iteration of a compiled path measured 1.4-1.8x its later ones in some runs (BERT-base: 51-69 ms against 31-34),
-    which dropped the path that would have won. An eager path's first sample is judged by give_up: it compiles
-    nothing, so its first timed iteration is like its later ones, and keeping a clear eager loser into the second round
-    kept its activations beside the CUDA graph pool recorded then (RECORD_LAST): T5-small's trial reserved 7.1 GiB on
-    an H100, against 4.7 GiB for the FP32 script itself. anchor_margin: autocast-compiled is what a user hand-writes (stock
-    Inductor under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph pass
-    replaces it only when it measured faster by more than the margin. Two identical loops measured 3-6% apart on an H100
-    host (BENCHMARKS.md section 0), and trials chose automp-compiled on leads of 0.2% that an interleaved run then
-    showed 3% slower (ResNet-50). fp32_margin: the same for the script as written (FP32 eager): any other path changes
-    the script's numerics, so it must lead by more than the noise to be kept; `automp demo` on a 2-core CPU chose low
-    precision for its GPT on a 2% trial lead and then ran at 0.92x of FP32. confirm_after: a verdict for a path other
-    than FP32 eager is re-measured once, after this many iterations on it, against the eager paths that came within
-    confirm_within of it (see `confirmation`); 0: never. churn: a compiled path's recompiling training calls after its
-    verdict before it may go back to the eager path it beat, if compiling cost more than it saved
-    (automp.recompile_watch); 0: never."""
+    which dropped the path that would have won. Where CUDA graphs are recorded after this round (RECORD_LAST), an eager
+    path's first sample is judged by give_up: it compiles nothing, so its first timed iteration is like its later ones,
+    and a clear eager loser kept into the second round ran beside the graph pool recorded then: T5-small's trial
+    reserved 7.1 GiB on an H100, against 4.7 GiB for the FP32 script itself. Without graphs to come (a CPU) the first
+    round keeps its wider margin: one sample on a shared host can be a one-off for any path. anchor_margin:
+    autocast-compiled is what a user hand-writes (stock Inductor under torch.autocast), so keeping it can never leave
+    the script slower than that; automp's own graph pass replaces it only when it measured faster by more than the
+    margin. Two identical loops measured 3-6% apart on an H100 host (BENCHMARKS.md section 0), and trials chose
+    automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50). fp32_margin: the same
+    for the script as written (FP32 eager): any other path changes the script's numerics, so it must lead by more than
+    the noise to be kept; `automp demo` on a 2-core CPU chose low precision for its GPT on a 2% trial lead and then ran
+    at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured once, after this many
+    iterations on it, against the eager paths that came within confirm_within of it (see `confirmation`); 0: never.
+    churn: a compiled path's recompiling training calls after its verdict before it may go back to the eager path it
+    beat, if compiling cost more than it saved (automp.recompile_watch); 0: never."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
                                                              Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3})
@@ -100,10 +101,10 @@ class Trial:
     between two calls of the "clock" member — the first one called, or whichever another member outnumbers.
 
     First each candidate warms up (untimed), then the candidates take turns, one timed sample each per round:
-    interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that
-    would bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped
-    (`give_up_first` while a compiled one has one sample). Candidates in `later` are warmed up after the first round,
-    and timed from the second on (RECORD_LAST says why).
+    interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that would
+    bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped
+    (`give_up_first` while it has one sample; for an eager path only while no graphs are to be recorded). Candidates in
+    `later` are warmed up after the first round, and timed from the second on (RECORD_LAST says why).
 
     A sample is `block` iterations run back to back, with the device synchronized only at its two ends: the script
     after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
@@ -207,8 +208,9 @@ class Trial:
         if self._rounds:
             sampled = [p for p in self.alive if self.samples[p]]  # none when exclude() took every timed one
             best = min((statistics.median(self.samples[p]) for p in sampled), default=0.0)
+            recording = any(c in self.alive for c in self._later)  # a graph pool comes next (TrialConfig says why)
             for p in sampled:
-                first = len(self.samples[p]) == 1 and p in COMPILED_PATHS  # TrialConfig says why
+                first = len(self.samples[p]) == 1 and (p in COMPILED_PATHS or not recording)
                 factor = self.config.give_up_first if first else self.config.give_up
                 if min(self.samples[p]) > factor * best:
                     self.alive.remove(p)
