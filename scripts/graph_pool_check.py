@@ -5,8 +5,9 @@ loop on autocast-compiled, and the graphs' memory pool given back at automp.disa
 
 Loops: top (zero_grad, forward, backward, step), tutorial (forward, zero_grad, backward, step), accumulate (two
 micro-batches per step, zero_grad at the top), keep (zero_grad(set_to_none=False)), siamese (the module called on two
-inputs before one backward: the second replay must not overwrite what the first saved for the backward). Prints per loop the relative
-difference of the final parameters, or the error the loop raised. no-rescue: graph_pool.GradRescue switched off.
+inputs before one backward: the second replay must not overwrite what the first saved for the backward). Prints per
+loop the relative difference of the final parameters, or the error the loop raised. no-rescue: graph_pool.GradRescue
+switched off.
 """
 import sys
 

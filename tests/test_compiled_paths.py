@@ -33,8 +33,8 @@ def test_autocast_compiled_path_enters_autocast_outside_the_graph(monkeypatch):
 
 def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
     """Dynamo keeps compiled functions and backends in process-wide caches: nothing it keeps may hold the model. Before
-    the fix the compile closures held the module's Root (automp.root_paths), whose parameter list kept the model and its gradients alive
-    (H100, zoo LSTM: +0.28 GiB in the next run of the same process)."""
+    the fix the compile closures held the module's Root (automp.root_paths), whose parameter list kept the model and
+    its gradients alive (H100, zoo LSTM: +0.28 GiB in the next run of the same process)."""
     import gc
     import weakref
 

@@ -7,9 +7,9 @@ torch.compile) is built and warmed up, automp runs its own trial to a verdict as
 steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block hits both.
 
 Both models are resident, so this measures time only: peak memory and loss stay the separate rows'. Both also run
-under the allocator setting automp makes (automp.allocator), which the anchor's separate row does not have. bf16 only: the
-anchor runs inside the automp session (automp steps aside for a module called under the script's own autocast, as
-the report says), and under fp16 that step-aside would also take automp's loss scaling off for the automp loop.
+under the allocator setting automp makes (automp.allocator), which the anchor's separate row does not have. bf16 only:
+the anchor runs inside the automp session (automp steps aside for a module called under the script's own autocast,
+as the report says), and under fp16 that step-aside would also take automp's loss scaling off for the automp loop.
 """
 from __future__ import annotations
 
