@@ -205,17 +205,17 @@ class Trial:
         """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
         if self._queue:
             return
+        # unsampled, so never pruned below: a graph pool comes after this round while one waits (TrialConfig says why)
+        waiting = [c for c in self._later if c in self.alive]
         if self._rounds:
             sampled = [p for p in self.alive if self.samples[p]]  # none when exclude() took every timed one
             best = min((statistics.median(self.samples[p]) for p in sampled), default=0.0)
-            recording = any(c in self.alive for c in self._later)  # a graph pool comes next (TrialConfig says why)
             for p in sampled:
-                first = len(self.samples[p]) == 1 and (p in COMPILED_PATHS or not recording)
+                first = len(self.samples[p]) == 1 and (p in COMPILED_PATHS or not waiting)
                 factor = self.config.give_up_first if first else self.config.give_up
                 if min(self.samples[p]) > factor * best:
                     self.alive.remove(p)
                     self.abandoned.add(p)
-        waiting = [c for c in self._later if c in self.alive]
         if (self._rounds >= self.config.measure and not waiting) or len(self.alive) == 1:
             self._decide()
             return
