@@ -1,6 +1,7 @@
 """Issue 11 diagnostic: which part of automp costs the time it loses to a hand-written loop, by switching parts off.
 
     python scripts/ablate.py fp16 gpt2     # bf16 vs fp16 on the forced autocast-compile path, loss scaling in parts
+    python scripts/ablate.py fp16 resnet50 autocast-graphs   # the same on another forced path
     python scripts/ablate.py eager lstm    # automp's low-precision eager path vs the hand-written autocast loop
 
 fp16: each variant is a fresh automp.enable on the same model (the FX graph cache makes the recompiles short), two
@@ -35,7 +36,7 @@ def _flag_only(tensors, inv_scale):
     return torch.zeros(1, dtype=torch.float32, device=tensors[0].device) if tensors else None
 
 
-def fp16(name, rounds=2):
+def fp16(name, path="autocast-compile", rounds=2):
     torch.manual_seed(0)
     loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, DEV), "fp32-eager", DEV)
     real = overflow.unscale_and_check_
@@ -47,7 +48,7 @@ def fp16(name, rounds=2):
         for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
             dtype, scale, unscale = variants[label]
             overflow.unscale_and_check_ = unscale
-            automp.enable(dtype=dtype, loss_scale=scale, path="autocast-compile", cache_dir=tempfile.mkdtemp())
+            automp.enable(dtype=dtype, loss_scale=scale, path=path, cache_dir=tempfile.mkdtemp())
             try:
                 block(loop.step, 3)
                 times[label] += [block(loop.step) for _ in range(3)]
@@ -56,7 +57,7 @@ def fp16(name, rounds=2):
                 overflow.unscale_and_check_ = real
             print(f"round {r} {label}: {times[label][-3:]}", flush=True)
     ref = statistics.median(times["bf16"])
-    print(f"| {name}, forced autocast-compile | ms/step (median) | vs bf16 |\n|---|---:|---:|")
+    print(f"| {name}, forced {path} | ms/step (median) | vs bf16 |\n|---|---:|---:|")
     for label, t in times.items():
         print(f"| {label} | {statistics.median(t):.2f} | {statistics.median(t) / ref:.3f} |", flush=True)
 
@@ -91,4 +92,4 @@ def eager(name, rounds=6):
 
 if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    {"fp16": fp16, "eager": eager}[sys.argv[1]](sys.argv[2])
+    {"fp16": fp16, "eager": eager}[sys.argv[1]](*sys.argv[2:])

@@ -31,6 +31,44 @@ def test_autocast_compiled_path_enters_autocast_outside_the_graph(monkeypatch):
     assert 1e-5 < (out - ref).norm() / ref.norm() < 1e-2  # the matmuls did run in bf16
 
 
+def test_the_compile_cache_key_names_the_ambient_autocast_dtype(monkeypatch):
+    """torch before 2.13 keys AOTAutograd's cache on autocast being on, not on its dtype: an fp16 run was served the
+    graphs a bf16 run had compiled (ResNet-50 on an H100, torch 2.11). The stock path adds the dtype to the key's tag,
+    and keeps the user's own."""
+    import torch._inductor.compile_fx as compile_fx
+    tags = []
+
+    def capture(gm, example_inputs):
+        tags.append(torch.compiler.config.cache_key_tag)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", capture)
+    net, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(8, 16)
+    with torch.compiler.config.patch(cache_key_tag="users-own"):
+        for dtype in ("bf16", "fp16"):
+            automp.enable(dtype=dtype, path="autocast-compile")
+            net(x)
+            automp.disable()
+        assert torch.compiler.config.cache_key_tag == "users-own"
+    assert tags == ["users-own|automp-autocast=cpu:torch.bfloat16", "users-own|automp-autocast=cpu:torch.float16"]
+
+
+def test_fp16_after_bf16_in_one_process_computes_in_fp16():
+    """The same model compiled under bf16 and then fp16, caches on: fp16's 10 mantissa bits must show in the error
+    against a float64 reference (bf16 has 7), which a graph reused from the bf16 compile would not."""
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)), torch.randn(32, 256)
+    ref = net.double()(x.double())
+    net.float()
+    err = {}
+    for dtype in ("bf16", "fp16"):
+        automp.enable(dtype=dtype, path="autocast-compile")
+        out = net(x)
+        automp.disable()
+        err[dtype] = ((out.double() - ref).norm() / ref.norm()).item()
+    assert 1e-4 < err["fp16"] < err["bf16"] / 3, err
+
+
 def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
     """Dynamo keeps compiled functions and backends in process-wide caches: nothing it keeps may hold the model. Before
     the fix the compile closures held the module's Root (automp.root_paths), whose parameter list kept the model and

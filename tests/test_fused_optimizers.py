@@ -35,8 +35,8 @@ def cuda_clause_lifted(monkeypatch):
     """why_not as it is, except that CPU parameters pass: the switching logic runs without a GPU."""
     real = fo.why_not
 
-    def lifted(optimizer, group):
-        reason = real(optimizer, group)
+    def lifted(optimizer, group, scaling=False):
+        reason = real(optimizer, group, scaling)
         return None if reason is not None and "CUDA" in reason else reason
 
     monkeypatch.setattr(fo, "why_not", lifted)
@@ -48,18 +48,19 @@ class MyAdam(torch.optim.Adam):
 
 class FakeCudaParam:
     """What why_not reads of a parameter, as a CUDA FP32 one would answer; hashable, as optimizer state keys are."""
-    is_cuda, dtype = True, torch.float32
+    is_cuda, dtype, grad = True, torch.float32, None
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "not torch's Adam"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "SGD without loss scaling"),
+    (lambda ps: torch.optim.RMSprop(ps), "not torch's Adam, AdamW or SGD"),
     (lambda ps: MyAdam(ps), "not torch's Adam"),  # exact type: a subclass may override step
     (lambda ps: torch.optim.Adam(ps, foreach=True), "chose fused/foreach"),
     (lambda ps: torch.optim.AdamW(ps, foreach=False), "chose fused/foreach"),
     (lambda ps: torch.optim.Adam(ps, fused=True), "chose fused/foreach"),
     (lambda ps: torch.optim.Adam(ps, differentiable=True), "differentiable"),
     (lambda ps: torch.optim.AdamW(ps), "CUDA"),
-], ids=["sgd", "subclass", "foreach", "foreach-false", "fused", "differentiable", "cpu-params"])
+], ids=["sgd", "rmsprop", "subclass", "foreach", "foreach-false", "fused", "differentiable", "cpu-params"])
 def test_why_not_reasons(make, words):
     """Each refusal names its cause."""
     opt = make(params())
@@ -143,6 +144,53 @@ def test_switched_matches_foreach(fuser, cuda_clause_lifted, cls):
         rel = ((pa - pb).norm() / pb.norm()).item()
         assert rel < 1e-5, rel
     assert not torch.equal(a[0], params(seed=3)[0])  # the steps moved the parameters
+
+
+def test_sgd_is_switched_only_under_loss_scaling(cuda_clause_lifted):
+    """Fused SGD is no faster than foreach; it is switched only where loss scaling would otherwise read each step's
+    overflow flag on the host (foreach cannot take found_inf), and never with sparse gradients (fused refuses them)."""
+    for scaling in (False, True):
+        calls = []
+        f = OptimizerFuser(lambda opt, n: calls.append(n), scaling=lambda: scaling)
+        f.install()
+        try:
+            ps = params()
+            opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+            set_grads(ps, 1)
+            opt.step()
+        finally:
+            f.uninstall()
+        assert (opt.param_groups[0]["fused"] is True) is scaling and len(calls) == int(scaling)
+        assert getattr(opt, "_step_supports_amp_scaling", False) is scaling
+    opt = torch.optim.SGD(params(), lr=0.1)
+    fake = [FakeCudaParam() for _ in range(2)]
+    group = {**opt.param_groups[0], "params": fake}
+    assert why_not(opt, group, scaling=True) is None  # the stand-ins pass: the sparse gradient below is what refuses
+    fake[1].grad = torch.randn(4, 3).to_sparse()
+    reason = why_not(opt, group, scaling=True)
+    assert reason is not None and "sparse" in reason
+
+
+def test_switched_sgd_with_momentum_matches_foreach(cuda_clause_lifted):
+    """Fused SGD from the same start as foreach SGD (momentum, nesterov, weight decay): 5 steps agree."""
+    f = OptimizerFuser(lambda opt, n: None, scaling=lambda: True)
+    f.install()
+    try:
+        a, b = params(seed=4), params(seed=4)
+        kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+        switched, reference = torch.optim.SGD(a, **kw), torch.optim.SGD(b, foreach=True, **kw)
+        for step in range(5):
+            set_grads(a, 20 + step)
+            set_grads(b, 20 + step)
+            switched.step()
+            reference.step()
+    finally:
+        f.uninstall()
+    assert switched.param_groups[0]["fused"] is True and reference.param_groups[0]["fused"] is None
+    for pa, pb in zip(a, b):
+        rel = ((pa - pb).norm() / pb.norm()).item()
+        assert rel < 1e-5, rel
+    assert not torch.equal(a[0], params(seed=4)[0])
 
 
 def test_checkpoint_is_written_as_the_script_would_and_loads_back_fused(fuser, cuda_clause_lifted):

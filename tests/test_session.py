@@ -250,7 +250,7 @@ def test_session_switches_default_adam_to_fused_reports_it_and_disable_removes_t
     disable(). No CUDA here, so why_not's CUDA clause is lifted (torch runs fused Adam on a CPU too)."""
     import automp.fused_optimizers as fo
     real = fo.why_not
-    monkeypatch.setattr(fo, "why_not", lambda o, g: None if "CUDA" in (real(o, g) or "") else real(o, g))
+    monkeypatch.setattr(fo, "why_not", lambda o, g, s=False: None if "CUDA" in (real(o, g, s) or "") else real(o, g, s))
 
     def train(opt_kw=None, **enable_kw):
         torch.manual_seed(0)

@@ -5,10 +5,11 @@ each module a code object of its own.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -87,9 +88,10 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
-        if graphs:
-            return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
-        return compile_fx(gm, example_inputs)
+        with keyed_by_autocast():
+            if graphs:
+                return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
+            return compile_fx(gm, example_inputs)
 
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
     if not graphs:
@@ -112,6 +114,31 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
 
     graphed_call.pool = pool  # type: ignore[attr-defined]  # for the session, once it leaves the path
     return graphed_call
+
+
+def autocast_tag() -> str:
+    """The ambient autocast state, as the compile caches must tell it apart: `device:dtype` for each device where it
+    is enabled."""
+    return ",".join(f"{d}:{torch.get_autocast_dtype(d)}" for d in torch._C._autocast_supported_devices()
+                    if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def keyed_by_autocast() -> Iterator[None]:
+    """Adds the ambient autocast dtype to the compile caches' key (torch.compiler.config.cache_key_tag) while stock
+    Inductor compiles a graph traced under it. The stock path enters autocast around the compiled call, so the dtype
+    is not in the Dynamo graph, and torch before 2.13 keys AOTAutograd's cache on whether autocast is on, not on its
+    dtype (pytorch/pytorch#181564): on an H100 (torch 2.11) the ResNet-50 step of automp-fp16 ran bf16 convolutions
+    and GEMMs compiled by an earlier bf16 run of the same process (kernel profile, scripts/profile_dtype.py), and the
+    cache is on disk, so an fp16 run after a bf16 run of the same script would get them too. The user's own tag is
+    kept."""
+    tag = autocast_tag()
+    if not tag:
+        yield
+        return
+    own = torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag=f"{own}|automp-autocast={tag}" if own else f"automp-autocast={tag}"):
+        yield
 
 
 def counted(root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:

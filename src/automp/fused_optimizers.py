@@ -1,4 +1,4 @@
-"""torch's Adam and AdamW switched to their fused CUDA implementation at their first step.
+"""torch's Adam and AdamW, and SGD under loss scaling, switched to their fused CUDA implementation at their first step.
 
 A script that writes `torch.optim.AdamW(model.parameters())` gets the foreach implementation: a dozen multi-tensor
 kernels per step, each a pass over parameters and state. The fused one does the same arithmetic in one pass, and on
@@ -25,15 +25,21 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-# SGD is left out: its fused step measured no faster than foreach on ResNet-50 (H100), and never-slower comes first.
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
+# SGD only under loss scaling: its fused step measured no faster than foreach on ResNet-50 (H100, bf16), but it takes
+# found_inf, and foreach cannot: there an fp16 step would read the overflow flag on the host, which left the GPU idle
+# for 8% of ResNet-50's graphed step (scripts/ablate.py fp16 resnet50 autocast-graphs, BENCHMARKS.md).
+FUSABLE_UNDER_SCALING = FUSABLE + (torch.optim.SGD,)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def why_not(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
-    """Why `group` of `optimizer` must keep its implementation; None when it can run fused."""
-    if type(optimizer) not in FUSABLE:
-        return f"{type(optimizer).__name__} is not torch's Adam or AdamW"
+def why_not(optimizer: torch.optim.Optimizer, group: dict[str, Any], scaling: bool = False) -> str | None:
+    """Why `group` of `optimizer` must keep its implementation; None when it can run fused. scaling: loss scaling
+    hands this step an overflow flag, which SGD can only take fused."""
+    if type(optimizer) not in (FUSABLE_UNDER_SCALING if scaling else FUSABLE):
+        if type(optimizer) is torch.optim.SGD:
+            return "SGD without loss scaling: its fused step is no faster than foreach"
+        return f"{type(optimizer).__name__} is not torch's Adam, AdamW or SGD"
     if group.get("fused") is not None or group.get("foreach") is not None:
         return "the script chose fused/foreach itself"
     if group.get("differentiable") or group.get("capturable"):
@@ -43,14 +49,18 @@ def why_not(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | No
         return "parameters not all CUDA floating-point tensors"
     if any(optimizer.state.get(p) for p in params):
         return "it has stepped before (state exists)"
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        return "sparse gradients (torch's fused step does not take them)"
     return None
 
 
 class OptimizerFuser:
-    """The global step pre-hook; `on_switch(optimizer, n_groups)` is told about every optimizer it switched."""
+    """The global step pre-hook; `on_switch(optimizer, n_groups)` is told about every optimizer it switched.
+    `scaling()` says, at an optimizer's first step, whether loss scaling will hand it overflow flags."""
 
-    def __init__(self, on_switch: Callable[[torch.optim.Optimizer, int], None]):
-        self.on_switch = on_switch
+    def __init__(self, on_switch: Callable[[torch.optim.Optimizer, int], None],
+                 scaling: Callable[[], bool] = lambda: False):
+        self.on_switch, self.scaling = on_switch, scaling
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.handle = None
 
@@ -67,9 +77,9 @@ class OptimizerFuser:
         if optimizer in self.seen:  # one look per optimizer: every later step costs a set lookup
             return
         self.seen.add(optimizer)
-        switched = []
+        switched, scaling = [], self.scaling()
         for i, group in enumerate(optimizer.param_groups):
-            if why_not(optimizer, group) is None:
+            if why_not(optimizer, group, scaling) is None:
                 group["fused"], group["foreach"] = True, False
                 switched.append(i)
         if switched:

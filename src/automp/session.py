@@ -78,7 +78,7 @@ class Session(RootPaths):
     def install(self) -> None:
         self.allocator.turn_on(self.recorder.add_setting)  # first: before anything allocates device memory
         if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
-            self.fuser = OptimizerFuser(self._fused)
+            self.fuser = OptimizerFuser(self._fused, lambda: self.scaler is not None)
             self.fuser.install()
         self.scaler = install_for(self.config)
         self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
