@@ -4,10 +4,10 @@
     python scripts/ablate.py fp16 resnet50 autocast-graphs   # the same on another forced path
     python scripts/ablate.py eager lstm    # automp's low-precision eager path vs the hand-written autocast loop
 
-fp16: each variant is a fresh automp.enable on the same model (the FX graph cache makes the recompiles short), two
-rounds in alternating order, blocks of steps timed with a sync at each end. Variants: bf16; fp16 as shipped; fp16
-with the unscale pass replaced by a flag-only stub (what the pass itself costs on the device); fp16 without loss
-scaling (what fp16 costs with no bookkeeping at all).
+fp16: each variant is a fresh automp.enable on a model and optimizer of its own (the FX graph cache makes the
+recompiles short), two rounds in alternating order, blocks of steps timed with a sync at each end. Variants: bf16;
+fp16 as shipped; fp16 with the unscale pass replaced by a flag-only stub (what the pass itself costs on the device);
+fp16 without loss scaling (what fp16 costs with no bookkeeping at all).
 
 eager: the hand-written autocast loop and automp's forced eager path in alternating blocks, then both traced with
 torch.profiler: kernels whose count or time differ, and the host wall time per step.
@@ -37,21 +37,24 @@ def _flag_only(tensors, inv_scale):
 
 
 def fp16(name, path="autocast-compile", rounds=2):
-    torch.manual_seed(0)
-    loop = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, DEV), "fp32-eager", DEV)
     real = overflow.unscale_and_check_
     variants = {"bf16": ("bf16", "dynamic", real), "fp16": ("fp16", "dynamic", real),
                 "fp16, no unscale pass": ("fp16", "dynamic", _flag_only),
                 "fp16, no loss scaling": ("fp16", "off", real)}
     times = {k: [] for k in variants}
+    loops = {}  # a model and optimizer per variant, as a user's run has: automp's optimizer switches happen at the
+    # first step (SGD goes fused only under loss scaling), so variants sharing one optimizer would inherit the first's
+    for label in variants:
+        torch.manual_seed(0)
+        loops[label] = zoo.ModeLoop(zoo.MODELS[name][0](not CUDA, DEV), "fp32-eager", DEV)
     for r in range(rounds):
         for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
             dtype, scale, unscale = variants[label]
             overflow.unscale_and_check_ = unscale
             automp.enable(dtype=dtype, loss_scale=scale, path=path, cache_dir=tempfile.mkdtemp())
             try:
-                block(loop.step, 3)
-                times[label] += [block(loop.step) for _ in range(3)]
+                block(loops[label].step, 3)
+                times[label] += [block(loops[label].step) for _ in range(3)]
             finally:
                 automp.disable()
                 overflow.unscale_and_check_ = real
