@@ -156,11 +156,17 @@ class RootPaths:
         A module that appears later and needs a trial brings it back (see _new_root)."""
         if self.scaler is None or any(r.aside is None and r.path is not Path.FP32 for r in self.roots.values()):
             return  # some module runs (or may run, mid-trial) in low precision
-        from automp.scaling import autograd_hook
         self.recorder.loss_scale = self.scaler.summary()
         self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
-        autograd_hook.uninstall()
-        self.scaler, self.scaling_paused = None, True
+        self._stop_scaling()
+        self.scaling_paused = True
+
+    def _stop_scaling(self) -> None:
+        """Loss scaling's autograd hooks off, where they are on."""
+        if self.scaler is not None:
+            from automp.scaling import autograd_hook
+            autograd_hook.uninstall()
+            self.scaler = None
 
     def _step_aside(self, root: Root, why: str, user_precision: bool = False) -> None:
         if root.trial is not None:  # it joined a trial at its first call: it is no longer waiting for a verdict
@@ -173,10 +179,8 @@ class RootPaths:
                 self.layout.forget(module)
         self.recorder.add_choice(root.label, None, why)
         self.scaling_paused = False  # never bring scaling back on top of the script's own
-        if user_precision and self.scaler is not None:
-            from automp.scaling import autograd_hook
-            autograd_hook.uninstall()
-            self.scaler = None
+        if user_precision:
+            self._stop_scaling()
 
     def _eager_only(self, root: Root) -> None:
         """Off the compiled paths for good (automp.input_grads): out of its trial, or onto a new trial of the eager

@@ -126,10 +126,7 @@ class Session(RootPaths):
             del nn.RNNBase.__call__
         self.allocator.restore()
         self.update_report()
-        if self.scaler is not None:
-            from automp.scaling import autograd_hook
-            autograd_hook.uninstall()
-            self.scaler = None
+        self._stop_scaling()
         self.roots.clear()
         return self.recorder.as_dict()
 
