@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import automp
-from automp import graph_pool
+from automp.runtime import graph_pool
 
 GIB = 2**30
 

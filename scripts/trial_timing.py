@@ -20,7 +20,7 @@ import torch
 
 import automp
 from automp.bench.suites import zoo
-from automp.choose import Path
+from automp.runtime.trial import Path
 from ablate import BLOCK, block  # scripts/ is on sys.path when run as a script
 from profile_dtype import CUDA, sync
 

@@ -13,7 +13,7 @@ import torch
 
 import automp
 from automp.bench.suites import zoo
-from automp.choose import Path
+from automp.runtime.trial import Path
 from profile_dtype import CUDA, block, kernels
 
 BLOCK, ROUNDS, PROFILED = 10, 4, 3

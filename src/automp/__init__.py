@@ -13,15 +13,15 @@ import torch
 import torch.nn as nn
 
 from automp.config import AutoMPConfig
-from automp.graph.capture import make_backend
+from automp.precision.capture import make_backend
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
-from automp.precision.report import Recorder
+from automp.runtime.report import Recorder
 
 __version__ = "0.3.5"
 __all__ = ["enable", "disable", "compile", "report", "is_enabled", "settled", "AutoMPConfig", "__version__"]
 
-_session = None  # the open automp.session.Session, if any
+_session = None  # the open automp.runtime.session.Session, if any
 
 
 def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None = None, inner: str = "inductor",
@@ -34,7 +34,7 @@ def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None 
     while enabled (a script that enables automp itself under `automp run`), the new settings apply and the report
     keeps what was recorded and where it goes."""
     global _session
-    from automp.session import Session, reconfigured
+    from automp.runtime.session import Session, reconfigured
     config = AutoMPConfig(dtype, loss_scale, report, inner, spec, path, cache_dir, fuse_optimizers, tune_cudnn,
                           tune_layout, cuda_graphs)
     recorder = None
@@ -88,9 +88,9 @@ def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", 
             inner: str = "inductor", spec: str | None = None) -> nn.Module:
     """One model through automp's compiled pass, for those who prefer a line of code to `automp run` (no trial:
     asking for compile is asking for this path). Loss scaling, when fp16 asks for it, hooks autograd globally."""
-    from automp.graph.capture import low_dtype
+    from automp.precision.capture import low_dtype
     from automp.scaling import install_for
-    from automp.session import _device_of
+    from automp.runtime.session import _device_of
     config = AutoMPConfig(dtype, loss_scale, None, inner, spec, "compile")
     device = _device_of(model)
     pconfig = PrecisionConfig(dtype=low_dtype(dtype, device),

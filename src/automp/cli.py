@@ -53,7 +53,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from automp.precision.report import print_saved_report
+    from automp.runtime.report import print_saved_report
     print_saved_report(args.path, show_nodes=args.nodes)
     return 0
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from automp.choose import Path
+from automp.runtime.trial import Path
 
 DTYPES = ("auto", "fp16", "float16", "half", "bf16", "bfloat16")
 INNERS = ("inductor", "eager")
@@ -29,11 +29,11 @@ class AutoMPConfig:
     under autocast, the same replayed as CUDA graphs, or the script as written.
     cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp).
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
-    (same arithmetic, one kernel per step; see automp.fused_optimizers).
+    (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
-    the faster (automp.conv_tuning); a script that set the flag itself is left alone.
+    the faster (automp.runtime.tuning.conv_tuning); a script that set the flag itself is left alone.
     tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
-    the script's layout, and keep the faster (automp.conv_layout); parameters keep their layout.
+    the script's layout, and keep the faster (automp.runtime.tuning.conv_layout); parameters keep their layout.
     cuda_graphs: on CUDA, let the trial time autocast-compiled's graphs replayed as CUDA graphs (Path.GRAPHED); off
     for a script that needs the memory their pool takes."""
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import automp
-import automp.session
+import automp.runtime.session
 from automp.compress.distill import DistillConfig, Distiller, kd_kl
 from automp.compress.quant.qat import QATLinear, convert_qat, prepare_qat
 from automp.scaling import autograd_hook
@@ -230,7 +230,7 @@ def test_trains_under_automp_fp16_with_loss_scaling(data, path, tmp_path, monkey
     assert rep["loss_scale"]["steps"] == 40
     if path == "compile":
         assert rep["compiles"] == {"Distiller": 1}, "the forward recompiled (captured layers guarded?)"
-    assert nn.Module.__call__ is automp.session.ORIG_CALL and autograd_hook.current() is None
+    assert nn.Module.__call__ is automp.runtime.session.ORIG_CALL and autograd_hook.current() is None
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in teacher_state.items())
 
 

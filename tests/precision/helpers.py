@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from automp.graph import capture
+from automp.precision import capture
 from automp.precision import cost
 from automp.precision.paint import PrecisionConfig
-from automp.precision.report import Recorder
+from automp.runtime.report import Recorder
 
 
 def traced(model, *inputs, dtype=torch.bfloat16, spec=cost.H100, backward=True):

@@ -143,7 +143,7 @@ def _saved_for_backward(model, x) -> list[torch.Tensor]:
 def test_inductor_saves_no_fp32_activation_and_gradients_match(block):
     """Through Inductor's min-cut partitioner, as in training: the only FP32 tensors kept for the backward are the
     block's input (the layer norm's backward needs it, and the caller holds it anyway) and per-row statistics."""
-    from automp.graph import capture
+    from automp.precision import capture
     from automp.precision import cost
     from automp.precision.paint import PrecisionConfig
 

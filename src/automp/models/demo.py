@@ -167,7 +167,7 @@ def main(steps: int = 80, device: str | None = None, dtype: str = "auto",
     inner = os.environ.get("AUTOMP_INNER", "inductor")
     results, rep = run_demo(steps, dev, dtype, inner)
     print_results(results, dev)
-    from automp.precision.report import print_report
+    from automp.runtime.report import print_report
     if rep.get("graphs") is not None:
         print_report(rep)
     if report:

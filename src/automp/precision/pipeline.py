@@ -3,13 +3,22 @@ graph."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Protocol
 
 import torch.fx as fx
 
 from automp.precision.casts import eliminate_casts, insert_casts, is_cast, remember_output_dtypes
 from automp.precision.paint import GraphInfo, Plan, PrecisionConfig, paint
-from automp.precision.report import Recorder
 from automp.precision.storage import decide_storage
+
+
+class Recorder(Protocol):
+    """Where the pass reports what it did (automp.runtime.report.Recorder is one): the pass only needs these two
+    methods, so precision/ does not import the runtime above it."""
+
+    def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None: ...
+
+    def add_fallback(self, where: str, why: str) -> None: ...
 
 
 def _casts_by_part(gm: fx.GraphModule) -> Counter:

@@ -1,0 +1,194 @@
+"""How a root module's compiled paths are built: automp's graph pass (Path.COMPILED) and stock Inductor under
+torch.autocast (Path.COMPILED_AUTOCAST), replayed as CUDA graphs or not (Path.GRAPHED). The session (session.py)
+decides which one a module runs; what is built here must leave the module collectable (entry_point says why) and give
+each module a code object of its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from automp.runtime import graph_pool
+from automp.runtime.trial import Path
+from automp.runtime.outputs import out_of_pool, restore_outside_graph
+from automp.runtime.unread_outputs import detach_unread
+
+ORIG_CALL = nn.Module.__call__  # taken at import, before a session patches it
+_entry_ids = itertools.count()
+
+
+def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile with automp's backend (graph/capture.make_backend)."""
+    return bound(torch.compile(entry_point(module, root), backend=counted(root, backend)), module)
+
+
+# Inductor's CUDA graphs (cudagraph trees), as torch.compile(mode="reduce-overhead") sets them. Not with
+# triton.cudagraph_skip_dynamic_graphs: on an H100 (torch 2.11) it split the Llama-style model's graphs into 75
+# partitions around ops it took for dynamic, one of which was recorded again at every step (160-260 ms a step against
+# 23 ms without it). A graph whose shapes do vary is left by the session instead (Session._leave_graphs).
+GRAPH_PATCHES = {"triton.cudagraphs": True}
+
+
+# CUDA graphs keep a memory pool of their own: on an H100 the Llama-style step peaked 0.6 GiB (10%) above the same
+# graphs without them (scripts/peak_reserved.py). A trial offers them only while the script's peak so far leaves room.
+GRAPH_MEMORY_SHARE = 0.5
+
+
+def graphs_fit(peak_bytes: int, total_bytes: int) -> str | None:
+    """Why CUDA graphs are not tried for a script that has reserved up to `peak_bytes` of a device's `total_bytes`,
+    or None when they fit: near its memory limit, a pool of their own could run out of memory where the script as
+    written did not."""
+    if peak_bytes <= GRAPH_MEMORY_SHARE * total_bytes:
+        return None
+    return (f"{Path.GRAPHED.value} not tried: the script has reserved up to {peak_bytes / 2**30:.1f} of the device's "
+            f"{total_bytes / 2**30:.1f} GiB, and CUDA graphs keep a memory pool of their own")
+
+
+def release_cached(device: torch.device) -> None:
+    """Gives back the device memory torch's caching allocator keeps for tensors that are gone, around CUDA graphs in a
+    trial: their pool cannot reuse it, so before their recording it would sit beside the pool (the other candidates'
+    activations, as large as the pool), and once they win those activations do not come back."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(peak bytes reserved so far, total bytes) of a CUDA device; None elsewhere (no CUDA graphs there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
+
+
+def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., Any]:
+    """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
+    compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
+    region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
+    in FP32 that the hand-written loop runs in bf16 (8.4 ms of FP32 GEMM kernels in place of 2.3 ms; kernel profiles,
+    scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The
+    outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
+    sees its own dtypes; a ModelOutput's fields only when read (automp.runtime.outputs).
+
+    graphs=True (Path.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
+    a few hundred kernels; on an H100 its kernels took 20.4 ms a step while the step itself ran 22 to 33 ms on
+    different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
+    spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory
+    (outputs.out_of_pool), and so are gradients the next replay would free (graph_pool.GradRescue); the returned
+    function's `pool` gives the graphs' memory back once the session leaves them (graph_pool.PoolRelease)."""
+    entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
+
+    def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return restore_outside_graph(entry(mod, *args, **kwargs))
+    restored = own_code(restored, f"{entry.__name__}_autocast")  # the frame Dynamo compiles: see entry_point
+
+    def inductor(gm: Any, example_inputs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+        with keyed_by_autocast():
+            if graphs:
+                return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
+            return compile_fx(gm, example_inputs)
+
+    compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
+    if not graphs:
+        def autocast_call(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device, dtype=low):
+                return compiled(*args, **kwargs)
+        return autocast_call
+
+    index = root.device.index if root.device.index is not None else (
+        torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    rescue, pool = graph_pool.GradRescue(index), graph_pool.PoolRelease(index)
+    params = [weakref.ref(p) for p in module.parameters() if p.requires_grad]  # weakly: see entry_point
+
+    def graphed_call(*args: Any, **kwargs: Any) -> Any:
+        rescue.before_replay(p for p in (ref() for ref in params) if p is not None)
+        with torch.autocast(device, dtype=low):
+            out = compiled(*args, **kwargs)
+        pool.seen()
+        return out_of_pool(out, fields.detach)
+
+    graphed_call.pool = pool  # type: ignore[attr-defined]  # for the session, once it leaves the path
+    return graphed_call
+
+
+def autocast_tag() -> str:
+    """The ambient autocast state, as the compile caches must tell it apart: `device:dtype` for each device where it
+    is enabled."""
+    return ",".join(f"{d}:{torch.get_autocast_dtype(d)}" for d in torch._C._autocast_supported_devices()
+                    if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def keyed_by_autocast() -> Iterator[None]:
+    """Adds the ambient autocast dtype to the compile caches' key (torch.compiler.config.cache_key_tag) while stock
+    Inductor compiles a graph traced under it. The stock path enters autocast around the compiled call, so the dtype
+    is not in the Dynamo graph, and torch before 2.13 keys AOTAutograd's cache on whether autocast is on, not on its
+    dtype (pytorch/pytorch#181564): on an H100 (torch 2.11) the ResNet-50 step of automp-fp16 ran bf16 convolutions
+    and GEMMs compiled by an earlier bf16 run of the same process (kernel profile, scripts/profile_dtype.py), and the
+    cache is on disk, so an fp16 run after a bf16 run of the same script would get them too. The user's own tag is
+    kept."""
+    tag = autocast_tag()
+    if not tag:
+        yield
+        return
+    own = torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag=f"{own}|automp-autocast={tag}" if own else f"automp-autocast={tag}"):
+        yield
+
+
+def counted(root: Any, backend: Callable[..., Any]) -> Callable[..., Any]:
+    """`backend`, adding one to root.graphs for each graph it compiles (recompiles included); root is held weakly:
+    see entry_point."""
+    ref = weakref.ref(root)
+
+    def backend_counting(gm: Any, example_inputs: Any) -> Any:
+        r = ref()
+        if r is not None:
+            r.graphs += 1
+        return backend(gm, example_inputs)
+
+    return backend_counting
+
+
+def bound(compiled: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """`compiled` (of an entry_point) with `module` as its first argument, held weakly (see entry_point)."""
+    ref = weakref.ref(module)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return compiled(ref(), *args, **kwargs)
+    return call
+
+
+def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
+    """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
+    recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
+    evict the others' and, past the limit, silently run them uncompiled in FP32. Output fields the script does not
+    read are detached inside it (automp.runtime.unread_outputs).
+
+    Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
+    process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
+    parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
+    outlived the script's last reference to it with its parameters and gradients (H100, the zoo's LSTM: +0.28 GiB in
+    the next model's run).
+
+    The module is the function's first argument, as `self` is to the module's own compiled call (torch.compile(model)):
+    Dynamo sees it as the hand-written loop's compile does. `bound` supplies the argument, held weakly."""
+    fields = root.fields
+
+    def call(mod, *args, **kwargs):
+        return detach_unread(ORIG_CALL(mod, *args, **kwargs), fields)
+
+    return own_code(call, f"automp_{type(module).__name__}_{next(_entry_ids)}")
+
+
+def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` with a code object of its own, named `name`: Dynamo's compiled graphs and its recompile limit are per
+    code object. The stock path's outer function once shared one code object across modules and enable() calls: on
+    an H100, the ninth compile of a process hit the limit (8) and ran that frame uncompiled."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

@@ -1,0 +1,199 @@
+"""The precision report: every node's dtype and the reason, as JSON (schema in DESIGN.md) and as a terminal table.
+
+A tool that silently changes numerics is not trusted; one that says, node by node, what it did and why is.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from automp.precision.paint import Plan
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float64: "float64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass
+class Recorder:
+    """Collects one entry per compiled graph; the launcher and enable() write it out."""
+
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    graphs: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[dict[str, str]] = field(default_factory=list)
+    loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "overflow_steps": 0, "steps": 0})
+    choices: list[dict[str, Any]] = field(default_factory=list)  # per root module: the path it runs and why
+    compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
+    optimizers: list[dict[str, Any]] = field(default_factory=list)  # optimizers automp switched to fused
+    # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
+    # "reattached": why that stopped, if it did} (automp.runtime.unread_outputs)
+    unread_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # process-wide settings automp measured and chose: {"setting", "value", "reason", ...} (automp.runtime.tuning.conv_tuning)
+    settings: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
+        """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
+        "storage" the dtype it has in memory, "rule" the Rule's name (what tools should key on), "reason" for
+        people."""
+        parts: dict[str, list[dict[str, str]]] = {}
+        for node, d in plan.decisions.items():
+            parts.setdefault(d.part, []).append(
+                {"name": node.name, "op": d.op, "dtype": dtype_name(d.compute), "storage": dtype_name(d.storage),
+                 "rule": d.rule.name, "reason": d.reason})
+        for kind in ("forward", "backward", "inference"):
+            if kind in parts:
+                self.graphs.append({"name": f"{name}.{kind}", "kind": kind, "nodes": parts[kind],
+                                    "casts": casts_by_part.get(kind, {"inserted": 0, "eliminated": 0,
+                                                                      "remaining": 0})})
+
+    def add_choice(self, module: str, verdict: dict[str, Any] | None, why: str) -> None:
+        """How a root module runs: a verdict (path, timings, cached or not), or None when automp stepped aside and
+        the module runs as the script wrote it. A later choice for the same module replaces the earlier one."""
+        self.choices = [c for c in self.choices if c["module"] != module]
+        entry = dict(verdict) if verdict else {"path": "as-written", "timings_ms": {}, "cached": False}
+        self.choices.append({"module": module, **entry, "reason": why})
+
+    def add_setting(self, entry: dict[str, Any]) -> None:
+        """A later entry for the same setting replaces the earlier one."""
+        self.settings = [e for e in self.settings if e["setting"] != entry["setting"]] + [entry]
+
+    def add_fallback(self, where: str, why: str) -> None:
+        self.fallbacks.append({"where": where, "reason": why})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
+                "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
+                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings}
+
+    def save(self, path: str) -> None:
+        from automp.files import atomic_output
+        with atomic_output(path) as tmp, open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+
+
+_GRAPH_KEYS = ("name", "kind", "nodes", "casts")
+_NODE_KEYS = ("name", "op", "dtype", "reason")
+_CAST_KEYS = ("inserted", "eliminated", "remaining")
+
+
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(problem)
+
+
+def _check_entries(items: Any, where: str, keys: tuple[str, ...], strings: tuple[str, ...] = ()) -> None:
+    """items is a list of objects that have every one of keys, those in strings with string values (the table
+    renders them as text)."""
+    _require(isinstance(items, list), f"{where} is not a list")
+    for i, item in enumerate(items):
+        ok = isinstance(item, dict) and all(k in item for k in keys) and all(isinstance(item[k], str) for k in strings)
+        _require(ok, f"{where}[{i}] is not an object with keys {', '.join(keys)}"
+                     + (f" ({', '.join(strings)} strings)" if strings else ""))
+
+
+def check_report(report: Any) -> None:
+    """Raise ValueError naming the first part of `report` that is not what summarize and print_report read. A saved
+    file can hold anything (another tool's JSON, a hand-edited or truncated report), and a KeyError from deep in the
+    printing would not say which part is wrong."""
+    _require(isinstance(report, dict), f"its top level is a JSON {type(report).__name__}, not an object")
+    for key in ("device", "dtype", "graphs"):
+        _require(key in report, f"no {key!r} key")
+    _check_entries(report["graphs"], "graphs", _GRAPH_KEYS, strings=("name", "kind"))
+    for i, g in enumerate(report["graphs"]):
+        _check_entries(g["nodes"], f"graphs[{i}].nodes", _NODE_KEYS, strings=_NODE_KEYS)
+        _require(isinstance(g["casts"], dict) and all(k in g["casts"] for k in _CAST_KEYS),
+                 f"graphs[{i}].casts is not an object with keys {', '.join(_CAST_KEYS)}")
+    for key in ("loss_scale", "compiles"):
+        _require(isinstance(report.get(key, {}), dict), f"{key} is not an object")
+    _check_entries(report.get("fallbacks", []), "fallbacks", ("where", "reason"))
+    _check_entries(report.get("choices", []), "choices", ("module", "path", "reason"), strings=("module",))
+
+
+def _kept_fp32_for_lack_of_support(node: dict[str, Any]) -> bool:
+    """By the decision's rule; reports written before rules existed are read by their reason text."""
+    if "rule" in node:
+        return node["rule"] in ("UNKNOWN_OP", "NO_LOW_KERNEL")
+    return node["reason"].startswith(("unknown op", "no low-precision"))
+
+
+def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per graph: node counts by dtype, cast counts, and the unknown ops that were kept FP32. A malformed report is
+    a ValueError naming the part at fault (check_report)."""
+    check_report(report)
+    rows = []
+    for g in report["graphs"]:
+        by_dtype = Counter(n["dtype"] for n in g["nodes"])
+        unknown = sorted({n["op"] for n in g["nodes"] if _kept_fp32_for_lack_of_support(n)})
+        rows.append({"graph": g["name"], "kind": g["kind"], "nodes": len(g["nodes"]), "by_dtype": dict(by_dtype),
+                     "casts": g["casts"], "unknown": unknown})
+    return rows
+
+
+def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not report.get("graphs"):  # every module ran eagerly (its measured winner, or automp stepped aside)
+        console.print(f"automp precision report — {report['dtype']} on {report['device']}: no graph went through "
+                      f"automp's precision pass (each module's path and why: below)")
+    t = Table(title=f"automp precision report — {report['dtype']} on {report['device']}")
+    for col in ("graph", "nodes", "low", "fp32", "casts +/-/=", "kept FP32 (unknown/unsupported)"):
+        t.add_column(col)
+    for r in summarize(report):
+        low = sum(v for k, v in r["by_dtype"].items() if k in ("float16", "bfloat16"))
+        c = r["casts"]
+        t.add_row(r["graph"], str(r["nodes"]), str(low), str(r["by_dtype"].get("float32", 0)),
+                  f"{c['inserted']}/{c['eliminated']}/{c['remaining']}", ", ".join(r["unknown"]) or "-")
+    if report.get("graphs"):
+        console.print(t)
+    ls = report.get("loss_scale", {})
+    console.print(f"loss scale: {ls.get('scale')}  steps: {ls.get('steps')}  overflow steps: "
+                  f"{ls.get('overflow_steps')}")
+    compiles = report.get("compiles", {})
+    for c in report.get("choices", []):
+        graphs = f", {compiles[c['module']]} graph(s) compiled" if c["module"] in compiles else ""
+        cached = " (verdict from cache)" if c.get("cached") else ""
+        console.print(f"[cyan]{c['module']}[/cyan] runs [bold]{c['path']}[/bold]{cached}{graphs}: {c['reason']}")
+    for o in report.get("optimizers", []):
+        console.print(f"[cyan]{o['optimizer']}[/cyan]: {o['change']}")
+    for e in report.get("settings", []):
+        console.print(f"[cyan]{e['setting']}[/cyan] = {e['value']}: {e['reason']}")
+    for module, u in report.get("unread_outputs", {}).items():
+        if u.get("detached"):
+            console.print(f"[cyan]{module}[/cyan]: output fields the script does not read are detached in its "
+                          f"compiled graphs (no zero gradient of their size): {', '.join(u['detached'])}")
+        if u.get("reattached"):
+            console.print(f"[cyan]{module}[/cyan]: {u['reattached']}")
+    for fb in report.get("fallbacks", []):
+        console.print(f"[yellow]FP32 fallback[/yellow] {fb['where']}: {fb['reason']}")
+    if show_nodes:
+        for g in report["graphs"]:
+            nt = Table(title=g["name"])
+            for col in ("node", "op", "dtype", "reason"):
+                nt.add_column(col)
+            for n in g["nodes"]:
+                nt.add_row(n["name"], n["op"], n["dtype"], n["reason"])
+            console.print(nt)
+
+
+def print_saved_report(path: str, show_nodes: bool = False) -> None:
+    """Print a report saved as JSON; an unreadable or malformed file is a one-line SystemExit, not a traceback."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"automp report: cannot read {path}: {e}") from None
+    try:
+        check_report(report)
+    except ValueError as e:
+        raise SystemExit(f"automp report: {path} is not an automp precision report: {e}") from None
+    print_report(report, show_nodes=show_nodes)

@@ -1,0 +1,361 @@
+"""Never slower: time the ways a model can run during its first training iterations and keep the fastest.
+
+A cost model predicts; only the device knows. Small scripts are launch- or host-bound, where casts and compiled graphs
+buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like PAI's online
+feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate path (FP32 eager
+as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast — what a careful user
+would hand-write, so automp is never slower than that either — and the same graphs replayed as CUDA graphs, which take
+the host's launch work away where a step is host-bound), timed from one call of the module to its next call — forward,
+backward, optimizer step and the data loading in between, everything the user waits for. The fastest path is kept for
+the rest of the run, re-measured once in steady state against the eager paths that came close (`confirmation`), and the
+verdict is cached on disk per module shape, dtype and device (automp.runtime.verdicts), so the next run of the same script
+starts on the winner and pays nothing.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+
+class Path(enum.Enum):
+    """How a root module runs. The values are what reports and the verdict cache store."""
+
+    FP32 = "fp32-eager"  # the user's code as written
+    EAGER_LOW = "low-precision-eager"  # torch.autocast with automp's dtype: cuDNN/cuBLAS low-precision kernels
+    COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
+    COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
+    GRAPHED = "autocast-graphed"  # the same graphs replayed as CUDA graphs (automp.runtime.compiled_paths.stock)
+
+
+# Candidates a trial warms up only after its first round has dropped the clear losers. CUDA graphs record a memory
+# pool that stays for the rest of the trial. Recorded before that round, the pool sat beside FP32 eager's
+# activations, the largest of any path and the path most often dropped in that round: ResNet-50's trial reserved
+# 18.2 GiB on an H100 against 6.7 GiB in steady state (BENCHMARKS.md, twelfth session).
+RECORD_LAST = frozenset({Path.GRAPHED})
+EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
+COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED})
+AUTOCAST_PATHS = frozenset({Path.COMPILED_AUTOCAST, Path.GRAPHED})  # compiled, under torch.autocast
+
+
+@dataclass
+class TrialConfig:
+    """warmup: iterations of a candidate that are not timed (compilation, allocator and autotuning warm-up); measure:
+    rounds of timed samples (one per candidate per round, each `block` iterations); give_up: after the second and later
+    rounds, a candidate whose fastest sample is this much slower than the best median is dropped — a clear loser needs
+    no more evidence, and every trial iteration of a slow path is time the user loses. give_up_first: the same after the
+    first round, where each candidate has one sample and one sample can be a one-off: on an H100 the first timed
+    iteration of a compiled path measured 1.4-1.8x its later ones in some runs (BERT-base: 51-69 ms against 31-34),
+    which dropped the path that would have won. Where CUDA graphs are recorded after this round (RECORD_LAST), an eager
+    path's first sample is judged by give_up: it compiles nothing, so its first timed iteration is like its later ones,
+    and a clear eager loser kept into the second round ran beside the graph pool recorded then: T5-small's trial
+    reserved 7.1 GiB on an H100, against 4.7 GiB for the FP32 script itself. Without graphs to come (a CPU) the first
+    round keeps its wider margin: one sample on a shared host can be a one-off for any path. anchor_margin:
+    autocast-compiled is what a user hand-writes (stock Inductor under torch.autocast), so keeping it can never leave
+    the script slower than that; automp's own graph pass replaces it only when it measured faster by more than the
+    margin. Two identical loops measured 3-6% apart on an H100 host (BENCHMARKS.md section 0), and trials chose
+    automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50). fp32_margin: the same
+    for the script as written (FP32 eager): any other path changes the script's numerics, so it must lead by more than
+    the noise to be kept; `automp demo` on a 2-core CPU chose low precision for its GPT on a 2% trial lead and then ran
+    at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured once, after this many
+    iterations on it, against the eager paths that came within confirm_within of it (see `confirmation`); 0: never.
+    churn: a compiled path's recompiling training calls after its verdict before it may go back to the eager path it
+    beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never."""
+
+    warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
+                                                             Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3})
+    measure: int = 4  # even: alternating rounds then cancel a linear drift exactly (x block iterations each)
+    block: int = 2  # iterations per timed sample, run back to back as the script runs them (see Trial)
+    give_up: float = 1.3
+    give_up_first: float = 2.5
+    switch_after: int = 4  # another module called this often between two calls of the timed one: time that one
+    anchor_margin: float = 0.03  # automp-compiled or autocast-graphed must beat autocast-compiled by more than this
+    fp32_margin: float = 0.03  # any other path must beat FP32 eager (the script as written) by more than this
+    confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
+    confirm_within: float = 0.25
+    churn: int = 3
+
+
+@dataclass
+class Verdict:
+    path: Path  # or another enum for trials of something else than a path (automp.runtime.tuning.conv_tuning.Flag)
+    reason: str
+    timings_ms: dict[str, float]
+    cached: bool = False
+    detach: tuple[str, ...] = ()  # output fields detached when it ran (automp.runtime.unread_outputs): cached, not reported
+    confirmed: bool = False  # re-measured in steady state (choose.confirmation)
+    eager_only: bool = False  # a run crashed in a double backward on a compiled path (automp.runtime.input_grads): a new
+    #                           trial of the eager paths, not a verdict; cached, not reported
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
+                "confirmed": self.confirmed}
+
+
+class Trial:
+    """The state machine of one trial over a group of root modules that are new at the same time (a GAN's
+    generator and discriminator): all of them run the current candidate, so the timed interval measures that
+    candidate for the whole iteration. `tick()` is called at every call of any member; the interval is taken
+    between two calls of the "clock" member — the first one called, or whichever another member outnumbers.
+
+    First each candidate warms up (untimed), then the candidates take turns, one timed sample each per round:
+    interleaving, in alternating order, cancels drift (a neighbour's load, clocks, a data loader warming up) that would
+    bias back-to-back blocks. After each round a candidate slower than `give_up` x the best median is dropped
+    (`give_up_first` while it has one sample; for an eager path only while no graphs are to be recorded). Candidates in
+    `later` are warmed up after the first round, and timed from the second on (RECORD_LAST says why).
+
+    A sample is `block` iterations run back to back, with the device synchronized only at its two ends: the script
+    after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
+    synchronized iteration does not. On an H100 (scripts/trial_timing.py) one synchronized iteration measured
+    automp-compiled 11-12% slower than its unsynchronized steps on the LSTM and the detector, and the eager paths
+    from 7% slower to 5% faster: an error of the size of the margins the trial decides by. Two iterations halve it."""
+
+    def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
+                 sync: Callable[[], None], note: str = "", incumbent: Path | None = None,
+                 warmup: Mapping[Path, int] | None = None, clock_member: int | None = None,
+                 later: Iterable[Path] = ()):
+        if not candidates:
+            raise ValueError("a trial needs at least one candidate path")
+        self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
+        self.note = note  # why these candidates: goes into the verdict's reason
+        self.incumbent = incumbent  # a confirmation's path so far: another low-precision path must clearly beat it
+        warmup = config.warmup if warmup is None else warmup
+        self.samples: dict[Path, list[float]] = {c: [] for c in candidates}
+        self.alive = list(candidates)
+        self.abandoned: set[Path] = set()
+        self._warmup = warmup
+        later = set(later)
+        # not warmed up yet; with nothing else to time first, nothing waits
+        self._later = [] if all(c in later for c in candidates) else [c for c in candidates if c in later]
+        # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each
+        self._queue: list[tuple[Path, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
+                                                     if c not in self._later and warmup.get(c, 1) > 0]
+        self._rounds = 0
+        self._clock_member = clock_member  # a confirmation times the module its trial timed
+        self._others: dict[int, int] = {}
+        self._trains = False  # a call with grad mode on was seen: calls without it no longer count (tick)
+        self._start: float | None = None  # when the queue head's interval began
+        self._done = 0  # iterations of the queue head finished
+        self.verdict: Verdict | None = None
+        self._refill()
+
+    @property
+    def current(self) -> Path:
+        return self.verdict.path if self.verdict else self._queue[0][0]
+
+    def tick(self, member: int, training: bool = True) -> None:
+        """A call of `member`. training: the call records a graph for a backward (grad mode on). Once the trial has
+        seen one, calls without grad (an evaluation inside the training loop, generate()'s decoding steps) are not
+        iterations: their time falls inside the interval of the training call around them. A script that never
+        trains (inference) has every call timed."""
+        if self.verdict is not None:
+            return
+        if training:
+            self._trains = True
+        elif self._trains:
+            return
+        if self._clock_member is None:
+            self._clock_member = member
+        if member != self._clock_member:
+            self._others[member] = self._others.get(member, 0) + 1
+            if self._others[member] > self.config.switch_after:  # the first module was a one-off call
+                self._clock_member, self._others, self._start, self._done = member, {}, None, 0
+            else:
+                return
+        self._others = {}
+        if self._start is None:
+            self.sync()
+            self._start = self.clock()
+            return
+        path, timed, iterations = self._queue[0]
+        self._done += 1
+        if self._done < iterations:
+            return  # inside a sample: the loop runs on unsynchronized, as it will after the trial
+        self.sync()
+        now = self.clock()
+        if timed:
+            self.samples[path].append((now - self._start) / iterations)
+        self._queue.pop(0)
+        self._done = 0
+        if not self._queue:
+            self._refill()
+        self._start = self.clock()  # bookkeeping above is not charged to the next candidate
+
+    def exclude(self, paths: frozenset[Path] | set[Path], why: str) -> None:
+        """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.input_grads); a sample of one
+        of them in progress is dropped. The other candidates go on as if those had never been in it."""
+        remaining = [p for p in self.alive if p not in paths]
+        if self.verdict is not None or len(remaining) == len(self.alive):
+            return
+        if not remaining:
+            raise ValueError(f"a trial cannot exclude all of its candidates {[p.value for p in self.alive]}")
+        if self._queue and self._queue[0][0] in paths:
+            self._start, self._done = None, 0  # the interval restarts at the next call, on a path that stays
+        self.alive = remaining
+        self._queue = [q for q in self._queue if q[0] not in paths]
+        for p in paths:
+            self.samples.pop(p, None)
+        self.note = f"{self.note}; {why}" if self.note else why
+        if not self._queue:
+            self._refill()
+
+    def _refill(self) -> None:
+        """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
+        if self._queue:
+            return
+        # unsampled, so never pruned below: a graph pool comes after this round while one waits (TrialConfig says why)
+        waiting = [c for c in self._later if c in self.alive]
+        if self._rounds:
+            sampled = [p for p in self.alive if self.samples[p]]  # none when exclude() took every timed one
+            best = min((statistics.median(self.samples[p]) for p in sampled), default=0.0)
+            for p in sampled:
+                first = len(self.samples[p]) == 1 and (p in COMPILED_PATHS or not waiting)
+                factor = self.config.give_up_first if first else self.config.give_up
+                if min(self.samples[p]) > factor * best:
+                    self.alive.remove(p)
+                    self.abandoned.add(p)
+        if (self._rounds >= self.config.measure and not waiting) or len(self.alive) == 1:
+            self._decide()
+            return
+        self._rounds += 1
+        order = self.alive if self._rounds % 2 else self.alive[::-1]  # A B, B A, ...: linear drift cancels
+        warm: list[tuple[Path, bool, int]] = []
+        if waiting and self._rounds == 1 and len(waiting) < len(self.alive):
+            order = [c for c in order if c not in waiting]
+        else:
+            warm = [(c, False, self._warmup.get(c, 1)) for c in waiting if self._warmup.get(c, 1) > 0]
+            self._later = []
+        self._queue = warm + [(c, True, max(1, self.config.block)) for c in order]
+
+    def _measured(self) -> tuple[dict[str, float], Any, str]:
+        """Each candidate's median ms (by its value), the fastest candidate still in, and the timings as a reason
+        lists them, fastest first."""
+        medians = {c: 1e3 * statistics.median(s) for c, s in self.samples.items() if s}
+        winner = min(self.alive, key=lambda c: medians.get(c, 0.0))
+        parts = ", ".join(f"{c.value} {ms:.2f} ms" + (" (dropped early)" if c in self.abandoned else "")
+                          for c, ms in sorted(medians.items(), key=lambda kv: kv[1]))
+        return {c.value: ms for c, ms in medians.items()}, winner, parts
+
+    def _decide(self) -> None:
+        timings, winner, parts = self._measured()
+        why = f"{self.note}; " if self.note else ""
+        tie = ""
+        inc = self.incumbent
+        if inc is not None and winner not in (inc, Path.FP32) and self._within(inc, winner, timings,
+                                                                             self.config.anchor_margin):
+            tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {inc.value} (this "
+                   f"measurement's noise), so {inc.value} is kept")
+            winner = inc
+        if winner in (Path.COMPILED, Path.GRAPHED) and self._within(Path.COMPILED_AUTOCAST, winner, timings,
+                                                                    self.config.anchor_margin):
+            tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
+                   f"noise), so the hand-written loop's own path is kept")
+            winner = Path.COMPILED_AUTOCAST
+        if winner is not Path.FP32 and self._within(Path.FP32, winner, timings, self.config.fp32_margin):
+            tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Path.FP32.value} (this "
+                    f"measurement's noise), so the script runs as written")
+            winner = Path.FP32
+        self.verdict = Verdict(winner, f"{why}measured per iteration: {parts}{tie}", timings,
+                               confirmed=inc is not None)
+
+    def _within(self, kept: Path, winner: Path, timings: dict[str, float], margin: float) -> bool:
+        """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
+        ms = timings.get(kept.value)
+        return kept in self.alive and ms is not None and ms <= (1 + margin) * timings[winner.value]
+
+
+# A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
+MIN_GAIN = 1.2
+
+
+def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Path], str]:
+    """Which paths can win on a device whose `dtype` GEMMs run `gain` times FP32's rate, and why. A device where low
+    precision is not clearly faster gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
+    compiled graphs can save, so only the eager paths are timed."""
+    if gain < MIN_GAIN:
+        return [Path.FP32], (f"{dtype} GEMMs measured {gain:.2f}x FP32's rate on this {device_type}: low precision "
+                             f"does not pay here, kept FP32")
+    if device_type != "cuda":
+        return [Path.FP32, Path.EAGER_LOW], (f"{dtype} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled graphs "
+                                             f"not tried on a CPU (compile time)")
+    every = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
+    return every, f"{dtype} GEMMs measured {gain:.1f}x FP32"
+
+
+def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], float], sync: Callable[[], None],
+                 after: Trial | None = None) -> Trial | None:
+    """A second, shorter trial that re-measures a verdict once the script runs in steady state, or None when there
+    is nothing to re-measure. The trial times every path in the script's first iterations, where allocator, cuDNN
+    and data-loader warm-up land on whichever path runs then: on an H100 its Faster R-CNN trial put both eager paths
+    at 130 ms and kept automp's compiled graphs at 113 ms, while the same eager loops ran 98-107 ms afterwards. So
+    the winner runs `confirm_after` iterations, then is timed again against the eager paths (FP32 as written, low
+    precision eager) that the trial measured within `confirm_within` of it: they need no compilation, so
+    re-measuring costs a few iterations. The same margins apply, and another low-precision path must beat the
+    incumbent by more than the anchor margin: the incumbent's compiled graphs are already paid for. `after`: the
+    trial that gave the verdict; its timed module stays the timed one (a GAN's discriminator, called twice per
+    iteration, would otherwise split iterations in two)."""
+    if verdict.path is Path.FP32 or verdict.confirmed or config.confirm_after <= 0:
+        return None
+    own = verdict.timings_ms.get(verdict.path.value)
+    if own is None:
+        return None
+    rivals = [p for p in EAGER_PATHS if p is not verdict.path and p.value in verdict.timings_ms
+              and verdict.timings_ms[p.value] <= (1 + config.confirm_within) * own]
+    if not rivals:
+        return None
+    before = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(verdict.timings_ms.items(), key=lambda kv: kv[1]))
+    note = (f"re-measured in steady state after {config.confirm_after} iterations on {verdict.path.value} (the "
+            f"trial had measured {before})")
+    return Trial([verdict.path, *rivals], config, clock, sync, note=note, incumbent=verdict.path,
+                 warmup={verdict.path: config.confirm_after, **{p: 1 for p in rivals}},
+                 clock_member=after._clock_member if after is not None else None)
+
+
+def distributed() -> bool:
+    import torch
+
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def for_ranks(config: TrialConfig) -> TrialConfig:
+    """The trial's settings under torch.distributed: no candidate is dropped early. Rank 0's verdict is broadcast at
+    the iteration the trial ends (`agreed`), so every rank must end it at the same iteration; a drop depends on a
+    rank's own timings, and a rank whose trial ran longer would meet that broadcast with its gradient all-reduce."""
+    if not distributed():
+        return config
+    return replace(config, give_up=math.inf, give_up_first=math.inf)
+
+
+def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
+                ) -> tuple[Verdict | None, list[Path], str]:
+    """Under torch.distributed every rank starts a new module it calls in lockstep (a DDP module) as rank 0 does: from
+    rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one
+    per node) and measure their devices slightly apart; a rank that ran a trial the others skipped would wait at its
+    verdict's broadcast."""
+    import torch
+
+    if not distributed():
+        return cached, candidates, why
+    box = [cached, [p.value for p in candidates], why]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0], [Path(v) for v in box[1]], box[2]
+
+
+def agreed(verdict: Verdict) -> Verdict:
+    """Under torch.distributed every rank runs rank 0's verdict for a module it calls in lockstep (a DDP module): ranks
+    timing slightly differently must not end up running different paths (different graphs around DDP's all-reduce
+    hooks). Rank 0's timings come with it, so the re-measurement that follows (`confirmation`) is started, or not,
+    on every rank alike."""
+    import torch
+
+    if not distributed():
+        return verdict
+    chosen = [verdict.path.value, verdict.timings_ms]
+    torch.distributed.broadcast_object_list(chosen, src=0)
+    if chosen[0] == verdict.path.value:
+        return replace(verdict, timings_ms=chosen[1])
+    return replace(verdict, path=Path(chosen[0]), timings_ms=chosen[1],
+                   reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")

@@ -1,0 +1,109 @@
+"""Fields of a model's output that the script never reads leave the compiled backward.
+
+Why: a transformers model called with labels returns its loss and its logits, and a training loop reads the loss.
+With the loss computed inside the compiled graph, the logits are an output that requires grad but never receives one,
+and AOTAutograd (pytorch/pytorch#131794, open through torch 2.13) hands the compiled backward a materialized zero
+gradient of their size: for GPT-2 124M at B8 x T1024, 8x1024x50257 bf16 = 0.77 GiB at the step's peak. A field
+detached inside the compiled function is an output without a gradient, so the backward takes none for it.
+
+Which fields: the tensors that required grad in the module's outputs and were not read by the script
+(automp.runtime.outputs sees every read of a ModelOutput field: attribute, key, to_tuple, values, ...) in the calls before
+the module's first compilation, i.e. the trial's eager steps. Decided once per module, at its first compilation,
+and cached with the trial's verdict, so a later run of the same script detaches the same fields from its first call.
+With a forced path and no cached verdict, nothing has been seen and nothing is detached (a second compilation to
+detach later would cost more than it saves in a short run).
+
+Never a missing gradient: a detached field read before the backward of its call has run may feed a loss. Such a
+read re-runs the call with every field attached (the compiled function is guarded on the detached names, so it
+recompiles once), the output object takes the new values of all its fields, and from then on nothing of that module
+is detached; the report says which field and why. A field read after its call's backward (metrics, logging after
+the step) has the same value either way and is returned as it is. Not covered: a second backward through the same
+graph (retain_graph=True) that starts from a field read after the first backward.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class FieldReads:
+    """Per root module: its ModelOutput fields seen requiring grad, those the script read, and the fields its
+    compiled functions detach (read while Dynamo traces them, so a change recompiles)."""
+    seen: set[str] = field(default_factory=set)
+    read: set[str] = field(default_factory=set)
+    detach: tuple[str, ...] = ()
+    decided: bool = False
+    reattached: str | None = None  # why detaching stopped, for the report
+    on_reattach: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+
+    def observe(self, out: Any) -> None:
+        self.seen.update(k for k, v in dict.items(out) if isinstance(v, torch.Tensor) and v.requires_grad)
+
+    def decide(self) -> tuple[str, ...]:
+        """The fields to detach, fixed at the first call (the module's first compilation)."""
+        if not self.decided:
+            self.decided = True
+            self.detach = tuple(sorted(self.seen - self.read))
+        return self.detach
+
+    def reattach(self, name: str) -> None:
+        self.detach = ()
+        self.reattached = (f"output field {name!r} was detached (unread in the first calls) and then read before "
+                           f"its backward: that call ran again with every field attached, and does from now on")
+        if self.on_reattach is not None:
+            self.on_reattach(self.reattached)
+
+
+def detach_unread(out: Any, fields: FieldReads | None) -> Any:
+    """Inside a compiled function: `out`'s fields named in fields.detach, detached (a ModelOutput is edited in
+    place, as the module returned it)."""
+    if fields is None or not fields.detach or not hasattr(out, "to_tuple"):
+        return out
+    for name in fields.detach:
+        value = out.get(name)
+        if isinstance(value, torch.Tensor):
+            out[name] = value.detach()
+    return out
+
+
+class FieldWatch:
+    """Attached to one returned output: records its reads and re-runs its call when a detached field is read
+    before that call's backward."""
+
+    def __init__(self, out: Any, fields: FieldReads, detached: tuple[str, ...],
+                 rerun: Callable[[], Any] | None) -> None:
+        self.fields, self.rerun = fields, rerun
+        # A call without any output that requires grad (no_grad, evaluation, frozen model) had no gradient to lose:
+        # its detached fields hold what the script would have had, and reading them never re-runs it.
+        tracked = any(isinstance(v, torch.Tensor) and v.requires_grad for v in dict.values(out))
+        self.detached = tuple(n for n in detached if tracked and isinstance(dict.get(out, n), torch.Tensor))
+        self.backward_done = False
+        if self.detached:
+            fn = next((v.grad_fn for v in dict.values(out) if isinstance(v, torch.Tensor) and v.grad_fn is not None),
+                      None)
+            if fn is not None:
+                ref = weakref.ref(self)
+                fn.register_hook(lambda *_: _mark_done(ref))
+
+    def on_read(self, out: Any, name: str) -> None:
+        self.fields.read.add(name)
+        if name not in self.detached or self.backward_done:
+            return
+        self.fields.reattach(name)
+        self.detached = ()
+        if self.rerun is None:
+            raise RuntimeError(f"automp: output field {name!r} was computed without its gradient and cannot be "
+                               f"recomputed")
+        fresh = self.rerun()
+        for key in list(dict.keys(fresh)):
+            out[key] = dict.__getitem__(fresh, key)  # ModelOutput keeps attribute and item in step
+
+
+def _mark_done(ref: "weakref.ref[FieldWatch]") -> None:
+    watch = ref()
+    if watch is not None:
+        watch.backward_done = True

@@ -1,0 +1,329 @@
+"""The compiled paths automp builds for a root module (automp.runtime.compiled_paths): stock Inductor with autocast entered
+around the compiled call as a hand-written loop does, and closures that leave the model collectable."""
+import pytest
+import torch
+import torch.nn as nn
+
+import automp
+
+pytestmark = pytest.mark.usefixtures("fresh_session")
+
+
+def test_autocast_compiled_path_enters_autocast_outside_the_graph(monkeypatch):
+    """As a hand-written `with autocast(): compiled(x)`: entered inside the compiled function instead, the graph holds
+    the autocast region and compiled differently on an H100 (BERT-base MLM: GEMMs the loop runs in bf16 ran in FP32)."""
+    import torch._inductor.compile_fx as compile_fx
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", capture)
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), torch.randn(16, 64)
+    ref = net(x)
+    automp.enable(dtype="bf16", path="autocast-compile")
+    out = net(x)
+    automp.disable()
+    (gm,) = graphs
+    assert not [n for n in gm.graph.nodes if "autocast" in str(n.target).lower()]
+    assert 1e-5 < (out - ref).norm() / ref.norm() < 1e-2  # the matmuls did run in bf16
+
+
+def test_the_compile_cache_key_names_the_ambient_autocast_dtype(monkeypatch):
+    """torch before 2.13 keys AOTAutograd's cache on autocast being on, not on its dtype: an fp16 run was served the
+    graphs a bf16 run had compiled (ResNet-50 on an H100, torch 2.11). The stock path adds the dtype to the key's tag,
+    and keeps the user's own."""
+    import torch._inductor.compile_fx as compile_fx
+    tags = []
+
+    def capture(gm, example_inputs):
+        tags.append(torch.compiler.config.cache_key_tag)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", capture)
+    net, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(8, 16)
+    with torch.compiler.config.patch(cache_key_tag="users-own"):
+        for dtype in ("bf16", "fp16"):
+            automp.enable(dtype=dtype, path="autocast-compile")
+            net(x)
+            automp.disable()
+        assert torch.compiler.config.cache_key_tag == "users-own"
+    assert tags == ["users-own|automp-autocast=cpu:torch.bfloat16", "users-own|automp-autocast=cpu:torch.float16"]
+
+
+def test_fp16_after_bf16_in_one_process_computes_in_fp16():
+    """The same model compiled under bf16 and then fp16, caches on: fp16's 10 mantissa bits must show in the error
+    against a float64 reference (bf16 has 7), which a graph reused from the bf16 compile would not."""
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)), torch.randn(32, 256)
+    ref = net.double()(x.double())
+    net.float()
+    err = {}
+    for dtype in ("bf16", "fp16"):
+        automp.enable(dtype=dtype, path="autocast-compile")
+        out = net(x)
+        automp.disable()
+        err[dtype] = ((out.double() - ref).norm() / ref.norm()).item()
+    assert 1e-4 < err["fp16"] < err["bf16"] / 3, err
+
+
+def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
+    """Dynamo keeps compiled functions and backends in process-wide caches: nothing it keeps may hold the model. Before
+    the fix the compile closures held the module's Root (automp.runtime.paths), whose parameter list kept the model and
+    its gradients alive (H100, zoo LSTM: +0.28 GiB in the next run of the same process)."""
+    import gc
+    import weakref
+
+    from automp.runtime.trial import Path
+    from automp.runtime.session import Session
+
+    paths = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (paths, "test: every path"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(net.parameters())
+    x = torch.randn(8, 16)
+    automp.enable(dtype="bf16", inner="eager", spec="h100")
+    ran = set()
+    for _ in range(60):
+        net(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        root = automp._session.roots[net]
+        ran.add(root.path or root.trial.current)
+        if automp.settled():
+            break
+    automp.disable()
+    assert set(paths) <= ran  # every path ran, the compiled ones included
+    param = weakref.ref(net[0].weight)
+    del net, opt, root
+    gc.collect()
+    assert param() is None
+
+
+def test_graphed_path_hands_the_script_copies_of_what_the_graph_returns(monkeypatch):
+    """A CUDA graph's replay writes its outputs into the same memory each time. Simulated here by a backend that
+    returns static buffers (on a CPU Inductor runs no CUDA graphs): without the copy, the first call's output would
+    silently become the second call's."""
+    import torch._inductor.compile_fx as compile_fx
+    from automp.runtime.compiled_paths import GRAPH_PATCHES
+    patches = []
+
+    def replayed(gm, example_inputs, config_patches=None):
+        patches.append(config_patches)
+        static = []
+
+        def run(*args):
+            outs = gm.forward(*args)
+            if not static:
+                static.extend(torch.empty_like(o) for o in outs)
+            for buffer, o in zip(static, outs):
+                buffer.copy_(o)
+            return type(outs)(static)
+        return run
+
+    monkeypatch.setattr(compile_fx, "compile_fx", replayed)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    xs = [torch.randn(16, 32) for _ in range(3)]
+    automp.enable(dtype="bf16", path="autocast-graphs")
+    with torch.no_grad():
+        outs = [net(x) for x in xs]
+    rep = automp.disable()
+    assert patches == [GRAPH_PATCHES]
+    assert [c["path"] for c in rep["choices"]] == ["autocast-graphed"]
+    with torch.no_grad():
+        for out, x in zip(outs, xs):
+            ref = net(x)
+            assert out.dtype == torch.float32 and 1e-5 < (out - ref).norm() / ref.norm() < 1e-2
+
+
+def test_graphed_path_trains_like_the_autocast_compiled_path():
+    """Gradients flow through the copy; the path compiles the same graphs as autocast-compiled (on a CPU Inductor
+    skips the CUDA graphs and says why), so a training step matches FP32 within bf16's tolerance."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    ref_net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    ref_net.load_state_dict(net.state_dict())
+    x = torch.randn(16, 32)
+    ref_net(x).pow(2).mean().backward()
+    automp.enable(dtype="bf16", path="autocast-graphs")
+    net(x).pow(2).mean().backward()
+    automp.disable()
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert 1e-6 < (p.grad - r.grad).norm() / r.grad.norm() < 3e-2
+
+
+@pytest.mark.usefixtures("eager_inductor")
+@pytest.mark.parametrize("forced", [False, True])
+def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_path, forced):
+    """A new input shape after the verdict (padded batches of another length) would be recorded again as CUDA graphs
+    for every shape: the module moves to the same graphs without them, and the cache keeps that. A path the user
+    forced stays."""
+    from automp.runtime.trial import Path
+    from automp.runtime.session import Session
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path), path="autocast-graphs" if forced else "auto")
+    for rows in (8, 8, 12, 12):
+        net(torch.randn(rows, 16)).pow(2).mean().backward()
+    root = automp._session.roots[net]
+    rep = automp.disable()
+    if forced:
+        assert root.path is Path.GRAPHED and [c["path"] for c in rep["choices"]] == ["autocast-graphed"]
+        return
+    assert root.path is Path.COMPILED_AUTOCAST and root.graphed is None
+    (choice,) = rep["choices"]  # the module's latest choice, with why
+    assert choice["path"] == "autocast-compiled" and "recorded again for every shape" in choice["reason"]
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))  # the next run starts without CUDA graphs
+    net(torch.randn(8, 16))
+    assert automp._session.roots[net].path is Path.COMPILED_AUTOCAST
+    automp.disable()
+
+
+@pytest.mark.usefixtures("eager_inductor")
+@pytest.mark.parametrize("share, tried", [(0.3, True), (0.8, False)])
+def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_their_pool(monkeypatch, tmp_path, share,
+                                                                                       tried):
+    from automp.runtime import compiled_paths
+    from automp.runtime.trial import Path
+    from automp.runtime.session import Session
+    total = 80 * 2**30
+    monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int(share * total), total))
+    monkeypatch.setattr(Session, "_candidates",
+                        lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(60):
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+        if automp.settled():
+            break
+    built = automp._session.roots[net].graphs
+    rep = automp.disable()
+    assert (Path.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
+    assert ("CUDA graphs keep a memory pool of their own" in rep["choices"][0]["reason"]) == (not tried)
+    assert built == (2 if tried else 1)  # never compiled when it does not fit
+
+
+def test_graphs_fit_names_the_memory_it_found():
+    from automp.runtime.compiled_paths import graphs_fit
+    assert graphs_fit(30 * 2**30, 80 * 2**30) is None
+    assert "up to 50.0 of the device's 80.0 GiB" in graphs_fit(50 * 2**30, 80 * 2**30)
+
+
+def _two_candidates(monkeypatch):
+    from automp.runtime.trial import Path
+    from automp.runtime.session import Session
+    monkeypatch.setattr(Session, "_candidates",
+                        lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch, tmp_path):
+    """A GAN: cudagraph trees reuse one module's graph memory when the other's backward runs (the zoo's DCGAN crashed
+    on an H100), so neither module's trial builds CUDA graphs."""
+    from automp.runtime.trial import Path
+    _two_candidates(monkeypatch)
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 1))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(60):
+        fake = gen(torch.randn(4, 8))
+        disc(fake.detach()).mean().backward()
+        disc(fake).mean().backward()
+        if automp.settled():
+            break
+    roots = automp._session.roots
+    assert all(r.graphed is None and r.path is Path.COMPILED_AUTOCAST for r in roots.values())
+    rep = automp.disable()
+    assert all(Path.GRAPHED.value not in c["timings_ms"] and "run under automp together" in c["reason"]
+               for c in rep["choices"])
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
+    from automp.runtime.trial import Path
+    _two_candidates(monkeypatch)
+    monkeypatch.setattr(automp.runtime.session.Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test"))
+    torch.manual_seed(0)
+    net, head = nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 4)
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    net(torch.randn(8, 16)).sum().backward()
+    first = automp._session.roots[net]
+    assert first.path is Path.GRAPHED
+    head(net(torch.randn(8, 16))).sum().backward()
+    assert first.path is Path.COMPILED_AUTOCAST and first.graphed is None
+    assert "run under automp together" in first.verdict.reason
+    automp.disable()
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
+    """Under DDP every rank runs rank 0's path; the memory check and the moves off CUDA graphs are a rank's own."""
+    import automp.runtime.session as session
+    from automp.runtime.trial import Path
+    monkeypatch.setattr(session.Session, "_candidates", lambda self, device, low: (
+        [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
+    monkeypatch.setattr(session, "distributed", lambda: True)
+    monkeypatch.setattr(session, "_LOCKSTEP", ("Sequential",))
+    monkeypatch.setattr(session, "rank0_start", lambda cached, candidates, why: (cached, candidates, why))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    net(torch.randn(8, 16)).sum().backward()
+    root = automp._session.roots[net]
+    assert root.lockstep and root.trial.candidates == [Path.EAGER_LOW, Path.COMPILED_AUTOCAST]
+    automp.disable()
+
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkeypatch, tmp_path):
+    """enable(cuda_graphs=False), for a script that needs the memory: no candidate, and no verdict of a run that had
+    them (a different cache key); forcing them then is a contradiction, refused before anything is installed."""
+    from automp.runtime.trial import Path
+    from automp.config import AutoMPConfig
+    from automp.runtime.session import Session
+    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (
+        [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    keys = {}
+    for graphs in (True, False):
+        automp.enable(dtype="bf16", cache_dir=str(tmp_path), cuda_graphs=graphs)
+        net(torch.randn(8, 16)).sum().backward()
+        root = automp._session.roots[net]
+        keys[graphs] = root.key
+        assert (Path.GRAPHED in root.trial.candidates) == graphs
+        automp.disable()
+    assert keys[True] != keys[False]
+    with pytest.raises(ValueError, match="cuda_graphs=False"):
+        AutoMPConfig(path="autocast-graphs", cuda_graphs=False)
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        AutoMPConfig(cuda_graphs="no")
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeypatch):
+    """Dynamo counts recompiles per code object, up to 8: the stock path's outer function once shared one across
+    modules and enable() calls, and on an H100 the ninth compile of a process ran that frame uncompiled. (Dynamo's
+    warning is caught by a handler of the test's own: caplog is gone under `pytest -p no:logging`.)"""
+    import logging
+    messages = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        for i in range(10):
+            net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            automp.enable(dtype="bf16", path="autocast-compile")
+            net(torch.randn(4, 8)).sum().backward()
+            automp.disable()
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in messages if "recompile_limit" in m or "cache_size_limit" in m]

@@ -1,0 +1,74 @@
+"""A session under torch.distributed (gloo, 2 processes): every rank runs the same path at every iteration."""
+import torch
+import torch.nn as nn
+
+
+def _ranks_worker(rank: int, port: int, out: str) -> None:
+    import gc
+    import os
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from automp.runtime.trial import Path
+    from automp.config import AutoMPConfig
+    from automp.runtime.session import Session
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOMP_CACHE_DIR=os.path.join(out, str(rank)))
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    # rank 1 measures FP32 5x slower: alone, its trial would drop FP32 after one round and end earlier than rank 0's
+    cost = {Path.FP32: 0.024 if rank == 0 else 0.100, Path.EAGER_LOW: 0.020}
+    Session._candidates = lambda self, device, low: (list(cost), "test")  # a spawned process: nothing to restore
+    now, ran = [0.0], []
+    net, x = nn.parallel.DistributedDataParallel(nn.Linear(8, 4)), torch.randn(4, 8)
+
+    def run(iterations: int) -> dict:
+        ran.clear()
+        session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), clock=lambda: now[0])
+        real_run = session._run
+        session._run = lambda module, root, path, a, k: ran.append(path.value) or real_run(module, root, path, a, k)
+        session.install()
+        for _ in range(iterations):
+            net(x).sum().backward()  # DDP all-reduces the gradient: a rank still in its trial would meet a broadcast
+            now[0] += cost[Path(ran[-1])]
+        if rank == 0:  # an evaluation on rank 0 only: a module of its own, which must not wait for rank 1
+            probe = nn.Linear(8, 2)
+            for _ in range(40):
+                probe(x).sum().backward()
+                now[0] += cost[Path(ran[-1])]
+        dist.barrier()
+        return {"ran": list(ran), "choices": session.uninstall()["choices"]}
+
+    try:
+        first = run(80)
+        if rank == 1:  # another node, another cache: rank 1 has no verdict, rank 0 has a confirmed one
+            os.environ["AUTOMP_CACHE_DIR"] = os.path.join(out, "empty")
+        torch.save({"first": first, "second": run(30)}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        gc.collect()  # see tests/scaling/test_scaling_ddp.py: a DDP module alive at exit aborts the process
+        dist.destroy_process_group()
+
+
+def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path):
+    """Under torch.distributed the trial and its re-measurement end at the same iteration on every rank (rank 0's
+    verdict is broadcast there), so no rank meets that broadcast with its gradient all-reduce; and a rank without a
+    cached verdict starts from rank 0's rather than a trial only it runs."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ranks_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    ddp0 = r0["first"]["ran"][:len(r1["first"]["ran"])]  # rank 0's evaluation module ran after these
+    assert ddp0 == r1["first"]["ran"] and ddp0[-1] == "low-precision-eager"
+    c0, c1 = r0["first"]["choices"][0], r1["first"]["choices"][0]
+    assert c0["module"] == c1["module"] == "DistributedDataParallel"
+    assert c0["confirmed"] and c1["confirmed"]  # rank 0's timings started the re-measurement on both
+    assert [c["module"] for c in r0["first"]["choices"]] == ["DistributedDataParallel", "Linear"]
+    # the next run: rank 1 finds no verdict in its cache and starts from rank 0's instead of a trial of its own
+    assert r0["second"]["ran"][:30] == r1["second"]["ran"] == ["low-precision-eager"] * 30
+    assert [c["cached"] for c in r1["second"]["choices"]] == [True]
