@@ -91,3 +91,9 @@ def _check_loss_scale(spec: Any) -> None:
         raise ValueError(f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"loss_scale must be a positive finite number, got {spec!r}")
+
+
+def default_cache_dir() -> str:
+    """Where calibration and verdicts are cached when the configuration names no directory: $AUTOMP_CACHE_DIR, else
+    ~/.cache/automp. The one place that reads the variable, so every cache agrees on the directory."""
+    return os.environ.get("AUTOMP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "automp")
