@@ -19,6 +19,11 @@ when a module that filled it has been freed (the copies' autograd edges would ke
 dropped when automp is disabled. Calls without grad (an evaluation pass) keep nothing: torch before
 pytorch/pytorch#165068 cached copies cast there without their autograd edge, and the next training call would have
 reused them and left the weights without gradient (#112583).
+
+Calls inside a torch.func transform (`grad(loss_fn)(params, ...)` around `functional_call`) and modules whose
+parameters have no storage of their own (tensor subclasses such as DTensor) keep nothing either, and run in a plain
+region: the tensors such a module computes with are wrappers that live only for one transform, or have no data
+pointer to check a cached copy against, so a copy kept past the call could be neither trusted nor released.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import weakref
 from typing import Any, Iterable
 
 import torch
+from torch._C._functorch import maybe_current_level
 from torch.nn.parameter import is_lazy
 
 from automp.runtime.compiled_paths import ORIG_CALL
@@ -63,23 +69,30 @@ class SharedCasts:
         self._owners.clear()
 
     def enter(self, device_type: str, dtype: torch.dtype, owner: torch.nn.Module,
-              params: Iterable[torch.Tensor]) -> tuple[bool, torch.dtype, bool, bool]:
+              params: Iterable[torch.Tensor] | None) -> tuple[bool, torch.dtype, bool, bool]:
         """torch.autocast(device_type, dtype) entered around a call of `owner`, one nesting level deeper, so that its
-        exit (`exit`, given what this returns) leaves the cast cache to the next call."""
-        grad = torch.is_grad_enabled()
-        if grad:
+        exit (`exit`, given what this returns) leaves the cast cache to the next call. `params` None: a plain region
+        that shares nothing (a call inside a torch.func transform)."""
+        share = params is not None and torch.is_grad_enabled()
+        if share:
             self.check()
             if params and id(owner) not in self._owners:  # none: a lazy module's first call (recorded at the next)
-                self._owners[id(owner)] = weakref.ref(owner)
                 # autocast caches only leaves that require grad; recorded before the call, so a call that raises
                 # still leaves its casts checked
-                self._cast += [(p, p._version, p.data_ptr()) for p in params if p.requires_grad]
+                try:
+                    cast = [(p, p._version, p.data_ptr()) for p in params if p.requires_grad]
+                except RuntimeError:  # a parameter without storage: its cached copy could not be checked
+                    share = False
+                else:
+                    self._owners[id(owner)] = weakref.ref(owner)
+                    self._cast += cast
+        if share:
             torch.autocast_increment_nesting()
         else:  # an evaluation pass: a plain region, whose exit empties the cache. Before pytorch#165068 a copy cast
-            self.clear()  # here had no autograd edge, and a training call reusing it left the weights without
+            self.clear()  # there had no autograd edge, and a training call reusing it left the weights without
             #               gradient (#112583)
         state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
-                 torch.is_autocast_cache_enabled(), grad)
+                 torch.is_autocast_cache_enabled(), share)
         torch.set_autocast_enabled(device_type, True)
         torch.set_autocast_dtype(device_type, dtype)
         torch.autocast_increment_nesting()
@@ -101,7 +114,9 @@ class SharedCasts:
         """`module(*args, **kwargs)` as written, under autocast with `root.low`, its weight casts shared (the eager
         path of automp.runtime.paths' `Root`, whose parameter list is kept in `root.params`)."""
         params = root.params
-        if params is None:  # a lazy module's (nn.LazyLinear) parameters exist after its first call
+        if maybe_current_level() is not None:  # inside torch.func: the module may compute with the transform's
+            params = None  # wrappers (functional_call), which outlive neither the transform nor a cache check
+        elif params is None:  # a lazy module's (nn.LazyLinear) parameters exist after its first call
             params = list(module.parameters())
             if any(is_lazy(p) for p in params):
                 params = ()
