@@ -172,8 +172,8 @@ def test_automp_modes_get_twice_the_time_limit(monkeypatch):
 
     monkeypatch.setattr(zoo, "run_mode", fake)
     zoo.run_model("mlp", ["autocast-bf16-compile", "automp-bf16", "automp-fp16"], True, "cpu", 1, 1, 1, timeout=10)
-    assert limits == {"autocast-bf16-compile": 10, "automp-bf16": 10 * zoo.AUTOMP_TIMEOUT_FACTOR,
-                      "automp-fp16": 10 * zoo.AUTOMP_TIMEOUT_FACTOR} and zoo.AUTOMP_TIMEOUT_FACTOR > 1
+    assert limits == {"autocast-bf16-compile": 10, "automp-bf16": 10 * zoo.COMPILE_TIMEOUT_FACTOR,
+                      "automp-fp16": 10 * zoo.COMPILE_TIMEOUT_FACTOR} and zoo.COMPILE_TIMEOUT_FACTOR > 1
 
 
 def test_passes_alternate_the_mode_order_and_take_the_median(monkeypatch):
@@ -207,3 +207,23 @@ def test_markdown_shows_reserved_peak_where_measured():
     table = zoo.markdown(rows)
     assert "| 6.43 / 7.10 |" in table and "| 1.47 / 7.25 |" in table
     assert "| mlp | fp32-eager | 1.00 |  |  | 0.5000 |" in table
+
+
+def test_ratios_are_taken_against_the_strongest_loop_the_run_measured():
+    """A run with the expert's loop (reduce-overhead + fused Adam) holds every mode to it, not to plain compile."""
+    rows = zoo.add_ratios([_row("m", zoo.ANCHOR, 20.0), _row("m", zoo.STRONGEST, 10.0), _row("m", "automp-bf16", 8.0)])
+    by = {r["mode"]: r for r in rows}
+    assert by["automp-bf16"]["ratio_vs_anchor"] == 1.25 and by["automp-bf16"]["anchor"] == zoo.STRONGEST
+    assert by[zoo.ANCHOR]["ratio_vs_anchor"] == 0.5
+    only_compile = zoo.add_ratios([_row("m", zoo.ANCHOR, 20.0), _row("m", "automp-bf16", 8.0)])
+    assert only_compile[1]["ratio_vs_anchor"] == 2.5 and only_compile[1]["anchor"] == zoo.ANCHOR
+
+
+def test_the_experts_loop_fuses_only_adam_left_at_its_defaults():
+    from automp.bench.zoo_modes import fuse_adam
+    p = torch.nn.Parameter(torch.randn(3))
+    chosen = torch.optim.AdamW([p], foreach=True)
+    default = torch.optim.AdamW([p])
+    fuse_adam([chosen, default])
+    assert chosen.param_groups[0]["fused"] is None  # the script chose: left alone
+    assert default.param_groups[0]["fused"] is None  # a CPU parameter: torch's fused Adam is a CUDA kernel here

@@ -1,17 +1,12 @@
-"""`automp bench zoo`: training step time of third-party models and hand-written scripts, automp vs autocast.
+"""`automp bench zoo`: training step time of third-party models and hand-written scripts, automp vs the loops a user
+writes by hand (the modes: automp.bench.zoo_modes).
 
-Each model trains in every mode in one process, from the same seed on the same fixed batch:
-  fp32-eager             the plain loop, TF32 off (matmul and cuDNN) so FP32 means FP32
-  autocast-bf16-eager    torch.autocast(bf16) around forward+loss
-  autocast-bf16-compile  the same + torch.compile of every module: the ANCHOR, what a careful user writes
-  autocast-fp16-compile  torch.autocast(fp16) + torch.compile + torch.amp.GradScaler
-  automp-bf16/-fp16      the fp32-eager loop unchanged, automp.enable() before it, disable() after (`automp run`)
-TF32 stays off in every mode, so the FP32 parts of mixed-precision modes are as in the fp32 baseline.
-automp measures candidate execution paths in its first steps, so its warmup runs until `automp.settled()` (up to
---max-warmup steps); every mode's warmup (compilation included) is reported as compile_s. Inductor's and
-AOTAutograd's compile caches are off: every mode compiles cold (on torch 2.11 a ResNet-50 autocast-fp16 compile
-was served bf16-compile's cached graphs: identical losses), so compile_s compares like with like. A mode that
-runs past --mode-timeout (a compile lost in the detector's data-dependent shapes, say) ends with an error row.
+Each model trains in every mode in one process, from the same seed on the same fixed batch. TF32 stays off in every
+mode, so the FP32 parts of mixed-precision modes are as in the fp32 baseline. automp measures candidate execution
+paths in its first steps, so its warmup runs until `automp.settled()` (up to --max-warmup steps); every mode's warmup
+(compilation included) is reported as compile_s, the first-run cost. Inductor's and AOTAutograd's compile caches are
+off: every mode compiles cold (torch 2.11's cache key ignores the autocast dtype, so an fp16 compile could be served
+bf16 graphs), so compile_s compares like with like. A mode that runs past --mode-timeout ends with an error row.
 
 Results go to <out>/zoo-<gpu>.json (rows merged by model, so runs of model subsets build one file), .md and .png.
 """
@@ -33,84 +28,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from automp.bench import zoo_models as zm
-from automp.bench import zoo_scripts as zs
+from automp.bench.suites import zoo_interleave
+from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
+                                     missing_libraries, time_limit)
 from automp.bench.harness import device_name
 from automp.bench.suites.train import _time_steps
 from automp.files import write_json_and_markdown
 
-# name -> (builder, libraries it needs): the order of the tables and the plot
-MODELS: dict[str, tuple[Callable[[bool, str], zm.Workload], tuple[str, ...]]] = {
-    "gpt2": (zm.gpt2, ("transformers",)), "llama": (zm.llama, ("transformers",)),
-    "bert": (zm.bert, ("transformers",)), "t5": (zm.t5, ("transformers",)),
-    "vit": (zm.vit, ("timm", "torchvision")), "convnext": (zm.convnext, ("timm", "torchvision")),
-    "effnet": (zm.effnet, ("timm", "torchvision")), "resnet50": (zm.resnet50, ("torchvision",)),
-    "detector": (zm.detector, ("torchvision",)),
-    "gan": (zs.gan, ()), "recsys": (zs.recsys, ()), "lstm": (zs.lstm, ()), "mlp": (zs.mlp, ()),
-}
-MODES = ("fp32-eager", "autocast-bf16-eager", "autocast-bf16-compile", "autocast-fp16-compile", "automp-bf16",
-         "automp-fp16")
-ANCHOR = "autocast-bf16-compile"
-AUTOMP_TIMEOUT_FACTOR = 2  # automp modes get this many times --mode-timeout: two compiles before the trial settles
+COMPILE_TIMEOUT_FACTOR = 2  # automp modes get this many times --mode-timeout: two compiles before the trial settles
 SKIP_HINT = "skipped: pip install automp[zoo]"
-
-
-class ModeLoop:
-    """The `Loop` a workload's step runs against: autocast, compile and GradScaler as `mode` asks."""
-
-    def __init__(self, work: zm.Workload, mode: str, device: str):
-        self.work, self.device = work, device
-        compiled = mode.endswith("-compile")
-        self.nets = {k: torch.compile(m) if compiled else m for k, m in work.modules.items()}
-        self.dtype = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(mode[:13])
-        self.scaler = torch.amp.GradScaler(device) if self.dtype == torch.float16 else None
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
-
-    def update(self, loss: torch.Tensor, name: str) -> None:
-        opt = self.work.optimizers[name]
-        opt.zero_grad(set_to_none=True)
-        if self.scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(opt)
-
-    def step(self) -> torch.Tensor:
-        """One iteration of the user's loop (GradScaler updates once, after all its optimizers stepped)."""
-        loss = self.work.step(self, self.work.batch)
-        if self.scaler is not None:
-            self.scaler.update()
-        return loss.detach()
-
-
-def missing_libraries(name: str) -> list[str]:
-    return [lib for lib in MODELS[name][1] if importlib.util.find_spec(lib) is None]
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[list[TimeoutError]]:
-    """Yields a list that holds a TimeoutError once `seconds` have passed; the alarm also raises it in the main
-    thread, to interrupt a compile that runs away. Code that swallows it (automp steps aside when a compilation
-    fails) is caught by the caller checking the list. No limit for seconds <= 0 or off the main thread."""
-    expired: list[TimeoutError] = []
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield expired
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        expired.append(TimeoutError(f"timeout: the mode ran past --mode-timeout {seconds:g} s"))
-        raise expired[0]
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield expired
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+__all__ = ["ANCHOR", "EXTRA_MODES", "MODELS", "MODES", "STRONGEST", "ModeLoop", "missing_libraries", "time_limit"]
 
 
 def run_mode(name: str, mode: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
@@ -121,7 +48,7 @@ def run_mode(name: str, mode: str, quick: bool, device: str, steps: int, warmup:
     torch.manual_seed(0)
     use_automp = mode.startswith("automp")
     if use_automp:
-        automp.enable(dtype=mode.split("-")[1], inner=os.environ.get("AUTOMP_INNER", "inductor"))
+        automp.enable(dtype=mode.split("-")[1])  # the rest from the environment, as `automp run` reads it
     report = None
     try:
         with time_limit(timeout) as expired:
@@ -193,8 +120,8 @@ def _note_report(row: dict[str, Any], report: dict[str, Any]) -> None:
 def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
               timeout: float = 0, passes: int = 1, interleave: bool = False) -> list[dict[str, Any]]:
     """One row per mode. With passes > 1 the modes run again in reversed order (A B C, C B A, ...) and each row keeps
-    the median step time of its passes: a host whose speed drifts during the run (seen: 10-40% between modes on the
-    lent GPU machine) then biases no mode more than another. interleave: automp-bf16's row also gets its ratio to
+    the median step time of its passes: a host whose speed drifts during the run (10-40% between modes on a shared GPU
+    host) then biases no mode more than another. interleave: automp-bf16's row also gets its ratio to
     the anchor timed in alternating blocks in one process (zoo_interleave)."""
     missing = missing_libraries(name)
     if missing:
@@ -205,7 +132,7 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
         for mode in (modes if p % 2 == 0 else modes[::-1]):
             print(f"[{name}] {mode} ...", flush=True)
             # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
-            limit = timeout * AUTOMP_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
+            limit = timeout * COMPILE_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
             row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
             gc.collect()  # free this mode's model, optimizer state and compiled graphs before the next one
             torch._dynamo.reset()
@@ -217,9 +144,9 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
                   flush=True)
     rows = add_ratios([_median_pass(r) for r in runs.values()])
     if interleave and "automp-bf16" in modes:
-        from automp.bench.suites.zoo_interleave import add_to_row
-        add_to_row(next(r for r in rows if r["mode"] == "automp-bf16"), name, quick, device, steps, warmup,
-                   max_warmup, timeout * (1 + AUTOMP_TIMEOUT_FACTOR))
+        zoo_interleave.add_to_row(next(r for r in rows if r["mode"] == "automp-bf16"), name, quick, device, steps,
+                                  warmup, max_warmup, timeout * (1 + COMPILE_TIMEOUT_FACTOR),
+                                  strongest=STRONGEST in modes)
     return rows
 
 
@@ -242,13 +169,15 @@ def _median_pass(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """ratio_vs_anchor = anchor ms / mode ms (> 1: faster than autocast+compile); loss_vs_fp32 = loss - FP32's."""
+    """ratio_vs_anchor = anchor ms / mode ms (> 1: faster than the anchor); loss_vs_fp32 = loss - FP32's. The anchor
+    is the strongest hand-written loop the run measured: autocast-bf16-graphs where it ran, else autocast+compile."""
     by_mode = {r["mode"]: r for r in rows}
-    anchor_ms = by_mode.get(ANCHOR, {}).get("step_ms")
+    anchor = STRONGEST if by_mode.get(STRONGEST, {}).get("step_ms") else ANCHOR
+    anchor_ms = by_mode.get(anchor, {}).get("step_ms")
     fp32_loss = by_mode.get("fp32-eager", {}).get("loss")
     for r in rows:
         if anchor_ms and r["step_ms"]:
-            r["ratio_vs_anchor"] = round(anchor_ms / r["step_ms"], 3)
+            r["ratio_vs_anchor"], r["anchor"] = round(anchor_ms / r["step_ms"], 3), anchor
         if fp32_loss is not None and r["loss"] is not None:
             r["loss_vs_fp32"] = r["loss"] - fp32_loss
     return rows
@@ -264,7 +193,7 @@ def gpu_slug(device: str) -> str:
 
 
 def _order(row: dict[str, Any]) -> tuple[int, str, int]:
-    names, modes = list(MODELS), list(MODES)
+    names, modes = list(MODELS), list(MODES + EXTRA_MODES)
     return (names.index(row["model"]) if row["model"] in names else len(names), row["model"],
             modes.index(row["mode"]) if row["mode"] in modes else len(modes))
 
@@ -291,7 +220,8 @@ def _peak(row: dict[str, Any]) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     devices = sorted({f"{r.get('device')} · torch {r.get('torch')} · {r.get('date')}" for r in rows})
     lines = ["# automp bench zoo", "", *[f"- {d}" for d in devices],
-             f"- anchor: {ANCHOR}; vs anchor = anchor ms / mode ms (> 1: faster than the anchor)",
+             f"- anchor: {STRONGEST} where the run has it, else {ANCHOR}; vs anchor = anchor ms / mode ms (> 1: "
+             f"faster than the anchor)",
              "- TF32 off in every mode (torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = False)",
              "- loss: of step warmup+steps in every mode (same seed and batch); Δ loss: minus fp32-eager's",
              "- warmup s: the warmup steps' wall time, compilation included",
@@ -362,7 +292,8 @@ def _names(arg: str, known: tuple[str, ...], what: str, p: argparse.ArgumentPars
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="automp bench zoo", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all; see --list)")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, from {', '.join(MODES + EXTRA_MODES)} (default: all but {STRONGEST})")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="warmup steps per mode (automp: more until settled)")
     p.add_argument("--max-warmup", type=int, default=300,
@@ -386,7 +317,7 @@ def main(argv: list[str]) -> int:
         for name, (build, libs) in MODELS.items():
             print(f"{name:9s} {build.__doc__.splitlines()[0]}" + (f"  [{', '.join(libs)}]" if libs else ""))
         return 0
-    models, modes = _names(args.models, tuple(MODELS), "model", p), _names(args.modes, MODES, "mode", p)
+    models, modes = _names(args.models, tuple(MODELS), "model", p), _names(args.modes, MODES + EXTRA_MODES, "mode", p)
     if args.passes < 1:
         p.error(f"--passes must be at least 1, got {args.passes}")
     if args.device == "cuda" and not torch.cuda.is_available():

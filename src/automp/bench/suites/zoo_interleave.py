@@ -1,6 +1,6 @@
 """Drift-free ratios for `automp bench zoo --interleave`: automp-bf16 and the anchor in alternating blocks, one process.
 
-The zoo runs its modes one after another, minutes apart, and the lent H100 host drifts by 10-40% over minutes: the
+The zoo runs its modes one after another, minutes apart, and a shared H100 host drifts by 10-40% over minutes: the
 same BERT anchor ran 34.0 ms in one run and 45.8 ms in another; EfficientNet's automp row read 1.37x in one run and
 0.88x in the next (BENCHMARKS.md section 0). Here both loops live in one process: the anchor (autocast-bf16 +
 torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would, then blocks of
@@ -14,14 +14,13 @@ as the report says), and under fp16 that step-aside would also take automp's los
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from automp.bench.suites import zoo
+from automp.bench import zoo_modes as zoo
 
 ROUNDS = 6  # even: each side leads in half of them
 # The bar a model's automp row is held to (issue 11): the hand-written autocast + compile loop for the large models,
@@ -30,9 +29,12 @@ ROUNDS = 6  # even: each side leads in half of them
 EAGER_BAR = ("gan", "recsys", "lstm", "mlp", "detector")
 
 
-def anchor_for(name: str) -> str:
-    """The mode `--interleave` times automp against for model `name`."""
-    return "autocast-bf16-eager" if name in EAGER_BAR else zoo.ANCHOR
+def anchor_for(name: str, strongest: bool = False) -> str:
+    """The mode `--interleave` times automp against for model `name`; strongest: the run measures the expert's loop
+    (autocast + reduce-overhead + fused Adam), which then is the large models' bar."""
+    if name in EAGER_BAR:
+        return "autocast-bf16-eager"
+    return zoo.STRONGEST if strongest else zoo.ANCHOR
 
 
 def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
@@ -65,9 +67,8 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         anchor.step()
     torch.manual_seed(0)
     loop = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), "fp32-eager", device)
-    # as `automp run` reads them (AUTOMP_PATH forces a path, for diagnostics)
-    automp.enable(dtype="bf16", inner=os.environ.get("AUTOMP_INNER", "inductor"),
-                  path=os.environ.get("AUTOMP_PATH", "auto"), **(options or {}))
+    # the rest of the configuration from the environment, as `automp run` reads it (a forced path, for diagnostics)
+    automp.enable(dtype="bf16", **(options or {}))
     try:
         n = 0
         while n < warmup or (not automp.settled() and n < max_warmup):
@@ -95,11 +96,11 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
 
 
 def add_to_row(row: dict[str, Any], name: str, quick: bool, device: str, steps: int, warmup: int,
-               max_warmup: int, timeout: float) -> None:
+               max_warmup: int, timeout: float, strongest: bool = False) -> None:
     """automp-bf16's zoo row gets ratio_interleaved (anchor ms / automp ms), step_ms_interleaved,
     anchor_ms_interleaved and anchor_interleaved (the mode it was timed against, anchor_for); or interleave_error,
     the separate rows standing without it."""
-    anchor = anchor_for(name)
+    anchor = anchor_for(name, strongest)
     print(f"[{name}] automp-bf16 interleaved with {anchor} ...", flush=True)
     try:
         with zoo.time_limit(timeout) as expired:
