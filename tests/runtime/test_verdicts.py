@@ -38,3 +38,87 @@ def test_verdict_cache_keeps_whether_a_verdict_was_confirmed(tmp_path):
     cache.put({"a": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0}, confirmed=True),
                "b": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0})})
     assert cache.get("a").confirmed and not cache.get("b").confirmed
+
+
+def _put_many(directory, prefix, n, start):
+    """A writer process: n verdicts, one read-modify-write each, all writers let go at once."""
+    start.wait()
+    cache = VerdictCache(directory)
+    for i in range(n):
+        cache.put({f"{prefix}{i}": Verdict(Path.FP32, "r", {"fp32-eager": float(i)})})
+
+
+def test_concurrent_writers_keep_every_verdict(tmp_path):
+    """Writers in other processes (two scripts on one machine, DDP ranks) must not drop each other's verdicts."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    writers, n = 3, 60
+    start = ctx.Barrier(writers)
+    procs = [ctx.Process(target=_put_many, args=(str(tmp_path), f"w{w}-", n, start)) for w in range(writers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * writers
+    stored = json.loads((tmp_path / "verdicts.json").read_text())
+    assert len(stored) == writers * n
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("verdicts.json")) == []
+
+
+def _net_class(activation):
+    """Two classes with one name and the same layers; only what forward computes differs."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        if activation == "relu":
+            def forward(self, x):
+                return self.fc(x).relu()
+        else:
+            def forward(self, x):
+                return self.fc(x).sigmoid()
+    return Net
+
+
+def test_module_key_depends_on_the_forward_code():
+    import torch
+    relu, sigmoid, relu_again = _net_class("relu"), _net_class("sigmoid"), _net_class("relu")
+    x = torch.randn(2, 4)
+    assert relu.__qualname__ == sigmoid.__qualname__
+    assert module_key(relu(), (x,), "bf16", "cpu") != module_key(sigmoid(), (x,), "bf16", "cpu")
+    assert module_key(relu(), (x,), "bf16", "cpu") == module_key(relu_again(), (x,), "bf16", "cpu")
+
+    class Outer(nn.Module):  # a submodule's code counts too, not only the root's
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+    assert module_key(Outer(relu()), (x,), "bf16", "cpu") != module_key(Outer(sigmoid()), (x,), "bf16", "cpu")
+
+
+KEY_SCRIPT = """
+import torch, torch.nn as nn
+from automp.runtime.verdicts import module_key
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+    def forward(self, x):
+        if x.dtype in {torch.float32, torch.float64} and "a" in {"a", "b", "c", "d"}:
+            x = x * 2
+        return [self.fc(t).relu() for t in (x, x)][0]
+print(module_key(Net(), (torch.zeros(2, 4),), "bf16", "cpu"))
+"""
+
+
+def test_module_key_is_stable_across_processes():
+    """The same code keeps its key in the next run, whatever that run's string hashing (frozenset constants)."""
+    import os
+    import subprocess
+    import sys
+    keys = {subprocess.run([sys.executable, "-c", KEY_SCRIPT], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(keys) == 1 and len(keys.pop()) == 32
