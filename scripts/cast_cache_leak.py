@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: does anything of a model outlive automp.disable()? (zoo LSTM on an H100: automp's second zoo
+"""Diagnostic: does anything of a model outlive automp.disable()? (zoo LSTM on an H100: automp's second zoo
 pass, right after its first, peaked 0.28 GiB above the first pass, the size of the LSTM's parameters plus their
 gradients, as if the first pass's model were still alive.)
 

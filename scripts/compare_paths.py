@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: one zoo model, the hand-written anchor against automp on each forced compiled path, with
+"""Diagnostic: one zoo model, the hand-written anchor against automp on each forced compiled path, with
 and without detaching unread output fields (one eager call first, as in a trial), timed in blocks alternating with
 the anchor (host drift shows as the anchor's own spread). Each automp variant is a fresh automp.enable() (its own
 compile); its peak memory is counted above what was allocated before its model was built (the anchor's model stays

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: how much of a zoo model's step is the host's? The anchor (autocast-bf16 + torch.compile, Adam
+"""Diagnostic: how much of a zoo model's step is the host's? The anchor (autocast-bf16 + torch.compile, Adam
 as written), the same with fused Adam (what automp's autocast-compiled path runs), and that with CUDA graphs
 (torch.compile mode="reduce-overhead"), in interleaved blocks in one process, with each loop's resident and
 transient memory. On the H100 the Llama-style model's kernels take 20.4 ms per step under automp, yet its step ran

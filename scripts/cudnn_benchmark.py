@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: what `torch.backends.cudnn.benchmark = True` is worth on the zoo's models, per mode.
+"""Diagnostic: what `torch.backends.cudnn.benchmark = True` is worth on the zoo's models, per mode.
 
     python scripts/cudnn_benchmark.py resnet50:autocast-bf16-compile gan:autocast-bf16-eager ...
 

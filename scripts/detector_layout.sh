@@ -1,4 +1,4 @@
-# Issue 11 diagnostic: the detector interleaved with hand-written autocast-bf16 eager, automp forced onto each eager
+# Diagnostic: the detector interleaved with hand-written autocast-bf16 eager, automp forced onto each eager
 # path (AUTOMP_PATH), so its layout and cuDNN trials run without the compiled candidates (whose compile alone ran past
 # a 10-minute call). Run from the repository root: bash scripts/detector_layout.sh
 for p in fp32 eager; do

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: per-step wall time and graphs compiled of the zoo detector (or another zoo model) under
+"""Diagnostic: per-step wall time and graphs compiled of the zoo detector (or another zoo model) under
 automp (python scripts/detector_steps.py <path: auto|compile|eager|fp32|autocast-graphs> <steps> [model]): does a
 compiled detector keep recompiling as its proposals change, and where does automp's recompile watch
 (automp.runtime.recompile_watch) move it? Path `reduce-overhead`: no automp, the hand-written autocast loop compiled with

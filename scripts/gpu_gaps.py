@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: where is the GPU idle during a training step, and what was the host doing then?
+"""Diagnostic: where is the GPU idle during a training step, and what was the host doing then?
 
 automp's compiled paths ran fewer kernel-milliseconds than the hand-written loop on an H100 (BERT, GPT-2) yet their
 step time was 4-5 ms above their kernel total, the anchor's about 1 ms: the GPU waits for something. This traces a

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: where the memory of a CUDA-graphed training step goes, in a process of its own.
+"""Diagnostic: where the memory of a CUDA-graphed training step goes, in a process of its own.
 
 For one zoo model in one mode, after warm-up (cached blocks released, peaks reset), the last step records at three
 points (forward done, backward done, optimizer stepped) the bytes allocated and reserved in the default pool and in

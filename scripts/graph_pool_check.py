@@ -1,4 +1,4 @@
-"""Issue 11 check on a GPU: training loops of different shapes on automp's CUDA-graphed path (forced), against the same
+"""Check on a GPU: training loops of different shapes on automp's CUDA-graphed path (forced), against the same
 loop on autocast-compiled, and the graphs' memory pool given back at automp.disable().
 
     python scripts/graph_pool_check.py [no-rescue]

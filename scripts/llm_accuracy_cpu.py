@@ -1,4 +1,4 @@
-"""Issue 9: the LLM accuracy bench as a CPU proxy, for a machine without a GPU: the bench's byte-level llama-small
+"""The LLM accuracy bench as a CPU proxy, for a machine without a GPU: the bench's byte-level llama-small
 trained here for 4 minutes, then each quantization variant's weights dequantized into the FP32 model (the
 quantization error, without running the Triton kernels under the interpreter: fp16 and fp32 activations gave the
 same perplexity to 4 digits on the H100). Held-out perplexity per variant, relative to FP32.

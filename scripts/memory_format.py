@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: what channels_last parameters are worth on the zoo's convolutional models, per mode.
+"""Diagnostic: what channels_last parameters are worth on the zoo's convolutional models, per mode.
 
     python scripts/memory_format.py resnet50:autocast-bf16-eager gan:fp32-eager:hooks effnet:fp32-eager:in ...
 

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: automp's low-precision-eager path against the same loop hand-written with torch.autocast,
+"""Diagnostic: automp's low-precision-eager path against the same loop hand-written with torch.autocast,
 on the zoo's small scripts, in interleaved blocks (A B C, C B A, ...) so host-speed drift cancels.
 
     python scripts/overhead.py [--after-trial] gan lstm mlp

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: peak device memory of one zoo model in one mode, in a process of its own, counted both ways:
+"""Diagnostic: peak device memory of one zoo model in one mode, in a process of its own, counted both ways:
 max_memory_allocated (the zoo's peak column) and max_memory_reserved. CUDA graphs allocate from a private memory pool
 that the allocated count misses once recorded, so automp's autocast-graphed rows need the reserved count to be
 compared with the anchor's.

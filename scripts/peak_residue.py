@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: is automp's peak memory above the anchor's its own, or left over from the mode before it?
+"""Diagnostic: is automp's peak memory above the anchor's its own, or left over from the mode before it?
 
 The zoo runs its modes in one process, one after another, and `peak_gib` is the device's maximum allocated memory
 over the timed steps: whatever an earlier mode left allocated counts in the next mode's peak. EfficientNet-B0 read

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: where does automp-fp16 spend the time automp-bf16 does not? One zoo model, one forced path,
+"""Diagnostic: where does automp-fp16 spend the time automp-bf16 does not? One zoo model, one forced path,
 bf16 then fp16 (automp.enable starts afresh: no interleaving), each timed and then traced with torch.profiler for a
 few steps: the CUDA kernels that differ most in total time, and the host time per step.
 

@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: does the trial's way of timing rank a small script's paths the way settled training does?
+"""Diagnostic: does the trial's way of timing rank a small script's paths the way settled training does?
 
 The trial times one iteration per candidate, synchronizing the device at each call, and switches path at every
 iteration. Settled training runs one path back to back with no sync, so host and device overlap. On the H100 the

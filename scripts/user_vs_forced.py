@@ -1,4 +1,4 @@
-"""Issue 11 diagnostic: automp as a user runs it (its own trial, then the path it chose) against the same path settled
+"""Diagnostic: automp as a user runs it (its own trial, then the path it chose) against the same path settled
 by hand (scripts/compare_paths.py's method) and the hand-written anchor, all three in one process and one automp
 session, timed in interleaved blocks and then traced (kernels, host wall, syncs per step). On the H100 the Llama-style
 model ran 1.34x the anchor settled by hand and 0.98x as a user runs it: this shows which side moved.

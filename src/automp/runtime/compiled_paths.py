@@ -173,8 +173,8 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
     Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
     process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
     parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
-    outlived the script's last reference to it with its parameters and gradients (H100, the zoo's LSTM: +0.28 GiB in
-    the next model's run).
+    would outlive the script's last reference to it with its parameters and gradients (the zoo's LSTM: +0.28 GiB in
+    the next model's run on an H100).
 
     The module is the function's first argument, as `self` is to the module's own compiled call (torch.compile(model)):
     Dynamo sees it as the hand-written loop's compile does. `bound` supplies the argument, held weakly."""
@@ -188,7 +188,7 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
 
 def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """`fn` with a code object of its own, named `name`: Dynamo's compiled graphs and its recompile limit are per
-    code object. The stock path's outer function once shared one code object across modules and enable() calls: on
-    an H100, the ninth compile of a process hit the limit (8) and ran that frame uncompiled."""
+    code object. One code object shared across modules and enable() calls would share that limit (8): the ninth
+    compile of a process would run the frame uncompiled."""
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

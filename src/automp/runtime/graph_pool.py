@@ -14,13 +14,13 @@ path the user did not ask for:
    the copies are wasted time and memory, so once copies were replaced by a new backward's gradients LEARN times in a
    row, the loop is taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its
    copies at each step too, but reaches the next forward with no gradient: that is no evidence, and copying goes on.
-   On an H100, counting it as a drop stopped the copies of such a loop after two steps.)
+   Counting it as a drop would stop the copies of such a loop after two steps and silently change its result.)
 2. Memory. A pool stays reserved while any function that replays into it is alive, and Dynamo keeps compiled
-   functions for the life of the process: CUDA graphs recorded for a trial they lost kept their pool (on an H100 the
-   zoo's ConvNeXt held 14.4 GiB reserved on autocast-compiled, against 7.7 GiB for the hand-written loop).
+   functions for the life of the process: CUDA graphs recorded for a trial they lost would keep their pool (on an
+   H100 the zoo's ConvNeXt held 14.4 GiB reserved on autocast-compiled, against 7.7 GiB for the hand-written loop).
    `PoolRelease` gives the pool back (torch's reset of the trees) once nothing in it is alive, when automp's were the
-   only CUDA graphs of the process: then S11-5 read 7.41 GiB for that ConvNeXt. Graphs a script compiled itself are
-   never touched: the pool is kept, and the report says so.
+   only CUDA graphs of the process: released, that ConvNeXt reserves 7.41 GiB (BENCHMARKS.md, "CUDA graphs").
+   Graphs a script compiled itself are never touched: the pool is kept, and the report says so.
 
 Both reach into torch._inductor.cudagraph_trees (torch 2.11-2.13). Where its internals are not as expected, the
 rescue copies every gradient (the safe side) and the pool is kept.

@@ -31,9 +31,10 @@ class Path(enum.Enum):
 
 
 # Candidates a trial warms up only after its first round has dropped the clear losers. CUDA graphs record a memory
-# pool that stays for the rest of the trial. Recorded before that round, the pool sat beside FP32 eager's
-# activations, the largest of any path and the path most often dropped in that round: ResNet-50's trial reserved
-# 18.2 GiB on an H100 against 6.7 GiB in steady state (BENCHMARKS.md, twelfth session).
+# pool that stays for the rest of the trial; recorded before that round, the pool sits beside FP32 eager's
+# activations, the largest of any path and the path most often dropped in that round. On an H100 ResNet-50's trial
+# reserved 18.2 GiB that way, against 6.7 GiB in steady state; recorded last, its whole-run peak (11.3 GiB) is below
+# the FP32 script's 12.5 (BENCHMARKS.md, "Large models").
 RECORD_LAST = frozenset({Path.GRAPHED})
 EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
 COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED})
@@ -55,8 +56,8 @@ class TrialConfig:
     round keeps its wider margin: one sample on a shared host can be a one-off for any path. anchor_margin:
     autocast-compiled is what a user hand-writes (stock Inductor under torch.autocast), so keeping it can never leave
     the script slower than that; automp's own graph pass replaces it only when it measured faster by more than the
-    margin. Two identical loops measured 3-6% apart on an H100 host (BENCHMARKS.md section 0), and trials chose
-    automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50). fp32_margin: the same
+    margin. Two identical loops measured 3-6% apart on an H100 (BENCHMARKS.md, "Noise between identical loops"),
+    and trials chose automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50). fp32_margin: the same
     for the script as written (FP32 eager): any other path changes the script's numerics, so it must lead by more than
     the noise to be kept; `automp demo` on a 2-core CPU chose low precision for its GPT on a 2% trial lead and then ran
     at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured once, after this many
@@ -85,7 +86,7 @@ class Verdict:
     timings_ms: dict[str, float]
     cached: bool = False
     detach: tuple[str, ...] = ()  # output fields detached when it ran (automp.runtime.unread_outputs): cached, not reported
-    confirmed: bool = False  # re-measured in steady state (choose.confirmation)
+    confirmed: bool = False  # re-measured in steady state (confirmation below)
     eager_only: bool = False  # a run crashed in a double backward on a compiled path (automp.runtime.input_grads): a new
     #                           trial of the eager paths, not a verdict; cached, not reported
 

@@ -3,8 +3,8 @@
 The default allocator reserves device memory in segments and gives a segment back only when none of it is in use.
 A training step's activations die in a different order than they were allocated, so the free space ends up split
 across segments that stay reserved. CUDA graphs keep a second pool beside the default one, and neither pool can use
-the other's free space. On an H100 (torch 2.11; scripts/graph_memory.py, BENCHMARKS.md) these were the steady-state
-reserved sizes:
+the other's free space. On an H100 (torch 2.11; scripts/graph_memory.py; BENCHMARKS.md, "Memory and the
+allocator") these were the steady-state reserved sizes:
 
 | model | hand-written autocast + compile | autocast step as CUDA graphs | same, expandable segments |
 |---|---:|---:|---:|

@@ -1,14 +1,15 @@
 """cuDNN's benchmark mode, switched on only where it measured faster.
 
 Without `torch.backends.cudnn.benchmark`, cuDNN picks each convolution's algorithm from heuristics; with it, cuDNN
-times the algorithms at a shape's first call and keeps the fastest. On an H100 (scripts/cudnn_benchmark.py,
-BENCHMARKS.md) the flag made ResNet-50 under autocast + torch.compile 7.7% faster and ConvNeXt-T 3%, left a DCGAN and
-the eager loops unchanged, and made EfficientNet-B0 10% slower: it times each algorithm alone, not among the kernels
-around it. So it is a measured choice, like the path: once every root module has its path, a script whose roots
-hold convolutions on a CUDA device runs a short trial of the flag off and on (choose.Trial's timing: whole
-iterations, alternating rounds), and keeps it on only when that leads by more than the anchor margin. The flag is
-process-wide and read when a convolution runs, forward and backward, so the timed iteration sees it throughout. The
-outcome is cached with the verdicts, so a second run of the script starts on it.
+times the algorithms at a shape's first call and keeps the fastest. On an H100 (scripts/cudnn_benchmark.py;
+BENCHMARKS.md, "cuDNN benchmark mode") the flag made ResNet-50 under autocast + torch.compile 7.7% faster and
+ConvNeXt-T 3%, left a DCGAN and the eager loops unchanged, and made EfficientNet-B0 10% slower: it times each
+algorithm alone, not among the kernels around it. So it is a measured choice, like the path: once every root module
+has its path, a script whose roots hold convolutions on a CUDA device runs a short trial of the flag off and on
+(runtime.trial.Trial's timing: whole iterations, alternating rounds), and keeps it on only when that leads by more
+than the anchor margin. The flag is process-wide and read when a convolution runs, forward and backward, so the
+timed iteration sees it throughout. The outcome is cached with the verdicts, so a second run of the script starts on
+it.
 
 Left alone: a script that turned the flag on itself, one that asked for deterministic algorithms (benchmark picks
 by timing, which is not reproducible), and one that disabled cuDNN. With the flag on, every new input shape is

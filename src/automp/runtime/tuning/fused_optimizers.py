@@ -2,9 +2,9 @@
 
 A script that writes `torch.optim.AdamW(model.parameters())` gets the foreach implementation: a dozen multi-tensor
 kernels per step, each a pass over parameters and state. The fused one does the same arithmetic in one pass, and on
-an H100 the GPT-2 124M step is 5.8% faster with it (BENCHMARKS.md): a speed-up the user gets without touching
-code, like the precision change. Fused optimizers also take the device-side found_inf of fp16 loss scaling, so a
-step with an overflow is skipped without a host sync.
+an H100 the GPT-2 124M step is about 5% faster with it (BENCHMARKS.md, "Fused optimizers"): a speed-up the user gets
+without touching code, like the precision change. Fused optimizers also take the device-side found_inf of fp16 loss
+scaling, so a step with an overflow is skipped without a host sync.
 
 Only what torch itself would accept as `fused=True` is switched, and only where the user did not choose: both
 `fused` and `foreach` left at their default (None), the exact torch classes (a subclass may override step), no
