@@ -1,7 +1,7 @@
 """FP32 restore of a root module's results: eager for tensors and containers, lazy (on first read) for a transformers
 ModelOutput, so an unread half-precision field never costs a cast, yet the script only ever sees FP32."""
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
@@ -140,3 +140,77 @@ def test_out_of_pool_copies_every_tensor_but_the_fields_kept_in_place():
     assert dict.__getitem__(out, "hidden").dtype == torch.float16  # copied as it was: made FP32 on read, later
     single = torch.randn(2)
     assert out_of_pool(single).data_ptr() != single.data_ptr()
+
+
+@dataclass
+class Plain:
+    y: torch.Tensor
+    aux: dict
+    n: int = 3
+
+
+@dataclass(frozen=True)
+class Frozen:
+    y: torch.Tensor
+    steps: tuple = ()
+
+
+@dataclass
+class Derived:
+    y: torch.Tensor
+    scaled: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.scaled = self.y * 2
+
+
+def test_restore_float32_rebuilds_dataclasses_with_float32_fields():
+    """pytree sees a plain @dataclass as one leaf: its fields (nested containers, frozen classes, fields outside
+    __init__) are cast all the same, into a new instance, leaving the one the module returned as it was."""
+    b = torch.randn(3).bfloat16()
+    plain = Plain(b, {"h": [b.half()]})
+    frozen = Frozen(b, steps=(Plain(b, {}),))
+    derived = Derived(b)
+    got_plain, (got_frozen, got_derived) = restore_float32((plain, [frozen, derived]))
+    assert type(got_plain) is Plain and got_plain.y.dtype == got_plain.aux["h"][0].dtype == torch.float32
+    assert got_plain.n == 3 and torch.equal(got_plain.y, b.float())
+    assert type(got_frozen) is Frozen and got_frozen.y.dtype == got_frozen.steps[0].y.dtype == torch.float32
+    assert got_derived.y.dtype == got_derived.scaled.dtype == torch.float32
+    assert plain.y.dtype == frozen.y.dtype == derived.scaled.dtype == torch.bfloat16  # the originals untouched
+    unchanged = Plain(torch.randn(2), {}, 5)
+    assert restore_float32(unchanged).y is unchanged.y
+    assert restore_lazily(plain).y.dtype == torch.float32
+
+
+def test_out_of_pool_copies_dataclass_fields():
+    t = torch.randn(3)
+    got = out_of_pool(Frozen(t, steps=(t,)))
+    assert type(got) is Frozen and got.y.data_ptr() != t.data_ptr() and got.steps[0].data_ptr() != t.data_ptr()
+    assert torch.equal(got.y, t)
+
+
+class _ReturnsDataclass(torch.nn.Module):
+    def __init__(self, frozen: bool):
+        super().__init__()
+        self.lin, self.frozen = torch.nn.Linear(8, 8), frozen
+
+    def forward(self, x):
+        y = self.lin(x)
+        return Frozen(y, steps=(y * 2,)) if self.frozen else Plain(y, {"h": y * 2})
+
+
+@pytest.mark.parametrize("path", ["eager", "autocast-compile"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_dataclass_result_reaches_the_script_in_float32(fresh_session, eager_inductor, path, frozen):
+    """Under automp a forward returning a @dataclass gives the script FP32 fields (`.numpy()` works), on the eager
+    path and on a compiled one, as dicts and tuples do."""
+    import automp
+    m = _ReturnsDataclass(frozen)
+    automp.enable(dtype="bf16", path=path)
+    outs = [m(torch.randn(4, 8)) for _ in range(2)]
+    automp.disable()
+    for out in outs:
+        inner = out.steps[0] if frozen else out.aux["h"]
+        assert type(out) is type(m.forward(torch.randn(1, 8)))
+        assert out.y.dtype == inner.dtype == torch.float32
+        out.y.detach().numpy()

@@ -7,11 +7,16 @@ reads: GPT-2's `model(**batch).loss` leaves 8x1024x50257 logits untouched, and c
 memory at the peak and 2% of the step on an H100 (BENCHMARKS.md). So ModelOutput-like results are cast lazily: each
 low-precision field turns FP32 the first time it is read (attribute, key, values(), to_tuple(), ...), and a field
 never read never costs anything. Read or not, the script only ever sees FP32.
+
+A plain `@dataclass` result (not a ModelOutput) is a single leaf to torch's pytree, so its fields are walked here:
+it comes back as a copy with FP32 fields, frozen or not (and, out of a CUDA graph's memory, with copied fields).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -19,16 +24,54 @@ from torch.utils import _pytree as pytree
 HALVES = (torch.float16, torch.bfloat16)
 
 
-def _to_float(t: Any) -> Any:
-    return t.float() if isinstance(t, torch.Tensor) and t.dtype in HALVES else t
+def _to_float(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in HALVES else t
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], out: Any) -> Any:
+    """`out` with fn applied to every tensor in it: in pytree's containers (tuples, lists, dicts, NamedTuples,
+    ModelOutputs) and in the fields of dataclasses, which pytree sees as single leaves."""
+    if isinstance(out, torch.Tensor):  # the usual result, without pytree's walk (every root call on the eager path)
+        return fn(out)
+    return pytree.tree_map(lambda leaf: _map_leaf(fn, leaf), out)
+
+
+def _map_leaf(fn: Callable[[torch.Tensor], torch.Tensor], leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return fn(leaf)
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        return _rebuilt(leaf, fn)
+    return leaf
+
+
+def _rebuilt(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` with fn mapped over its fields, as a new instance (the module may have returned an object it keeps,
+    which must not change under it), or obj itself where nothing changed. Rebuilt by dataclasses.replace, which
+    Dynamo traces and frozen dataclasses accept; fields outside __init__, or a class replace refuses (an InitVar
+    without default), are set on a shallow copy."""
+    changed = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name, None)
+        mapped = map_tensors(fn, value)
+        if mapped is not value:
+            changed[f.name] = mapped
+    if not changed:
+        return obj
+    init = {k: v for k, v in changed.items() if obj.__dataclass_fields__[k].init}
+    try:
+        new = dataclasses.replace(obj, **init)
+    except (TypeError, ValueError):
+        new, init = copy.copy(obj), {}
+    for name, value in changed.items():
+        if name not in init:
+            object.__setattr__(new, name, value)
+    return new
 
 
 def restore_float32(out: Any) -> Any:
     """Every half tensor in `out` cast to FP32, eagerly. Any half type, not only the session's: autocast runs some
     ops in its own choice (cuDNN RNNs in fp16 under a bf16 autocast on torch 2.11)."""
-    if isinstance(out, torch.Tensor):  # the usual result, without pytree's walk (every root call on the eager path)
-        return _to_float(out)
-    return pytree.tree_map(_to_float, out)
+    return map_tensors(_to_float, out)
 
 
 def is_lazy_candidate(out: Any) -> bool:
@@ -51,13 +94,11 @@ def out_of_pool(out: Any, keep: tuple[str, ...] = ()) -> Any:
     one element; a classifier's logits a few MB. ModelOutput fields named in `keep` (detached because the script does
     not read them: automp.runtime.unread_outputs) stay where they are: copying GPT-2's unread logits would move 0.8 GB a
     step."""
-    if isinstance(out, torch.Tensor):
-        return out.clone()
     if not is_lazy_candidate(out):
-        return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return map_tensors(torch.clone, out)
     for name in list(dict.keys(out)):
         if name not in keep:
-            out[name] = pytree.tree_map_only(torch.Tensor, torch.clone, dict.__getitem__(out, name))
+            out[name] = map_tensors(torch.clone, dict.__getitem__(out, name))
     return out
 
 
