@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from automp.llm import bench
+from automp.bench.suites import llm as bench
 from automp.llm.quantize import QuantEmbedding, QuantLinear, quantize
 from automp.llm.store import build
 

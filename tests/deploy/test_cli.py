@@ -58,7 +58,7 @@ def test_int8_without_calib_is_a_clear_error(files, capsys):
 
 
 def test_int8_with_calib_quantizes_layers(files):
-    pytest.importorskip("automp.compress.quant.ptq")
+    pytest.importorskip("automp.deploy.qdq.ptq")
     src, calib, tmp = files
     out, rep_path = tmp / "q.onnx", tmp / "q.json"
     assert main([str(src), "-o", str(out), "--precision", "int8", "--calib", str(calib),
@@ -99,3 +99,30 @@ def test_budget_miss_is_an_error_and_writes_nothing(files, capsys):
     out = tmp / "tight.onnx"
     assert main([str(src), "-o", str(out), "--precision", "fp16", "--calib", str(calib), "--budget", "1e-9"]) == 1
     assert "exceeds budget" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_calibration_data_is_an_error(files, capsys, precision, bad):
+    src, calib, tmp = files
+    images = np.load(calib)["image"]
+    images[3, 1, 2, 2] = bad
+    np.savez(calib, image=images)
+    out = tmp / "o.onnx"
+    assert main([str(src), "-o", str(out), "--precision", precision, "--calib", str(calib)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(calib) in err and "'image'" in err and "non-finite" in err
+    assert not out.exists()
+
+
+def test_an_empty_calibration_batch_is_named(files, capsys):
+    src, calib, tmp = files
+    np.savez(calib, image=np.zeros((0, 3, 8, 8), np.float32))
+    assert main([str(src), "-o", str(tmp / "o.onnx"), "--precision", "fp16", "--calib", str(calib)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'image'" in err and "empty batch" in err and "onnxruntime" not in err.lower()
+
+
+def test_every_option_has_help():
+    from automp.deploy.cli import build_parser
+    assert [a.dest for a in build_parser()._actions if not (a.help or "").strip()] == []

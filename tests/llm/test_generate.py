@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from automp.llm.bench import as_tokens, train_lm
+from automp.bench.suites.llm import as_tokens, train_lm
 from automp.llm.generate import _ATTR, ByteTokenizer, _decoder, decode_info, generate, sync_warnings
 from automp.llm.quantize import quantize
 from automp.llm.store import build

@@ -55,10 +55,11 @@ def test_cli_refuses_to_overwrite_the_input(model_file, tmp_path, capsys, flag):
 
 
 def test_cli_refuses_to_overwrite_the_key_file_or_one_file_twice(model_file, tmp_path, capsys):
-    key = tmp_path / "key.bin"
-    key.write_bytes(bytes(range(32)))
+    key = tmp_path / "key.txt"
+    key.write_text(bytes(range(32)).hex() + "\n")
+    before = key.read_bytes()
     assert protect.main([str(model_file), "-o", str(key), "--key", str(key)]) == 1
-    assert "key file" in capsys.readouterr().err and key.read_bytes() == bytes(range(32))
+    assert "key file" in capsys.readouterr().err and key.read_bytes() == before
     same = str(tmp_path / "x.onnx")
     assert protect.main([str(model_file), "-o", same, "--report", same]) == 1
     assert "same file" in capsys.readouterr().err
@@ -71,8 +72,9 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("automp protect: error:") and "bad.onnx" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o.onnx").exists()
-    assert protect.main([str(bad), "-o", str(tmp_path / "o.onnx"), "--key", "zz"]) == 1
-    assert "key" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a malformed key is a usage error, found before the model is read
+        protect.main([str(bad), "-o", str(tmp_path / "o.onnx"), "--key", "zz"])
+    assert e.value.code == 2 and "key" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ratio", ["1.5", "-1", "x"])
@@ -92,9 +94,43 @@ def test_a_seed_gives_the_same_file_in_separate_processes(exported, tmp_path):
     for h in ("1", "2"):
         env = dict(os.environ, PYTHONPATH=str(repo / "src"), PYTHONHASHSEED=h, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "automp.protect", str(src), "-o", str(tmp_path / f"o{h}.onnx"), "--seed",
-               "5", "--ratio", "0.5", "--key", "00112233445566778899aabbccddeeff"]
+               "5", "--ratio", "0.5", "--key", "00112233445566778899aabbccddeeff" * 2]
         procs.append(subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()
     assert (tmp_path / "o1.onnx").read_bytes() == (tmp_path / "o2.onnx").read_bytes()
+
+
+def test_a_key_file_from_openssl_and_its_hex_string_are_the_same_key(model_file, tmp_path):
+    """The tool's advice `openssl rand -hex 32 > key.txt`: the model written with the file opens with the digits
+    given directly, and with the file without its newline."""
+    digits = bytes(range(100, 132)).hex()
+    key = tmp_path / "key.txt"
+    key.write_text(digits + "\n")
+    out = tmp_path / "enc.onnx"
+    assert protect.main([str(model_file), "-o", str(out), "--key", str(key), "--seed", "0"]) == 0
+    bare = tmp_path / "bare.txt"
+    bare.write_text(digits)
+    a, b, c = (protect.load(out, k) for k in (digits, str(bare), str(key)))
+    assert a.SerializeToString() == b.SerializeToString() == c.SerializeToString()
+
+
+@pytest.mark.parametrize("key", ["ab" * 16, "ab" * 33, "xy" * 32, "file:binary", "file:short"],
+                         ids=["32-digits", "66-digits", "not-hex", "binary-file", "short-file"])
+def test_a_bad_key_is_a_usage_error_that_says_what_is_expected(model_file, tmp_path, capsys, key):
+    if key.startswith("file:"):
+        path = tmp_path / "key.bin"
+        path.write_bytes(bytes(range(32)) if key == "file:binary" else b"abcd\n")
+        key = str(path)
+    out = tmp_path / "o.onnx"
+    with pytest.raises(SystemExit) as e:
+        protect.main([str(model_file), "-o", str(out), "--key", key])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("automp protect: error: argument --key:")
+    assert "expected a key of 64 hex characters (32 bytes" in err and not out.exists()
+
+
+def test_every_option_has_help():
+    from automp.protect.cli import build_parser
+    assert [a.dest for a in build_parser()._actions if not (a.help or "").strip()] == []

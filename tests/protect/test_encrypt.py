@@ -5,6 +5,7 @@ import pytest
 from automp import protect
 from automp.deploy import onnx_io, runtime
 from automp.protect import ObfuscateConfig, WrongKeyError, obfuscate
+from automp.protect import encrypt as encrypt_module
 from automp.protect.encrypt import META_KEY, read_key
 
 KEY = bytes(range(32))
@@ -88,14 +89,50 @@ def test_read_key_accepts_bytes_hex_and_key_files(tmp_path):
     assert read_key(KEY) == KEY
     assert read_key(KEY.hex()) == KEY and read_key("0x" + KEY.hex().upper()) == KEY
     f = tmp_path / "key.bin"
-    f.write_bytes(KEY + b"\n")
-    assert read_key(str(f)) == KEY + b"\n" and read_key(f) == KEY + b"\n"  # a key file is used byte for byte
-    with pytest.raises(ValueError, match="at least 16"):
+    f.write_bytes(KEY.hex().encode() + b"\n")
+    assert read_key(str(f)) == KEY and read_key(f) == KEY
+    with pytest.raises(ValueError, match="expected a key of 64 hex characters"):
         read_key("00ff")
-    with pytest.raises(ValueError, match="neither a key file nor hex"):
+    with pytest.raises(ValueError, match="expected a key of 64 hex characters"):
         read_key("not-a-file-nor-hex")
     with pytest.raises(TypeError, match="key must be"):
         read_key(1234)
+
+
+def test_a_key_file_and_the_same_hex_string_are_one_key(tmp_path):
+    """`openssl rand -hex 32 > key.txt` writes 64 hex digits and a newline: the file, the file without the newline
+    and the digits given directly are the same 32 bytes."""
+    digits = KEY.hex()
+    with_newline, without = tmp_path / "key.txt", tmp_path / "key-no-newline.txt"
+    with_newline.write_text(digits + "\n")
+    without.write_text(digits)
+    assert read_key(str(with_newline)) == read_key(digits) == read_key(str(without)) == read_key(f"  {digits}\n") \
+        == KEY
+
+
+@pytest.mark.parametrize("content", [bytes(range(32)), b"ab" * 31 + b"\n", b"ab" * 33, b"zz" * 32],
+                         ids=["binary", "62-digits", "66-digits", "not-hex"])
+def test_a_key_file_in_another_format_says_what_is_expected(tmp_path, content):
+    f = tmp_path / "key.bin"
+    f.write_bytes(content)
+    with pytest.raises(ValueError, match=f"key file {f}: expected a key of 64 hex characters .32 bytes"):
+        read_key(str(f))
+    with pytest.raises(ValueError, match="raw key must be 32 bytes"):
+        read_key(content[:20])
+
+
+def test_models_encrypted_with_a_raw_key_file_still_open(exported, tmp_path, monkeypatch):
+    """Before keys had one format a key file was used byte for byte (newline included): such models still load."""
+    raw = KEY.hex().encode() + b"\n"
+    enc, _ = obfuscate(exported("convnet_bn"), ObfuscateConfig(seed=2, ratio=0.2))
+    with monkeypatch.context() as m:  # encrypt as the earlier reader did: with the file's bytes as they are
+        m.setattr(encrypt_module, "read_key", bytes)
+        encrypt_module.encrypt(enc, raw, np.random.default_rng(0))
+    f = tmp_path / "key.txt"
+    f.write_bytes(raw)
+    assert not protect.is_encrypted(protect.load(enc, str(f)))
+    with pytest.raises(WrongKeyError):
+        protect.load(enc, bytes(32))
 
 
 def test_the_header_names_the_scheme_and_no_secret(encrypted):

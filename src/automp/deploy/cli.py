@@ -1,9 +1,9 @@
 """`automp optimize IN -o OUT [--precision fp32|fp16|int8] [--calib FILE.npz] [--budget B] [--report PATH]`.
 
-User errors (a corrupt or unsupported model, calibration data that does not match the inputs, int8 without
---calib, a missed budget, an output path that cannot be written or would overwrite an input) print one line naming
-the problem and return 1; nothing is written in that case. Output paths are checked before any work, and outputs are
-written atomically, so a failed write (a full disk) leaves an existing file at OUT as it was.
+User errors (a corrupt or unsupported model, calibration data that does not match the inputs, is empty or is not
+finite, int8 without --calib, a missed budget, an output path that cannot be written or would overwrite an input)
+print one line naming the problem and return 1; nothing is written in that case. Output paths are checked before any
+work, and outputs are written atomically, so a failed write (a full disk) leaves an existing file at OUT as it was.
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="automp optimize", description="Optimize an ONNX model for deployment.")
     p.add_argument("input", metavar="IN", help="ONNX model to optimize")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the optimized ONNX model")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "int8"],
+                   help="weights and compute: fp32 (graph passes only; default), fp16 (by the training op lists), "
+                        "or int8 (post-training quantization; needs --calib)")
     p.add_argument("--calib", metavar="FILE.npz", default=None,
                    help="calibration inputs: one batch-first array per model input, keyed by input name "
                         "(required for int8; used to measure the error for all precisions)")
@@ -36,13 +38,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_calib(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a calibration .npz, each checked to hold samples and only finite numbers: an empty batch
+    would only surface as an onnxruntime error about shapes, and a NaN or inf makes every error measured on the data
+    NaN or inf, which no budget comparison rejects."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such calibration file")
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+            arrays = {k: data[k] for k in data.files}
     except (ValueError, OSError) as e:
         raise ValueError(f"{path}: not a readable .npz of arrays ({e})") from None
+    for name, arr in arrays.items():
+        if arr.ndim == 0 or arr.shape[0] == 0 or arr.size == 0:
+            raise ValueError(f"{path}: calibration input {name!r} has shape {arr.shape}, an empty batch (give at "
+                             "least one sample, batch first)")
+        if np.issubdtype(arr.dtype, np.inexact):
+            bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
+            if bad:
+                raise ValueError(f"{path}: calibration input {name!r} has {bad} non-finite values (NaN or inf) of "
+                                 f"{arr.size}; calibration data must be finite")
+    return arrays
 
 
 def check_paths(args: argparse.Namespace) -> None:

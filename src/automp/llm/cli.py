@@ -6,11 +6,14 @@
 
 Built-in models have seeded random weights (no hub downloads); text goes through the model directory's transformers
 tokenizer when it has one, else the built-in byte tokenizer (UTF-8 bytes = ids 0..255). User errors print one line and
-return 1, like `automp optimize`.
+return 1, like `automp optimize`; usage errors (an output that would overwrite the source model, a missing optional
+package) return 2, before any work. `automp llm bench` is a benchmark suite (automp.bench.suites.llm): the `automp`
+command routes it there, since library code does not import the benchmarks.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -20,6 +23,20 @@ import torch
 from automp.argtypes import int_at_least
 
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given: one line, rc 2, nothing done."""
+
+
+def require_transformers() -> None:
+    """transformers and safetensors are an optional extra: without them a command stops with one line that says
+    how to install them, before any work."""
+    for name in ("transformers", "safetensors"):
+        try:
+            __import__(name)
+        except ImportError:
+            raise UsageError(f"needs the {name} package: pip install automp[llm]") from None
 
 
 def _group(text: str) -> int | None:
@@ -41,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a model and save it")
     q.add_argument("--model", required=True, help=f"built-in ({', '.join(BUILTIN)}; random weights) or a local "
                                                   "transformers model directory")
-    q.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    q.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits (default 4)")
     q.add_argument("--group-size", type=_group, default=128, help="power of two >= 32, or 'none' (one scale per row)")
     q.add_argument("--awq", action="store_true", help="activation-aware scales searched on calibration text")
     q.add_argument("--calib-text", metavar="FILE", default=None,
@@ -52,21 +69,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--edge-bits", type=int, choices=(4, 8), default=None,
                    help="bits of lm_head and the embedding where quantized (default: --bits; 8 keeps int4 models "
                         "accurate at <= 30%% of fp16 memory)")
-    q.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    q.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
+                   help="dtype of activations and of the weights left unquantized (default float16)")
     q.add_argument("--no-fuse", action="store_true",
                    help="keep q/k/v and gate/up as separate kernel calls (default: one call per group, same results; "
                         "saved with the model)")
     q.add_argument("--device", default=None, help="where to quantize (default: cuda if available, else cpu)")
-    q.add_argument("-o", "--output", required=True, metavar="DIR")
+    q.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="directory to save to: new, empty, or an earlier save (replaced as a whole); not the source "
+                        "model")
     g = sub.add_parser("generate", help="generate text with a saved quantized model")
-    g.add_argument("model", metavar="DIR")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=_positive, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=_positive, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--mode", choices=["auto", "compile", "graph", "eager"], default="auto")
-    g.add_argument("--device", default=None)
+    g.add_argument("model", metavar="DIR", help="a directory written by `automp llm quantize`")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-k", type=_positive, default=None,
+                   help="sample only from the k most likely tokens (default: all; needs --temperature > 0)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
+    g.add_argument("--mode", choices=["auto", "compile", "graph", "eager"], default="auto",
+                   help="decode step: compiled and captured as a CUDA graph, captured only, or eager; auto = compile "
+                        "on CUDA, eager elsewhere")
+    g.add_argument("--device", default=None, help="where to run (default: cuda if available, else cpu)")
     sub.add_parser("bench", help="speed and accuracy benchmark (see `automp llm bench -h`)", add_help=False)
     return parser
 
@@ -91,7 +114,7 @@ def _calib(args: argparse.Namespace, tokenizer, vocab: int) -> torch.Tensor:
         with open(args.calib_text, encoding="utf-8", errors="replace") as f:
             text = f.read()
     else:
-        from automp.llm.bench import stdlib_docstrings
+        from automp.llm.corpus import stdlib_docstrings
         text = stdlib_docstrings(64 * 1024)[0].decode("utf-8", errors="replace")
     ids = torch.tensor(_tokenize(tokenizer, text, vocab))
     rows = ids[: (ids.numel() // 256) * 256].view(-1, 256)[:16]
@@ -100,7 +123,30 @@ def _calib(args: argparse.Namespace, tokenizer, vocab: int) -> torch.Tensor:
     return rows
 
 
+def check_output(model: str, output: str) -> None:
+    """Before any work: a save replaces the whole output directory, so it must be neither the source model, nor
+    inside it, nor around it (each would destroy the weights being read), nor a directory of other files."""
+    from automp.llm.store import BUILTIN, check_destination
+    out = os.path.realpath(output)
+    if model not in BUILTIN and os.path.exists(model):
+        src = os.path.realpath(model)
+        if out == src or (os.path.exists(out) and os.path.samefile(out, src)):
+            raise UsageError(f"-o {output} is the source model {model}; refusing to overwrite it (write elsewhere)")
+        if os.path.commonpath([out, src]) == src:
+            raise UsageError(f"-o {output} is inside the source model {model}; refusing to write into it "
+                             "(write elsewhere)")
+        if os.path.commonpath([out, src]) == out:
+            raise UsageError(f"-o {output} contains the source model {model}, and a save replaces the whole "
+                             "directory; write elsewhere")
+    try:
+        check_destination(out)
+    except OSError as e:
+        raise UsageError(str(e).removeprefix("automp.llm.save: ")) from None
+
+
 def _quantize(args: argparse.Namespace) -> int:
+    require_transformers()
+    check_output(args.model, args.output)
     from automp.llm.generate import ByteTokenizer
     from automp.llm.quantize import quantize, weight_bytes
     from automp.llm.store import BUILTIN, load_source, save
@@ -126,6 +172,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    require_transformers()
     from automp.llm.generate import decode_info, generate
     from automp.llm.store import load, load_tokenizer
     device = _device(args.device)
@@ -147,12 +194,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # the bench owns its options (and -h)
-        from automp.llm.bench import main as bench_main
-        return int(bench_main(argv[1:]) or 0)
+    if argv[:1] == ["bench"]:
+        print("automp llm bench: error: the benchmark is a suite of automp.bench: run `automp llm bench` (or "
+              "`python -m automp llm bench`)", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return _quantize(args) if args.command == "quantize" else _generate(args)
+    except UsageError as e:
+        print(f"automp llm {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except USER_ERRORS as e:
         print(f"automp llm {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

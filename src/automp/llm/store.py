@@ -7,21 +7,29 @@ recomputed) and `automp_llm.json` with the quantization config, the transformers
 (and QuantEmbedding's) shape, and tied-weight aliases (safetensors stores shared tensors once). Fused projections
 (automp.llm.fuse) are saved as their members' own tensors, and `load` fuses them again. `load` builds the
 architecture on the meta device (no weight memory, no init), puts empty shells where the quantized layers were and
-assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files are written through
-automp.files.atomic_output, the JSON last, and carry one save id, so a half-replaced directory is detected rather
-than loaded.
+assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files carry one save id, so files of
+different saves are detected rather than loaded together.
+
+A save replaces the whole directory: everything is written into a temporary sibling `.<name>.automp-tmp-<pid>-<id>`
+and swapped in with one atomic exchange, so no file of an earlier save (a tokenizer the new model does not have)
+survives, and an interrupted save leaves the previous model as it was. A save killed outright (kill -9) leaves its
+temporary sibling behind; the next save into the same place removes those whose process is gone, and `load` never
+reads them (it reads the directory it is given).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
+import shutil
 import uuid
 from dataclasses import asdict
 
 import torch
 import torch.nn as nn
 
-from automp.files import atomic_output
 from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import ARCHS, DTYPES, QuantConfig, QuantEmbedding, QuantLinear, arch_of, check_backend, \
     is_quantized, set_module
@@ -90,12 +98,90 @@ def _unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, aliases
 
 
+_TMP = re.compile(r"^\.(?P<name>.+)\.automp-tmp-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(parent: str, name: str) -> list[str]:
+    """Remove the temporary siblings of `parent/name` that saves killed before they finished left behind (their
+    process is gone); returns the removed paths. Those of running processes, this one included, are left alone."""
+    removed = []
+    for entry in os.listdir(parent):
+        m = _TMP.match(entry)
+        if m and m["name"] == name and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+            removed.append(os.path.join(parent, entry))
+    return removed
+
+
+def _fsync(path: str) -> None:
+    """Flush a file or directory to disk: a full disk may only report itself here (delayed allocation)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where this system or
+    filesystem has no such call."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _swap_in(tmp: str, dest: str) -> None:
+    """Make the directory `tmp` be `dest`, which may hold an earlier save; the earlier files are deleted."""
+    if not os.path.lexists(dest):
+        os.rename(tmp, dest)
+    elif _exchange(tmp, dest):
+        shutil.rmtree(tmp)  # now the earlier save
+    else:  # two renames: a crash between them leaves dest missing and both copies beside it
+        old = f"{tmp}0"
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old)
+    _fsync(os.path.dirname(dest))
+
+
+def check_destination(directory: str) -> None:
+    """A save replaces the whole directory: only an empty one or an earlier save may be there, never a directory
+    of other files (an output given as `.` or `~` must not delete them)."""
+    if not os.path.exists(directory):
+        return
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(f"automp.llm.save: {directory} exists and is not a directory")
+    if os.listdir(directory) and not os.path.isfile(os.path.join(directory, META)):
+        raise FileExistsError(f"automp.llm.save: {directory} holds files that are not an automp quantized model; "
+                              "refusing to replace it (give a new or empty directory)")
+
+
 def save(model: nn.Module, directory: str, tokenizer=None) -> None:
-    """Write a model quantized by automp.llm.quantize (and optionally its transformers tokenizer) to `directory`."""
+    """Write a model quantized by automp.llm.quantize (and optionally its transformers tokenizer) to `directory`,
+    replacing an earlier save there as a whole."""
     from safetensors.torch import save_file
     if not is_quantized(model):
         raise ValueError("automp.llm.save: the model was not quantized by automp.llm.quantize")
     arch_of(model)
+    real = os.path.realpath(directory)
+    check_destination(real)
     tensors, aliases = _unique_tensors(model)
     save_id = uuid.uuid4().hex
     meta = {"format": FORMAT, "version": VERSION, "save_id": save_id, "architecture": type(model).__name__,
@@ -103,14 +189,23 @@ def save(model: nn.Module, directory: str, tokenizer=None) -> None:
             "quant": asdict(model.automp_quant), "aliases": aliases,
             "layers": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantLinear)},
             "embeddings": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantEmbedding)}}
-    os.makedirs(directory, exist_ok=True)
-    with atomic_output(os.path.join(directory, META)) as meta_tmp:
-        tmp_dir = os.path.dirname(meta_tmp)
-        save_file(tensors, os.path.join(tmp_dir, WEIGHTS), metadata={"save_id": save_id})
+    parent, name = os.path.split(real)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_temps(parent, name)
+    tmp = os.path.join(parent, f".{name}.automp-tmp-{os.getpid()}-{save_id[:8]}")
+    os.mkdir(tmp)
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"save_id": save_id})
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp_dir)
-        with open(meta_tmp, "w") as f:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
+        for entry in os.listdir(tmp):
+            if os.path.isfile(os.path.join(tmp, entry)):
+                _fsync(os.path.join(tmp, entry))
+        _swap_in(tmp, real)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read_meta(directory: str) -> dict:
@@ -166,7 +261,7 @@ def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[st
 def load(directory: str, device: torch.device | str = "cpu") -> nn.Module:
     """Rebuild a model written by `save` on `device`, without re-quantizing."""
     import transformers
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     meta = _read_meta(directory)
     quant = QuantConfig(**meta["quant"])
     device = torch.device(device)
@@ -181,10 +276,16 @@ def load(directory: str, device: torch.device | str = "cpu") -> nn.Module:
     path = os.path.join(directory, WEIGHTS)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"automp.llm.load: {directory} has no {WEIGHTS}")
-    with safe_open(path, framework="pt", device=str(device)) as f:
-        if (f.metadata() or {}).get("save_id") != meta["save_id"]:
-            raise ValueError(f"automp.llm.load: {WEIGHTS} and {META} in {directory} come from different saves")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            same_save = (f.metadata() or {}).get("save_id") == meta["save_id"]
+            tensors = {k: f.get_tensor(k) for k in f.keys()} if same_save else {}
+    except SafetensorError as e:  # truncated or overwritten: safetensors checks the header against the file size
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"automp.llm.load: {path} is not a readable safetensors file, truncated or damaged "
+                         f"({first})") from None
+    if not same_save:
+        raise ValueError(f"automp.llm.load: {WEIGHTS} and {META} in {directory} come from different saves")
     _assign(model, tensors, meta["aliases"])
     model.automp_quant = quant
     fuse_projections(model)  # the saved tensors are per layer: fusing again makes the views (quant.fuse permitting)

@@ -1,7 +1,8 @@
 """`automp protect MODEL.onnx -o OUT.onnx [--seed N] [--ratio R] [--key KEYFILE_or_HEX] [--report R.json]`.
 
-User errors (a corrupt or unsupported model, a bad key, an output that cannot be written or would overwrite an
-input) print one line naming the problem and return 1, with nothing written. Output paths are checked before any
+User errors (a corrupt or unsupported model, a wrong key, an output that cannot be written or would overwrite an
+input) print one line naming the problem and return 1, with nothing written; a key that is not 64 hex characters is
+a usage error (rc 2). Output paths are checked before any
 work, and written atomically.
 """
 from __future__ import annotations
@@ -30,6 +31,16 @@ def _ratio(text: str) -> float:
 _seed = int_at_least(0)
 
 
+def _key(text: str) -> str:
+    """argparse type: a key file or hex string that encrypt.read_key accepts (a bad key is a usage error)."""
+    from automp.protect.encrypt import read_key
+    try:
+        read_key(text)
+    except (ValueError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from automp.protect.obfuscate import ObfuscateConfig
 
@@ -42,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=_ratio, default=ObfuscateConfig.ratio,
                    help="fraction in [0, 1] of eligible spots given identity ops and of nodes wrapped in opaque "
                         f"branches (default {ObfuscateConfig.ratio})")
-    p.add_argument("--key", metavar="KEYFILE_or_HEX", default=None,
-                   help="encrypt the weights: a key file, or at least 32 hex digits; load with "
+    p.add_argument("--key", metavar="KEYFILE_or_HEX", type=_key, default=None,
+                   help="encrypt the weights with a key of 64 hex characters (32 bytes), given directly or in a file "
+                        "(`openssl rand -hex 32 > key.txt`; whitespace around it is ignored); load with "
                         "automp.protect.load(path, key) / automp.protect.session(path, key)")
     p.add_argument("--report", metavar="R.json", default=None, help="write the JSON report here (keep it private)")
     p.add_argument("--rename-io", action="store_true", help="rename graph inputs/outputs too (mapping in the report)")

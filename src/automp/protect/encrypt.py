@@ -4,6 +4,7 @@ This is obfuscation-grade protection for a file at rest, not an audited cryptosy
 holds the key and the decrypted weights in memory, and nothing here has had a security review.
 
 Scheme (version 1):
+  key       32 bytes, written as 64 hex characters in a file or on the command line (encrypt.read_key)
   keys      enc_key | mac_key = PBKDF2-HMAC-SHA256(key, salt, 200000 iterations), 32 bytes each
   plaintext 8-byte manifest length | manifest (JSON: initializer names in order, byte length of each) |
             every main-graph initializer serialized as a TensorProto
@@ -29,7 +30,8 @@ import onnx
 META_KEY = "automp.protect.encrypted"
 VERSION = 1
 ITERATIONS = 200_000
-MIN_KEY_BYTES = 16
+KEY_BYTES = 32
+KEY_FORMAT = f"{2 * KEY_BYTES} hex characters ({KEY_BYTES} bytes, e.g. from `openssl rand -hex {KEY_BYTES}`)"
 _CHECK = b"automp.protect key check"
 
 
@@ -37,30 +39,73 @@ class WrongKeyError(ValueError):
     """The key is not the one the model was encrypted with."""
 
 
+def _from_hex(text: str, where: str) -> bytes:
+    digits = "".join(text.split())  # surrounding whitespace and a file's line breaks are not part of the key
+    digits = digits[2:] if digits[:2].lower() == "0x" else digits
+    if len(digits) != 2 * KEY_BYTES or any(c not in "0123456789abcdefABCDEF" for c in digits):
+        shown = f"{len(digits)} characters" if len(digits) != 2 * KEY_BYTES else "characters that are not hex digits"
+        raise ValueError(f"{where}: expected a key of {KEY_FORMAT}, got {shown}")
+    return bytes.fromhex(digits)
+
+
 def read_key(spec: bytes | str | os.PathLike) -> bytes:
-    """A key as bytes: bytes as given; a str or path naming a file: the file's bytes; other str: hex digits.
-    The CLI's --key goes through here, so the Python API and the CLI agree on what a key is."""
+    """The 32-byte key. One format for files and strings: 64 hex characters, whitespace around them ignored, so
+    `openssl rand -hex 32 > key.txt` and the same digits given on the command line are the same key. bytes are the
+    raw key itself (32 of them). The CLI's --key goes through here, so the Python API and the CLI agree."""
     if isinstance(spec, (bytes, bytearray)):
-        key = bytes(spec)
-    elif isinstance(spec, (str, os.PathLike)) and os.path.isfile(spec):
+        if len(spec) != KEY_BYTES:
+            raise ValueError(f"a raw key must be {KEY_BYTES} bytes, got {len(spec)} (or give {KEY_FORMAT})")
+        return bytes(spec)
+    if isinstance(spec, (str, os.PathLike)) and os.path.isfile(spec):
         with open(spec, "rb") as f:
-            key = f.read()
-    elif isinstance(spec, str):
-        text = spec.strip().removeprefix("0x")
+            data = f.read(4096)
         try:
-            key = bytes.fromhex(text)
+            text = data.decode("ascii")
+        except UnicodeDecodeError:
+            text = "\0"  # binary: not hex
+        return _from_hex(text, f"key file {os.fspath(spec)}")
+    if isinstance(spec, str):
+        return _from_hex(spec, "key")
+    raise TypeError(f"key must be bytes, a key file path or a hex string, got {type(spec).__name__}")
+
+
+def _earlier_keys(spec: bytes | str | os.PathLike) -> list[bytes]:
+    """What `spec` meant before keys had one format, for models encrypted then: a key file's bytes as they are
+    (a trailing newline included), hex strings and raw keys of 16 bytes or more."""
+    if isinstance(spec, (bytes, bytearray)):
+        return [bytes(spec)] if len(spec) >= 16 and len(spec) != KEY_BYTES else []
+    if isinstance(spec, (str, os.PathLike)) and os.path.isfile(spec):
+        with open(spec, "rb") as f:
+            return [f.read()]
+    if isinstance(spec, str):
+        try:
+            key = bytes.fromhex(spec.strip().removeprefix("0x"))
         except ValueError:
-            raise ValueError(f"key {spec[:12]!r}...: neither a key file nor hex digits") from None
-    else:
-        raise TypeError(f"key must be bytes, a key file path or a hex string, got {type(spec).__name__}")
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"key has {len(key)} bytes; use at least {MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)")
-    return key
+            return []
+        return [key] if len(key) >= 16 and len(key) != KEY_BYTES else []
+    return []
 
 
 def _derive(key: bytes, salt: bytes, iterations: int) -> tuple[bytes, bytes]:
     k = hashlib.pbkdf2_hmac("sha256", key, salt, iterations, 64)
     return k[:32], k[32:]
+
+
+def _matching_key(key: bytes | str | os.PathLike, h: dict, source: str) -> tuple[bytes, bytes]:
+    """(enc_key, mac_key) of the key the header's check accepts: `key` read as read_key reads it, else as it was
+    read before keys had one format (so models encrypted with a raw key file still open)."""
+    try:
+        candidates, error = [read_key(key)], None
+    except ValueError as e:
+        candidates, error = [], e
+    candidates += _earlier_keys(key)
+    for candidate in candidates:
+        enc_key, mac_key = _derive(candidate, bytes.fromhex(h["salt"]), int(h["iterations"]))
+        if hmac.compare_digest(hmac.new(mac_key, _CHECK, hashlib.sha256).hexdigest(), h["key_check"]):
+            return enc_key, mac_key
+    if error is not None:
+        raise error
+    raise WrongKeyError(f"wrong key for {source}: it is not the key the model was encrypted with")
 
 
 def _xor(data: bytes, enc_key: bytes, nonce: bytes) -> bytes:
@@ -135,9 +180,7 @@ def decrypt(model: onnx.ModelProto, key: bytes | str, source: str = "<model>") -
     h = header(model)
     if h is None:
         raise ValueError(f"{source} is not encrypted (it was written without --key); load it without a key")
-    enc_key, mac_key = _derive(read_key(key), bytes.fromhex(h["salt"]), int(h["iterations"]))
-    if not hmac.compare_digest(hmac.new(mac_key, _CHECK, hashlib.sha256).hexdigest(), h["key_check"]):
-        raise WrongKeyError(f"wrong key for {source}: it is not the key the model was encrypted with")
+    enc_key, mac_key = _matching_key(key, h, source)
     blob = next((t for t in model.graph.initializer if t.name == h["blob"]), None)
     if blob is None:
         raise ValueError(f"{source}: the encrypted weights ({h['blob']!r}) are missing from the file")

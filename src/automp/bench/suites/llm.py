@@ -1,5 +1,8 @@
 """`automp llm bench [--quick] [--out DIR]`: decode speed and accuracy of weight-only int8 / int4.
 
+A benchmark suite (automp.bench imports the library, never the reverse): the `automp` command routes `llm bench`
+here.
+
 Speed, batch 1 (GPU: TinyLlama-1.1B-shaped random model, prompt 32, 128 new tokens), all in one process:
   hf-generate-fp16   transformers' generate (dynamic cache, eager): the anchor
   automp-fp16        automp.llm.generate with fp16 weights (static cache, compiled + CUDA-graph decode step)
@@ -19,22 +22,24 @@ perplexity (files split by a hash of their path) for fp16, int8, int4 and int4 +
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import gc
 import math
 import os
-import random
 import statistics
 import sys
-import sysconfig
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from automp.bench.harness import copy_bandwidth_gbps, device_name
+from automp.files import write_json_and_markdown
+from automp.llm.corpus import stdlib_docstrings
+
+__all__ = ["main", "build_parser", "stdlib_docstrings", "as_tokens", "train_lm", "perplexity", "speed", "accuracy"]
 
 
 @dataclass(frozen=True)
@@ -65,39 +70,6 @@ def _log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- data
-def stdlib_docstrings(limit: int, heldout_every: int = 10) -> tuple[bytes, bytes]:
-    """(train, held-out) docstrings of the standard library's modules, classes and functions, about `limit` bytes of
-    training text; a file goes to held-out when crc32 of its path % heldout_every == 0 (no file in both)."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "test", "tests",
-                                                              "idle_test", "__pycache__") and not d.startswith("."))
-        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    random.Random(0).shuffle(files)  # a spread of modules, the same on every run
-    parts: dict[bool, list[str]] = {False: [], True: []}
-    sizes = {False: 0, True: 0}
-    budget = {False: limit, True: max(limit // heldout_every, 1)}
-    for path in files:
-        held = zlib.crc32(os.path.relpath(path, root).encode()) % heldout_every == 0
-        if sizes[held] >= budget[held]:
-            if sizes[not held] >= budget[not held]:
-                break
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 40:
-                    parts[held].append(doc)
-                    sizes[held] += len(doc) + 2
-    return "\n\n".join(parts[False]).encode(), "\n\n".join(parts[True]).encode()
-
-
 def as_tokens(text: bytes, device: torch.device | str) -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
 
@@ -214,7 +186,6 @@ def speed_case(name: str, model: torch.nn.Module, run: Callable[[int], torch.Ten
 
 
 def speed(cfg: BenchConfig, mode: str) -> tuple[list[dict], float]:
-    from automp.bench.harness import copy_bandwidth_gbps
     from automp.llm.generate import generate
     from automp.llm.quantize import quantize, weight_bytes
     from automp.llm.store import build
@@ -311,11 +282,10 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out: str) -> tuple[str, str]:
-    from automp.files import write_json_and_markdown
     return write_json_and_markdown(out, "llm", result, markdown(result))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="automp llm bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU (smoke test, < 1 minute)")
     p.add_argument("--out", default="bench-results", help="directory for llm.json and llm.md")
@@ -323,7 +293,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="decode step of automp rows: compiled + CUDA graph, CUDA graph only, or eager")
     p.add_argument("--train-seconds", type=float, default=None, help="cap on the accuracy model's training time")
     p.add_argument("--only", choices=["speed", "accuracy"], default=None, help="run one half of the benchmark")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import safetensors  # noqa: F401
+        import transformers
+    except ImportError as e:
+        print(f"automp llm bench: error: needs the {e.name} package: pip install automp[llm]", file=sys.stderr)
+        return 2
     if not args.quick and not torch.cuda.is_available():
         print("automp llm bench: error: the full benchmark needs a CUDA GPU (use --quick on the CPU)", file=sys.stderr)
         return 1
@@ -336,8 +316,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.train_seconds is not None:
         cfg = BenchConfig(**{**asdict(cfg), "train_seconds": args.train_seconds})
     mode = "eager" if cfg.device == "cpu" else args.decode
-    import transformers
-    from automp.bench.harness import device_name
     t0 = time.perf_counter()
     rows, bandwidth = speed(cfg, mode) if args.only != "accuracy" else ([], None)
     acc = accuracy(cfg) if args.only != "speed" else None
