@@ -70,6 +70,9 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def _cmd_llm(args: argparse.Namespace) -> int:
+    if args.rest[:1] == ["bench"]:  # a benchmark suite: automp.llm does not import automp.bench, the command does
+        from automp.bench.suites.llm import main as bench_main
+        return int(bench_main(args.rest[1:]) or 0)
     from automp.llm.cli import main as llm_main  # imports torch: only when `automp llm` runs
     return int(llm_main(args.rest) or 0)
 
