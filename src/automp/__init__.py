@@ -1,22 +1,19 @@
 """automp: automatic reduced precision for PyTorch.
 
-`enable()` opens a session (session.py): every top-level call of a module with parameters runs on the fastest of
-the paths automp can offer — its compiled forward+backward graph pass, low-precision eager, or the script as
-written — measured in the first iterations (choose.py). Loss scaling (fp16) hooks autograd.
+`enable()` opens a session (automp.runtime.session): every top-level call of a module with parameters runs on the
+fastest of the paths automp can offer — its compiled forward+backward graph pass, low-precision eager, or the
+script as written — measured in the first iterations (automp.runtime.trial). Loss scaling (fp16) hooks autograd.
+`compile()` puts one model through the compiled pass in the same session; `disable()` undoes both.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from automp.config import AutoMPConfig
-from automp.precision.capture import make_backend
-from automp.precision import cost
-from automp.precision.paint import PrecisionConfig
-from automp.runtime.report import Recorder
 
 __version__ = "0.3.5"
 __all__ = ["enable", "disable", "compile", "report", "is_enabled", "settled", "AutoMPConfig", "__version__"]
@@ -24,39 +21,62 @@ __all__ = ["enable", "disable", "compile", "report", "is_enabled", "settled", "A
 _session = None  # the open automp.runtime.session.Session, if any
 
 
-def enable(dtype: str = "auto", loss_scale: Any = "dynamic", report: str | None = None, inner: str = "inductor",
-           spec: str | None = None, path: str = "auto", cache_dir: str | None = None,
-           fuse_optimizers: bool = True, tune_cudnn: bool = True, tune_layout: bool = True,
-           cuda_graphs: bool = True) -> None:
-    """Turn automatic mixed precision on for every module called from now on (arguments: see AutoMPConfig).
+def _config(config: AutoMPConfig | None, overrides: dict[str, Any]) -> AutoMPConfig:
+    """`config` (default: the environment's, AutoMPConfig.from_env) with `overrides` of its fields; a bad field
+    name or value raises here, before anything is installed."""
+    if config is None:
+        return AutoMPConfig.from_env(**overrides)
+    if not isinstance(config, AutoMPConfig):
+        raise TypeError(f"config must be an AutoMPConfig, got {type(config).__name__}")
+    return dataclasses.replace(config, **overrides)
 
-    Every argument is checked before anything is installed: a bad one raises and leaves automp as it was. Called
+
+def enable(config: AutoMPConfig | None = None, **overrides: Any) -> None:
+    """Turn automatic mixed precision on for every module called from now on: `config` (default: the
+    environment's), with keyword `overrides` of its fields (see AutoMPConfig), e.g. `enable(dtype="bf16")`.
+
+    Everything is checked before anything is installed: a bad argument raises and leaves automp as it was. Called
     while enabled (a script that enables automp itself under `automp run`), the new settings apply and the report
-    keeps what was recorded and where it goes."""
+    keeps what was recorded and, unless a new path is given, where it goes."""
     global _session
-    from automp.runtime.session import Session, reconfigured
-    config = AutoMPConfig(dtype, loss_scale, report, inner, spec, path, cache_dir, fuse_optimizers, tune_cudnn,
-                          tune_layout, cuda_graphs)
-    recorder = None
+    from automp.runtime import session as sessions
+    from automp.runtime.report import Recorder
+    config = _config(config, overrides)
+    recorder = Recorder()
     if _session is not None:
-        config = reconfigured(_session, config)
+        if config.report is None and _session.config.report is not None:
+            config = dataclasses.replace(config, report=_session.config.report)
         recorder = _session.recorder
         _session.uninstall()
         _session = None
-    session = Session(config, recorder or Recorder())
+    session = sessions.open_session(config, recorder)
     session.install()
     _session = session
 
 
+def compile(model: nn.Module, config: AutoMPConfig | None = None, **overrides: Any) -> nn.Module:
+    """One model through automp's compiled pass, for those who prefer a line of code to `automp run` (no trial:
+    asking for compile is asking for this path). `config` and `overrides` as for enable(); `report` is a path,
+    written by disable(). Without an enabled session, compile opens one that installs only what the compiled
+    model needs (loss scaling, where fp16 asks for it); either way disable() removes it."""
+    global _session
+    from automp.runtime import session as sessions
+    from automp.runtime.report import Recorder
+    config = _config(config, {**overrides, "path": "compile"})
+    if _session is None:
+        _session = sessions.open_session(config, Recorder())
+    return _session.compile(model, config)
+
+
 def disable() -> dict[str, Any] | None:
-    """Turn automp off, write the report (if a path was given) and return it."""
+    """Turn automp off (every change it made undone), write the report (if a path was given) and return it."""
     global _session
     session, _session = _session, None
     if session is None:
         return None
     rep = session.uninstall()
-    if session.config.report:
-        session.recorder.save(session.config.report)
+    if session.config.report_path:
+        session.recorder.save(session.config.report_path)
     return rep
 
 
@@ -66,6 +86,12 @@ def report() -> dict[str, Any] | None:
         return None
     _session.update_report()
     return _session.recorder.as_dict()
+
+
+def recorder() -> Any:
+    """The open session's report as it is being recorded (automp.runtime.report.Recorder), or None: `automp run`
+    keeps it to write the command line's --report however the script ends."""
+    return None if _session is None else _session.recorder
 
 
 def is_enabled() -> bool:
@@ -82,24 +108,6 @@ def script_failed(error: BaseException) -> str | None:
     """Tell the session the script ended with `error` (`automp run` does): what automp learns from it is kept for
     the next run, and a hint for the user comes back when automp's own choice caused it (else None)."""
     return None if _session is None else _session.script_failed(error)
-
-
-def compile(model: nn.Module, dtype: str = "auto", loss_scale: Any = "dynamic", report: Recorder | None = None,
-            inner: str = "inductor", spec: str | None = None) -> nn.Module:
-    """One model through automp's compiled pass, for those who prefer a line of code to `automp run` (no trial:
-    asking for compile is asking for this path). Loss scaling, when fp16 asks for it, hooks autograd globally."""
-    from automp.precision.capture import low_dtype
-    from automp.scaling import install_for
-    from automp.runtime.session import _device_of
-    config = AutoMPConfig(dtype, loss_scale, None, inner, spec, "compile")
-    device = _device_of(model)
-    pconfig = PrecisionConfig(dtype=low_dtype(dtype, device),
-                              spec=cost.spec_named(spec) if spec else cost.spec_for(device))
-    backend = make_backend(pconfig, report, inner=inner, label=type(model).__name__)
-    from automp.scaling import autograd_hook
-    if autograd_hook.current() is None:  # a second compile() shares the one scaler (it is global anyway)
-        install_for(config)
-    return torch.compile(model, backend=backend)
 
 
 atexit.register(disable)

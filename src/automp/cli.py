@@ -17,12 +17,14 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="low-precision dtype; auto = bf16 where supported, else fp16")
     p.add_argument("--loss-scale", default="dynamic",
                    help="dynamic | off | a constant such as 1024 (only matters for fp16)")
-    p.add_argument("--report", default=None, help="write the precision report JSON here")
-    p.add_argument("--path", default="auto",
+    p.add_argument("--report", default=None,
+                   help="write the precision report JSON here (under torchrun, rank 0 writes this path and rank N "
+                        "writes <stem>.rankN<suffix> beside it)")
+    p.add_argument("--path", default=None,
                    choices=["auto", "compile", "eager", "autocast-compile", "autocast-graphs", "fp32"],
                    help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
                         "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
-                        "model and device); or force one")
+                        "model and device; default: the environment's, else auto); or force one")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")
@@ -41,10 +43,14 @@ _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from automp.config import AutoMPConfig
     from automp.launcher import run_script
-    return run_script(args.script, args.args, dtype=args.dtype, loss_scale=args.loss_scale, report=args.report,
-                      path=args.path, fuse_optimizers=args.fuse_optimizers, tune_cudnn=args.tune_cudnn,
-                      tune_layout=args.tune_layout, cuda_graphs=args.cuda_graphs)
+    try:  # a bad value (--loss-scale banana, a bad environment variable) is a usage error, before the script runs
+        config = AutoMPConfig.from_cli(args)
+    except (ValueError, TypeError) as e:
+        print(f"automp run: {e}", file=sys.stderr)
+        return 2
+    return run_script(args.script, args.args, config)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -1,33 +1,45 @@
-"""One configuration for a session, validated completely before anything is installed.
+"""One configuration for an automp run, parsed and validated completely before anything is installed.
 
-A bad argument must leave automp exactly as it was: no half-patched nn.Module, no scaler hooked into autograd.
+Every source of settings parses here and nowhere else: keyword arguments (`AutoMPConfig(...)`, `enable(**kw)`), the
+environment (`from_env`) and the command line (`from_cli`). Fields are normalized at construction (dtype aliases,
+loss_scale strings, the report and cache paths), so the rest of automp reads one canonical value and a bad argument
+raises before automp touches torch: no half-patched nn.Module, no scaler hooked into autograd.
+
+This module imports nothing else of automp at import time: every layer may read a config.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from pathlib import Path as FsPath
+from typing import Any, Mapping
 
-from automp.runtime.trial import Path
-
-DTYPES = ("auto", "fp16", "float16", "half", "bf16", "bfloat16")
+DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 INNERS = ("inductor", "eager")
-PATHS = {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
-         "autocast-compile": Path.COMPILED_AUTOCAST, "autocast-graphs": Path.GRAPHED}
+PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs")
+# environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
+ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
+               "AUTOMP_DEBUG": "debug", "RANK": "rank", "WORLD_SIZE": "world_size"}
+_FLAGS = ("fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AutoMPConfig:
-    """dtype: "auto" (bf16 where supported, else fp16), "fp16" or "bf16".
-    loss_scale: "dynamic", "off" (or None/0) or a positive constant; only fp16 uses it.
-    report: path of the JSON precision report (made absolute now: the script may chdir).
+    """dtype: "auto" (bf16 where supported, else fp16), "fp16" or "bf16" (aliases float16/half/bfloat16 accepted,
+    stored canonical).
+    loss_scale: "dynamic", "off" (or None/0) or a positive constant (a number or a numeric string such as "1024");
+    stored as "dynamic", None (off) or a float. Only fp16 uses it.
+    report: path of the JSON precision report (made absolute now: the script may chdir). Under torchrun each rank
+    but 0 writes its own file beside it (`report_path`).
     inner: "inductor" or "eager" (rewritten graphs run op by op: fast start, for tests and debugging).
     spec: plan casts for another device's costs ("h100", "cpu", ...).
     path: "auto" measures the candidate paths in the first iterations and keeps the fastest; "compile", "eager",
     "autocast-compile", "autocast-graphs" or "fp32" force automp's compiled pass, low-precision eager, stock Inductor
     under autocast, the same replayed as CUDA graphs, or the script as written.
-    cache_dir: where calibration and verdicts are cached (default $AUTOMP_CACHE_DIR or ~/.cache/automp).
+    cache_dir: where calibration and verdicts are cached: given, else $AUTOMP_CACHE_DIR, else ~/.cache/automp
+    (always resolved, so every cache of one run agrees on it).
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
@@ -35,7 +47,9 @@ class AutoMPConfig:
     tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
     the script's layout, and keep the faster (automp.runtime.tuning.conv_layout); parameters keep their layout.
     cuda_graphs: on CUDA, let the trial time autocast-compiled's graphs replayed as CUDA graphs (Path.GRAPHED); off
-    for a script that needs the memory their pool takes."""
+    for a script that needs the memory their pool takes.
+    debug: print the tracebacks of graphs that fell back to FP32 (they are always listed in the report).
+    rank, world_size: this process's place under torchrun (RANK, WORLD_SIZE), for per-rank report files."""
 
     dtype: str = "auto"
     loss_scale: Any = "dynamic"
@@ -48,19 +62,23 @@ class AutoMPConfig:
     tune_cudnn: bool = True
     tune_layout: bool = True
     cuda_graphs: bool = True
+    debug: bool = False
+    rank: int = 0
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}: expected 'auto', 'fp16' or 'bf16'")
-        _check_loss_scale(self.loss_scale)
+        self._set("dtype", DTYPES[self.dtype])
+        self._set("loss_scale", parse_loss_scale(self.loss_scale))
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
-        for flag in ("fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs"):
+        for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.path not in PATHS:
             raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
-        if PATHS[self.path] is Path.GRAPHED and not self.cuda_graphs:
+        if self.path == "autocast-graphs" and not self.cuda_graphs:
             raise ValueError(f"path {self.path!r} asks for the CUDA graphs that cuda_graphs=False turns off")
         if self.spec:
             from automp.precision import cost
@@ -68,32 +86,106 @@ class AutoMPConfig:
         if self.report is not None:
             if not isinstance(self.report, (str, os.PathLike)):
                 raise TypeError(f"report must be a file path, got {type(self.report).__name__}")
-            object.__setattr__(self, "report", os.path.abspath(os.fspath(self.report)))
+            self._set("report", os.path.abspath(os.fspath(self.report)))
+        self._set("cache_dir", os.path.abspath(os.fspath(self.cache_dir or default_cache_dir(os.environ))))
+        for name in ("rank", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "rank" else 1):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'rank' else 1}, got {value!r}")
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalizing a frozen field, once, at construction
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoMPConfig":
+        """The configuration the environment asks for (AUTOMP_INNER, AUTOMP_PATH, AUTOMP_CACHE_DIR, AUTOMP_DEBUG,
+        torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
+        env = os.environ if environ is None else environ
+        found: dict[str, Any] = {}
+        for var, name in ENVIRONMENT.items():
+            raw = env.get(var, "")
+            if raw == "":
+                continue
+            if name == "debug":
+                found[name] = raw != "0"
+            elif name in ("rank", "world_size"):
+                try:
+                    found[name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{var}={raw!r} is not an integer") from None
+            else:
+                found[name] = raw
+        if "cache_dir" not in found:
+            found["cache_dir"] = default_cache_dir(env)
+        return cls(**{**found, **overrides})
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> "AutoMPConfig":
+        """`automp run`'s options (those given: an option left at None leaves the environment's value) over the
+        environment."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls)
+                 if getattr(args, f.name, None) is not None}
+        return cls.from_env(environ, **given)
 
     @property
-    def forced_path(self) -> Path | None:
-        return PATHS[self.path]
+    def forced_path(self) -> Any:
+        """The runtime's Path this configuration forces, or None for "auto" (a trial decides)."""
+        from automp.runtime.trial import Path
+        return {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
+                "autocast-compile": Path.COMPILED_AUTOCAST, "autocast-graphs": Path.GRAPHED}[self.path]
+
+    def low_dtype(self, device: Any = None) -> Any:
+        """The torch dtype low precision means on `device`: "auto" is bf16 (no loss scaling needed, fp32 range)
+        wherever the hardware has it, else fp16."""
+        import torch
+        if self.dtype != "auto":
+            return torch.float16 if self.dtype == "fp16" else torch.bfloat16
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
 
     @property
-    def wants_fp16(self) -> bool:
-        return self.dtype in ("fp16", "float16", "half")
+    def wants_loss_scaling(self) -> bool:
+        """fp16 needs loss scaling to keep small gradients from flushing to zero, bf16 does not, and a script may
+        switch it off. "auto" means fp16 on a CUDA device without bf16."""
+        if self.loss_scale is None:
+            return False
+        import torch
+        auto_fp16 = self.dtype == "auto" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+        return self.dtype == "fp16" or auto_fp16
+
+    @property
+    def report_path(self) -> str | None:
+        """Where this process writes the report: under torchrun every rank is given the same --report, so rank 0
+        writes the path given and rank N writes `<stem>.rank<N><suffix>` beside it."""
+        if self.report is None or self.rank == 0:
+            return self.report
+        path = FsPath(self.report)
+        return str(path.with_name(f"{path.stem}.rank{self.rank}{path.suffix}"))
 
 
-def _check_loss_scale(spec: Any) -> None:
+def default_cache_dir(environ: Mapping[str, str]) -> str:
+    return environ.get("AUTOMP_CACHE_DIR") or str(FsPath.home() / ".cache" / "automp")
+
+
+def debug_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """AUTOMP_DEBUG, for code that runs inside a compiler backend where no config reaches it."""
+    return (os.environ if environ is None else environ).get("AUTOMP_DEBUG", "") not in ("", "0")
+
+
+def parse_loss_scale(spec: Any) -> str | float | None:
+    """"dynamic", None (off: "off", None or 0) or a positive finite constant (a number or numeric string)."""
     if spec in ("dynamic", "off", None) or (isinstance(spec, (int, float)) and not isinstance(spec, bool)
                                             and spec == 0):
-        return
+        return None if spec != "dynamic" else "dynamic"
+    problem = f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}"
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise ValueError(f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}")
+        raise ValueError(problem)
     try:
         value = float(spec)
     except ValueError:
-        raise ValueError(f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}") from None
+        raise ValueError(problem) from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"loss_scale must be a positive finite number, got {spec!r}")
-
-
-def default_cache_dir() -> str:
-    """Where calibration and verdicts are cached when the configuration names no directory: $AUTOMP_CACHE_DIR, else
-    ~/.cache/automp. The one place that reads the variable, so every cache agrees on the directory."""
-    return os.environ.get("AUTOMP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "automp")
+    return value

@@ -1,43 +1,46 @@
 """`automp run SCRIPT ARGS`: run a script exactly as `python SCRIPT ARGS` would, with automp enabled.
 
-Same sys.argv, `__main__`, sys.path[0] and exit code; an exception in the script prints the script's own traceback
-(our frames removed) and exits 1, as Python would. The report is written however the script ends.
+Same sys.argv, `__main__`, sys.path[0] and exit code; a script that does not compile shows Python's own message,
+an exception in the script prints the script's own traceback (our frames removed) and exits 1, as Python would.
+The report is written however the script ends (SIGTERM included, then exit 143 as a shell reports for a
+SIGTERM'd python), and one line on stderr says how each model ran.
 """
 from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 import traceback
+import zipfile
 from typing import Any, Sequence
 
 import automp
+from automp.config import AutoMPConfig
 from automp.files import check_writable, same_file
 
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
+_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+_ASIDE = {"script-autocast": "the script's own autocast", "half-model": "already half precision",
+          "compile-failed": "compilation failed"}
 
-def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale: Any = "dynamic",
-               report: str | None = None, inner: str | None = None, path: str | None = None,
-               fuse_optimizers: bool = True, tune_cudnn: bool = True, tune_layout: bool = True,
-               cuda_graphs: bool = True) -> int:
-    if not os.path.isfile(script):
-        print(f"automp run: cannot open file {script!r}: no such file", file=sys.stderr)
-        return 2
-    problem = _report_problem(report, script)
+
+def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = None) -> int:
+    """Run `script` with `args` under automp configured by `config` (default: the environment's); the exit code."""
+    config = config or AutoMPConfig.from_env()
+    problem = _script_problem(script, args) or _report_problem(config.report_path, script)
     if problem:
         print(f"automp run: {problem}", file=sys.stderr)
         return 2
-    try:
-        automp.enable(dtype=dtype, loss_scale=_parse_loss_scale(loss_scale), report=report,
-                      inner=inner or os.environ.get("AUTOMP_INNER", "inductor"),
-                      path=path if path not in (None, "auto") else os.environ.get("AUTOMP_PATH", "auto"),
-                      fuse_optimizers=fuse_optimizers, tune_cudnn=tune_cudnn,
-                      tune_layout=tune_layout, cuda_graphs=cuda_graphs)
-    except (ValueError, TypeError) as e:
-        print(f"automp run: {e}", file=sys.stderr)
-        return 2
+    unreadable = _compile_error(script)
+    if unreadable is not None:
+        return unreadable
+    automp.enable(config)
+    recorder = automp.recorder()
     argv, path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    previous = _exit_on_sigterm()
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -55,14 +58,94 @@ def run_script(script: str, args: Sequence[str], dtype: str = "auto", loss_scale
             print(hint, file=sys.stderr)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
-        rep = automp.disable()
+        automp.disable()  # writes the report the script asked for itself, if it did (enable(report=...))
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         sys.argv = argv
         if path0 is not None and sys.path and sys.path[0] != path0:
             sys.path.pop(0)
-    if rep is not None and report:
-        print(f"automp: precision report written to {report} (view it with `automp report {report}`)",
-              file=sys.stderr)
+    # the command line's --report, whatever the script did with automp (its own enable(report=...), disable())
+    if config.report_path:
+        recorder.save(config.report_path)
+    print(summary(recorder.as_dict(), config), file=sys.stderr)
     return code
+
+
+def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
+    """One line: how each root module ran, from the report's paths and rules (never its reason strings)."""
+    low = _SHORT.get(report.get("dtype", ""), report.get("dtype", ""))
+    parts = []
+    for choice in report.get("choices", []):
+        path, module = choice["path"], choice["module"]
+        if path == "as-written":
+            parts.append(f"{module} as written ({_ASIDE.get(choice.get('rule'), 'left to the script')})")
+        elif path == "unsettled":
+            parts.append(f"{module} trial unfinished")
+        else:
+            parts.append(f"{module} {path}" + ("" if path == "fp32-eager" else f" ({low})"))
+    line = "; ".join(parts) or "no module ran under automp (none was called as model(x) while it was on)"
+    if config.report_path:
+        line += f"; report in {config.report_path} (`automp report {config.report_path}`)"
+    who = "automp" if config.world_size == 1 else f"automp (rank {config.rank})"
+    return f"{who}: {line}"
+
+
+def _script_problem(script: str, args: Sequence[str]) -> str | None:
+    """A script automp cannot run as asked: a launcher that would start its workers without automp, or no file."""
+    if _is_torchrun(script):
+        at = next((i for i, a in enumerate(args) if a.endswith(".py")), len(args))
+        inside = " ".join(["torchrun", *args[:at], "-m", "automp", "run", *args[at:]])
+        return (f"{os.path.basename(script)} would start its workers without automp; run automp inside each "
+                f"worker instead: `{inside}`")
+    if os.path.isdir(script):
+        return f"cannot run {script!r}: it is a directory, not a script"
+    if not os.path.isfile(script):
+        return f"cannot open file {script!r}: no such file"
+    return None
+
+
+def _is_torchrun(script: str) -> bool:
+    """torchrun itself: by name, or a console-script wrapper by what it imports."""
+    if os.path.splitext(os.path.basename(script))[0] == "torchrun":
+        return True
+    try:
+        with open(script, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b"torch.distributed.run" in head or b"torch.distributed.launch" in head
+
+
+def _compile_error(script: str) -> int | None:
+    """What `python SCRIPT` shows for a script that does not compile, and its exit code (1); None if it compiles.
+    Checked before automp is enabled: a SyntaxError shows the script's file and line, not our frames."""
+    if zipfile.is_zipfile(script):
+        return None  # a zipped application: runpy finds its __main__
+    try:
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        if e.filename == script and "null bytes" not in e.msg and "unicode error" not in e.msg:
+            traceback.print_exception(type(e), e, None)  # the script's file, line and caret, as Python shows them
+            return 1
+        error = e.msg
+    except ValueError as e:  # null bytes, before Python 3.12
+        error = str(e)
+    else:
+        return None
+    print(f"automp run: cannot run {script!r}: not a Python script (a binary file? {error})", file=sys.stderr)
+    return 1
+
+
+def _exit_on_sigterm() -> Any:
+    """SIGTERM (a scheduler's timeout, `kill`) ends the script through SystemExit, so the report is still written;
+    the previous handler comes back after the run. None where no handler can be set (not the main thread)."""
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(SIGTERM_EXIT)
+    try:
+        return signal.signal(signal.SIGTERM, terminate) or signal.SIG_DFL
+    except ValueError:
+        return None
 
 
 def _report_problem(report: str | None, script: str) -> str | None:
@@ -77,12 +160,3 @@ def _report_problem(report: str | None, script: str) -> str | None:
     except OSError as e:
         return str(e)
     return None
-
-
-def _parse_loss_scale(spec: Any) -> Any:
-    if isinstance(spec, str) and spec not in ("dynamic", "off"):
-        try:
-            return float(spec)
-        except ValueError:
-            raise SystemExit(f"automp run: --loss-scale must be 'dynamic', 'off' or a number, not {spec!r}") from None
-    return spec

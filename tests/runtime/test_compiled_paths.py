@@ -6,6 +6,8 @@ import torch.nn as nn
 
 import automp
 
+from .sessions import inject
+
 pytestmark = pytest.mark.usefixtures("fresh_session")
 
 
@@ -77,10 +79,9 @@ def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
     import weakref
 
     from automp.runtime.trial import Path
-    from automp.runtime.session import Session
 
     paths = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (paths, "test: every path"))
+    inject(monkeypatch, candidates=lambda device, low: (paths, "test: every path"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.Adam(net.parameters())
@@ -163,8 +164,7 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     for every shape: the module moves to the same graphs without them, and the cache keeps that. A path the user
     forced stays."""
     from automp.runtime.trial import Path
-    from automp.runtime.session import Session
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.GRAPHED], "test: one candidate"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     automp.enable(dtype="bf16", cache_dir=str(tmp_path), path="autocast-graphs" if forced else "auto")
@@ -190,11 +190,9 @@ def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_the
                                                                                        tried):
     from automp.runtime import compiled_paths
     from automp.runtime.trial import Path
-    from automp.runtime.session import Session
     total = 80 * 2**30
     monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int(share * total), total))
-    monkeypatch.setattr(Session, "_candidates",
-                        lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))
@@ -217,9 +215,7 @@ def test_graphs_fit_names_the_memory_it_found():
 
 def _two_candidates(monkeypatch):
     from automp.runtime.trial import Path
-    from automp.runtime.session import Session
-    monkeypatch.setattr(Session, "_candidates",
-                        lambda self, device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
 
 
 @pytest.mark.usefixtures("eager_inductor")
@@ -248,7 +244,7 @@ def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch,
 def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
     from automp.runtime.trial import Path
     _two_candidates(monkeypatch)
-    monkeypatch.setattr(automp.runtime.session.Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.GRAPHED], "test"))
     torch.manual_seed(0)
     net, head = nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 4)
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))
@@ -266,7 +262,7 @@ def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     """Under DDP every rank runs rank 0's path; the memory check and the moves off CUDA graphs are a rank's own."""
     import automp.runtime.session as session
     from automp.runtime.trial import Path
-    monkeypatch.setattr(session.Session, "_candidates", lambda self, device, low: (
+    inject(monkeypatch, candidates=lambda device, low: (
         [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
     monkeypatch.setattr(session, "distributed", lambda: True)
     monkeypatch.setattr(session, "_LOCKSTEP", ("Sequential",))
@@ -287,8 +283,7 @@ def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkey
     them (a different cache key); forcing them then is a contradiction, refused before anything is installed."""
     from automp.runtime.trial import Path
     from automp.config import AutoMPConfig
-    from automp.runtime.session import Session
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (
+    inject(monkeypatch, candidates=lambda device, low: (
         [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -10,6 +10,8 @@ import torch.nn as nn
 import automp
 from automp.runtime import graph_pool
 
+from .sessions import candidates, inject
+
 pytestmark = pytest.mark.usefixtures("fresh_session")
 
 
@@ -155,8 +157,7 @@ def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp
     """A training call that recompiles after the verdict moves the module off CUDA graphs: their pool is given back
     once the last graphed backward's gradients are gone, and the report says so."""
     from automp.runtime.trial import Path
-    from automp.runtime.session import Session
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.GRAPHED], "test: one candidate"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.GRAPHED], "test: one candidate"))
     R = graph_pool.Release
     outcomes = iter([R.PENDING, R.PENDING, R.RELEASED])
     attempts = []
@@ -167,7 +168,7 @@ def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp
     for rows in (8, 8, 12, 12, 12):
         net(torch.randn(rows, 16)).pow(2).mean().backward()
     session = automp._session
-    assert session.roots[net].path is Path.COMPILED_AUTOCAST and session.releasing is None
+    assert session.roots[net].path is Path.COMPILED_AUTOCAST and session.paths.releasing is None
     rep = automp.disable()
     assert len(attempts) == 3
     (setting,) = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
@@ -221,13 +222,12 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
     from automp.config import AutoMPConfig
     from automp.runtime.session import Session
     cost = {Path.FP32: 0.030, Path.GRAPHED: 0.010}
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     released = []
     monkeypatch.setattr(compiled_paths, "release_cached", lambda device: released.append(device))
     monkeypatch.setattr(graph_pool.PoolRelease, "attempt", lambda self: graph_pool.Release.RELEASED)
     now = [0.0]
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path)),
-                      trial_config=TrialConfig(), clock=lambda: now[0])
+                      trial_config=TrialConfig(), clock=lambda: now[0], candidates=candidates(cost))
     session.install()
     net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
     first_graphed, decided_at = None, None

@@ -5,9 +5,11 @@ import torch
 import torch.nn as nn
 
 import automp
+from automp.config import AutoMPConfig
 from automp.runtime.trial import Path, TrialConfig
 from automp.runtime.input_grads import asks_input_grad
-from automp.runtime.session import Session
+
+from .sessions import inject
 
 
 def test_which_calls_ask_for_an_input_gradient():
@@ -46,13 +48,11 @@ def _enable_timed(monkeypatch, config: TrialConfig | None = None) -> None:
     """automp enabled with every path but stock Inductor as candidates, on an injected clock where automp's compiled
     graphs are the fastest: each module call advances it by a quarter of its path's cost."""
     cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010}
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     now = [0.0]
-    monkeypatch.setattr(Session, "__init__", _with_clock(Session.__init__, now))
+    inject(monkeypatch, candidates=lambda device, low: (list(cost), "test"), clock=lambda: now[0],
+           trial_config=config)
     automp.enable(dtype="bf16", inner="eager", spec="h100")
     session = automp._session
-    if config is not None:
-        session.trial_config = config
     real_run = session._run
     monkeypatch.setattr(session, "_run", lambda m, r, p, a, k: now.__setitem__(0, now[0] + cost[p] / 4) or real_run(
         m, r, p, a, k))
@@ -66,13 +66,6 @@ def test_a_gradient_penalty_takes_the_critic_off_the_compiled_paths(monkeypatch,
     assert {c["path"] for c in rep["choices"]} <= {Path.EAGER_LOW.value, Path.FP32.value}
     assert all("automp-compiled" not in c["timings_ms"] for c in rep["choices"])
     assert any("requiring grad" in f["reason"] for f in rep["fallbacks"])
-
-
-def _with_clock(init, now):
-    def patched(self, *args, **kwargs):
-        kwargs.setdefault("clock", lambda: now[0])
-        init(self, *args, **kwargs)
-    return patched
 
 
 @pytest.mark.parametrize("penalty_from", [0, 12])
@@ -112,12 +105,12 @@ def test_a_double_backward_crash_is_explained_and_the_next_run_stays_eager(tmp_p
     script = tmp_path / "second_order.py"
     script.write_text(SECOND_ORDER)
     paths = [Path.COMPILED, Path.EAGER_LOW, Path.FP32]
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(paths), "test"))
-    assert run_script(str(script), [], dtype="bf16", inner="eager") == 1
+    inject(monkeypatch, candidates=lambda device, low: (list(paths), "test"))
+    assert run_script(str(script), [], AutoMPConfig.from_env(dtype="bf16", inner="eager")) == 1
     err = capsys.readouterr().err
     assert "double backward" in err and "automp run --path eager" in err and "Sequential" in err
     report = tmp_path / "r.json"
-    assert run_script(str(script), [], dtype="bf16", inner="eager", report=str(report)) == 0
+    assert run_script(str(script), [], AutoMPConfig.from_env(dtype="bf16", inner="eager", report=str(report))) == 0
     import json
     rep = json.loads(report.read_text())
     (choice,) = rep["choices"]

@@ -8,6 +8,8 @@ from automp.config import AutoMPConfig
 from automp.runtime.recompile_watch import CompileWatch, watch_for
 from automp.runtime.session import Session
 
+from .sessions import candidates
+
 TIMINGS = {"automp-compiled": 20.0, "low-precision-eager": 25.0, "fp32-eager": 30.0}
 
 
@@ -62,7 +64,6 @@ def _train(monkeypatch, churn: tuple[int, int] | None, per_graph_s: float, calls
     advances the clock by per_graph_s.
     The paths each call ran, the report, and the first call that ran the verdict's path."""
     cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.025, Path.COMPILED: 0.020}
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     now = [0.0]
     holder: list[Session] = []
 
@@ -70,7 +71,7 @@ def _train(monkeypatch, churn: tuple[int, int] | None, per_graph_s: float, calls
         return now[0] + per_graph_s * sum(r.graphs for r in holder[0].roots.values())
 
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
-                      trial_config=TrialConfig(confirm_after=0), clock=clock)
+                      trial_config=TrialConfig(confirm_after=0), clock=clock, candidates=candidates(cost))
     holder.append(session)
     session.install()
     torch.manual_seed(0)
@@ -133,6 +134,6 @@ def test_a_ddp_modules_path_is_not_watched_every_rank_must_run_the_same_one(fres
     alone = Root("Net", torch.device("cpu"), torch.bfloat16)
     ranked = Root("DistributedDataParallel", torch.device("cpu"), torch.bfloat16, lockstep=True)
     for root in (alone, ranked):
-        session._decide(root, verdict)
+        session.paths.decide(root, verdict)
     assert alone.watch is not None and alone.watch.fallback is Path.EAGER_LOW
     assert ranked.watch is None

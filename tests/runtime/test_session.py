@@ -13,6 +13,8 @@ import automp.runtime.session
 from automp.precision import capture
 from automp.scaling import autograd_hook
 
+from .sessions import candidates, inject
+
 
 pytestmark = pytest.mark.usefixtures("fresh_session")
 
@@ -39,8 +41,7 @@ def test_script_with_its_own_autocast_runs_and_automp_steps_aside():
 
 def test_module_under_the_scripts_autocast_is_not_reported_as_an_unfinished_trial(monkeypatch):
     from automp.runtime.trial import Path
-    monkeypatch.setattr(automp.runtime.session.Session, "_candidates",
-                        lambda self, device, low: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
     net, x = nn.Linear(8, 8), torch.randn(4, 8)
     automp.enable(dtype="bf16")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -284,10 +285,10 @@ def test_compiled_paths_that_lose_the_trial_are_dropped(monkeypatch):
     from automp.runtime.session import Session
 
     cost = {Path.FP32: 0.010, Path.COMPILED: 0.020, Path.COMPILED_AUTOCAST: 0.030}
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     now = [0.0]
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
-                      trial_config=TrialConfig(give_up=10, give_up_first=10), clock=lambda: now[0])
+                      trial_config=TrialConfig(give_up=10, give_up_first=10), clock=lambda: now[0],
+                      candidates=candidates(cost))
     session.install()
     try:
         net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)

@@ -1,4 +1,4 @@
-"""A trial's verdict re-measured in steady state (choose.confirmation), driven through a session with an injected
+"""A trial's verdict re-measured in steady state (trial.confirmation), driven through a session with an injected
 clock: the switch, the cache, a script that ends first, a GAN's two modules."""
 import torch
 import torch.nn as nn
@@ -7,11 +7,14 @@ from automp.runtime.trial import Path, TrialConfig
 from automp.config import AutoMPConfig
 from automp.runtime.session import Session
 
+from .sessions import candidates
 
-def _clocked_session(now: list[float], **trial) -> Session:
-    """An installed session whose trials read `now[0]` as their clock (TrialConfig fields as keywords)."""
+
+def _clocked_session(now: list[float], paths, **trial) -> Session:
+    """An installed session whose trials of `paths` read `now[0]` as their clock (TrialConfig fields as
+    keywords)."""
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"), trial_config=TrialConfig(**trial),
-                      clock=lambda: now[0])
+                      clock=lambda: now[0], candidates=candidates(paths))
     session.install()
     return session
 
@@ -22,11 +25,10 @@ def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confir
     nothing left to measure."""
     cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.025, Path.COMPILED: 0.020}
     steady = {Path.FP32: 0.030, Path.EAGER_LOW: 0.012, Path.COMPILED: 0.020}
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cold), "test"))
 
     def run(calls: int):
         now = [0.0]
-        session = _clocked_session(now, confirm_within=0.3)
+        session = _clocked_session(now, cold, confirm_within=0.3)
         torch.manual_seed(0)
         net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
         ran, settled_at = [], None
@@ -57,9 +59,8 @@ def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confir
 
 def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(monkeypatch, fresh_session):
     cost = {Path.FP32: 0.024, Path.EAGER_LOW: 0.020}  # FP32 within 25%: it is to be re-measured
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cost), "test"))
     now = [0.0]
-    session = _clocked_session(now)
+    session = _clocked_session(now, cost)
     net, x = nn.Linear(16, 4), torch.randn(8, 16)
     try:
         while session.roots.get(net) is None or session.roots[net].path is None:
@@ -79,11 +80,10 @@ def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fre
     every iteration runs one path for both, so each timed interval measures one path."""
     cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020}
     steady = {Path.FP32: 0.010, Path.EAGER_LOW: 0.020}  # FP32 is faster once warm
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: (list(cold), "test"))
 
     def run(n: int):
         now = [0.0]
-        session = _clocked_session(now, confirm_within=0.6)
+        session = _clocked_session(now, cold, confirm_within=0.6)
         torch.manual_seed(0)
         g, d = nn.Linear(8, 16), nn.Linear(16, 1)
         calls = []  # the path each call of this iteration ran on

@@ -13,6 +13,8 @@ import automp
 from automp.runtime.outputs import restore_lazily
 from automp.runtime.unread_outputs import FieldReads, FieldWatch, detach_unread
 
+from .sessions import inject
+
 
 @dataclass
 class Out(ModelOutput):
@@ -122,11 +124,10 @@ def _enable_trial(monkeypatch):
     """A CPU session whose trial runs the model eagerly once, then compiled (automp's graph pass, run op by op) for
     ten untimed warm-up calls: the order a GPU trial starts with, made deterministic."""
     from automp.runtime.trial import Path, TrialConfig
-    from automp.runtime.session import Session
 
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"))
+    inject(monkeypatch, candidates=lambda device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"),
+           trial_config=TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 10}))
     automp.enable(dtype="bf16", inner="eager", spec="h100")
-    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 10})
 
 
 def test_session_detaches_unread_logits_and_gradients_match_when_the_script_starts_reading_them(monkeypatch):
@@ -184,17 +185,18 @@ def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(
         return out
 
     monkeypatch.setattr(Session, "_run", timed_run)
-    monkeypatch.setattr(Session, "_candidates", lambda self, device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"))
+    paths = lambda device, low: ([Path.EAGER_LOW, Path.COMPILED], "test")  # noqa: E731
+    inject(monkeypatch, candidates=paths, clock=lambda: now[0],
+           trial_config=TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1}, measure=2, block=1))
     torch.manual_seed(0)
     model = TinyLM()
     automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))
-    automp._session.clock = lambda: now[0]
-    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1}, measure=2, block=1)
     _train(model, 8)
     first = automp.disable()
     assert [c["path"] for c in first["choices"]] == ["automp-compiled"] and not first["choices"][0]["cached"]
 
     seen = _spy_detaching(monkeypatch)
+    inject(monkeypatch, candidates=paths)  # the second run: the real clock and trial settings
     automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))
     _train(model, 2)
     second = automp.disable()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -127,7 +126,7 @@ def run_demo(steps: int, device: torch.device, dtype: str = "auto",
         raise ValueError(f"automp demo: --steps must be at least 1, got {steps}")
     works = [gpt_workload(steps, device), cnn_workload(steps, device)]
     results = [train(w, "fp32") for w in works]
-    automp.enable(dtype=dtype, loss_scale="dynamic", inner=inner, path=os.environ.get("AUTOMP_PATH", "auto"))
+    automp.enable(dtype=dtype, loss_scale="dynamic", inner=inner)  # the environment may force a path
     try:
         results += [train(w, "automp") for w in works]
     finally:
@@ -164,7 +163,7 @@ def main(steps: int = 80, device: str | None = None, dtype: str = "auto",
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("automp demo: --device cuda asked for, but torch sees no CUDA device")
-    inner = os.environ.get("AUTOMP_INNER", "inductor")
+    inner = automp.AutoMPConfig.from_env().inner
     results, rep = run_demo(steps, dev, dtype, inner)
     print_results(results, dev)
     from automp.runtime.report import print_report

@@ -74,8 +74,8 @@ def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inne
 
 
 def config_debug() -> bool:
-    import os
-    return os.environ.get("AUTOMP_DEBUG", "") not in ("", "0")
+    from automp.config import debug_from_env  # inside a compiler backend no session's config reaches
+    return debug_from_env()
 
 
 def _eager_aot(precision_pass: _PrecisionPass) -> Callable:

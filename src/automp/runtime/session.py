@@ -1,43 +1,48 @@
-"""An enabled automp: what it installed, the root modules it has seen, and how each of them runs.
+"""An enabled automp: what it installed (with the undo of each change), the root modules it has seen, and how
+each of them runs.
 
 Every top-level call of a module with parameters (a "root": the model, a GAN's generator or discriminator) goes
 through `Session.call`. Nested modules are part of their root's graph and are never roots themselves. A root runs
-on one `Path` (choose.py): chosen by a short timed trial, read from the verdict cache, forced by the config, or
-the script as written when automp has to step aside (the script manages precision itself with torch.autocast, or
-the model is already half precision). Every such choice lands in the report with its reason. What changes a root's
-path once a trial has spoken is in automp.runtime.paths.
+on one `Path` (trial.py): chosen by a short timed trial, read from the verdict cache, forced by the config, or the
+script as written when automp has to step aside (the script manages precision itself with torch.autocast, or the
+model is already half precision). Every such choice lands in the report with its reason. What changes a root's
+path once a trial has spoken is automp.runtime.paths.RootPaths, which the session holds.
+
+The trial's collaborators are passed in, not reached through globals: `candidates` (which paths a device can
+win on), `clock` and `cache` (the verdicts). A test builds a `Session` with its own, or replaces `open_session`,
+the factory `automp.enable()` and `automp.compile()` call, to inject them into the session those open.
 """
 from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from automp.runtime import call_state, compiled_paths, graph_pool, input_grads, rnn
-from automp.runtime.tuning.allocator import ExpandableSegments
-from automp.runtime.tuning.weight_casts import SharedCasts
-from automp.runtime.trial import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict,
-                           candidate_paths, distributed, for_ranks, rank0_start)
 from automp.config import AutoMPConfig
+from automp.precision import cost
+from automp.precision.capture import make_backend, traceable_attention
+from automp.precision.paint import PrecisionConfig
+from automp.runtime import call_state, compiled_paths, input_grads, rnn
+from automp.runtime.graph_breaks import graph_breaks, report_graph_breaks
+from automp.runtime.once_logging import ignore_once_logging
+from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
+from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUTOCAST, Root, RootPaths, as_written,
+                                  built, sync_for)
+from automp.runtime.report import Recorder, dtype_name
+from automp.runtime.trial import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict,
+                                  candidate_paths, distributed, for_ranks, rank0_start)
+from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
 from automp.runtime.tuning.fused_optimizers import OptimizerFuser
-from automp.runtime.once_logging import ignore_once_logging
-from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
-from automp.precision.capture import low_dtype, make_backend, traceable_attention
-from automp.runtime.graph_breaks import graph_breaks, report_graph_breaks
-from automp.precision import cost
-from automp.precision.paint import PrecisionConfig
-from automp.runtime.report import Recorder, dtype_name
-from automp.runtime.paths import BUILT, Root, RootPaths, built, sync_for
-from automp.scaling import install_for
+from automp.runtime.tuning.weight_casts import SharedCasts
 from automp.runtime.unread_outputs import FieldWatch
 from automp.runtime.verdicts import VerdictCache, module_key
+from automp.scaling import Scaling
 
 ORIG_CALL = compiled_paths.ORIG_CALL
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
@@ -45,47 +50,71 @@ ORIG_CALL = compiled_paths.ORIG_CALL
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
+Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Path], str]"]
 
 
-@dataclass
-class Session(RootPaths):
-    config: AutoMPConfig
-    recorder: Recorder = field(default_factory=Recorder)
-    trial_config: TrialConfig = field(default_factory=TrialConfig)
-    clock: Callable[[], float] = time.perf_counter
-    scaler: Any = None
-    roots: "weakref.WeakKeyDictionary[nn.Module, Root]" = field(default_factory=weakref.WeakKeyDictionary)
-    trial: Trial | None = None  # the trial new roots join while it runs
-    confirming: Trial | None = None  # the latest re-measurement (choose.confirmation), for roots to join
-    breaks_before: dict[str, int] = field(default_factory=dict)
-    labels: dict[str, int] = field(default_factory=dict)
-    unfinished: dict[Trial, list[str]] = field(default_factory=dict)  # labels of modules in trials still running
-    calibrations: dict[torch.device, Any] = field(default_factory=dict)
-    fuser: OptimizerFuser | None = None
-    undo_once_logging: Callable[[], None] | None = None
-    scaling_paused: bool = False  # loss scaling taken off because everything runs FP32 (not by the user)
-    casts: SharedCasts = field(default_factory=SharedCasts)  # the eager path's weight casts, kept across calls
-    step_hook: Any = None  # drops those casts when any optimizer steps
-    layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once the paths are chosen
-    tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
-    releasing: graph_pool.Releasing | None = None  # CUDA graphs' pool automp left, until it is given back
-    allocator: ExpandableSegments = field(default_factory=ExpandableSegments)  # process-wide: restored at uninstall
+class CalibratedCandidates:
+    """The default candidates: which paths can win on a device (trial.candidate_paths), from its GEMM rates,
+    measured once per device and cached on disk under `cache_dir` (automp.precision.calibrate)."""
 
-    def __post_init__(self) -> None:
-        self.cache = VerdictCache(self.config.cache_dir)
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir, self.calibrations = cache_dir, {}
+
+    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
+        from automp.precision import calibrate
+        try:
+            if device not in self.calibrations:  # once per session and device, not per module
+                self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
+            gain = calibrate.low_precision_gain(self.calibrations[device], low)
+        except (RuntimeError, ValueError) as e:
+            return [Path.FP32], f"could not measure this device ({e}): kept FP32"
+        return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
+
+
+class Session:
+    """One enabled automp. `install()` makes every change to torch and the process, each registered with its undo
+    where it is made; `uninstall()` runs those undos in reverse, so nothing automp changed outlives it."""
+
+    def __init__(self, config: AutoMPConfig, recorder: Recorder | None = None, *, candidates: Candidates | None = None,
+                 clock: Callable[[], float] = time.perf_counter, cache: VerdictCache | None = None,
+                 trial_config: TrialConfig | None = None, allocator: ExpandableSegments | None = None) -> None:
+        self.config = config
+        self.recorder = recorder if recorder is not None else Recorder()
+        self.candidates = candidates or CalibratedCandidates(config.cache_dir)
+        self.clock = clock
+        self.cache = cache if cache is not None else VerdictCache(config.cache_dir)
+        self.trial_config = trial_config or TrialConfig()
+        self.allocator = allocator or ExpandableSegments()  # process-wide: restored at uninstall
+        self.roots: weakref.WeakKeyDictionary[nn.Module, Root] = weakref.WeakKeyDictionary()
+        self.scaling = Scaling(config, self._record_scaling)
+        self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
+                               forget=self._forget_layout)
+        self.trial: Trial | None = None  # the trial new roots join while it runs
+        self.labels: dict[str, int] = {}
+        self.breaks_before: dict[str, int] = {}
+        self.casts = SharedCasts()  # the eager path's weight casts, kept across calls
+        self.layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once paths are chosen
+        self.tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
+        self._undo: list[Callable[[], None]] = []
+        self._scaling_undo = self._logging_undo = False
 
     # -- install / uninstall --------------------------------------------------------------------------------------
     def install(self) -> None:
         self.allocator.turn_on(self.recorder.add_setting)  # first: before anything allocates device memory
+        self._undo.append(self.allocator.restore)
         if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
-            self.fuser = OptimizerFuser(self._fused, lambda: self.scaler is not None)
-            self.fuser.install()
-        self.scaler = install_for(self.config)
-        self.step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())
+            fuser = OptimizerFuser(self._fused, lambda: self.scaling.on)
+            fuser.install()
+            self._undo.append(fuser.uninstall)
+        self.install_scaling()
+        step_hook = register_optimizer_step_pre_hook(lambda *_: self.casts.clear())  # a step makes casts stale
+        self._undo.append(lambda: (step_hook.remove(), self.casts.clear()))
         if self.config.tune_layout:
             self.layout = LayoutTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
+            self._undo.append(self._restore_layout)
         if self.config.tune_cudnn:
             self.tuning = ConvTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
+            self._undo.append(self._restore_cudnn)
         self.breaks_before = graph_breaks()
         session = self
 
@@ -98,55 +127,62 @@ class Session(RootPaths):
                 return ORIG_CALL(module, *args, **kwargs)
             return session.call(module, args, kwargs)
 
-        nn.Module.__call__ = patched_call
-        nn.RNNBase.__call__ = rnn._rnn_call
+        self._replace(nn.Module, "__call__", patched_call)
+        self._replace(nn.RNNBase, "__call__", rnn._rnn_call)
+
+    def install_scaling(self, config: AutoMPConfig | None = None) -> None:
+        """Loss scaling on where `config` (default: the session's) asks for it; off at uninstall."""
+        self.scaling.start(config)
+        if not self._scaling_undo:
+            self._undo.append(self.scaling.stop)
+            self._scaling_undo = True
+
+    def _replace(self, owner: type, name: str, value: Any) -> None:
+        """owner.name = value, and its undo: the attribute owner had itself, or none (inherited again)."""
+        had, old = name in vars(owner), vars(owner).get(name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, old) if had else delattr(owner, name))
+
+    def _restore_layout(self) -> None:
+        self.layout, layout = None, self.layout
+        layout.restore()
+
+    def _restore_cudnn(self) -> None:
+        self.tuning, tuning = None, self.tuning
+        tuning.restore()
+
+    def _forget_layout(self, module: nn.Module) -> None:
+        if self.layout is not None:
+            self.layout.forget(module)
+
+    def _record_scaling(self, summary: dict[str, Any]) -> None:
+        self.recorder.loss_scale = summary
 
     def uninstall(self) -> dict[str, Any]:
-        if self.fuser is not None:
-            self.fuser.uninstall()
-            self.fuser = None
-        nn.Module.__call__ = ORIG_CALL
-        if self.step_hook is not None:
-            self.step_hook.remove()
-            self.step_hook = None
-        self.casts.clear()
-        graphed = next((r.graphed for r in self.roots.values() if r.graphed is not None), None)
-        if graphed is not None:  # nothing replays them any more
-            self._release_graphs(graphed.pool, last=True)
-        elif self.releasing is not None:
-            self.releasing = self.releasing.retry(last=True)
-        for tuning in (self.layout, self.tuning):
-            if tuning is not None:
-                tuning.restore()
-        self.layout = self.tuning = None
-        if self.undo_once_logging is not None:
-            self.undo_once_logging()
-            self.undo_once_logging = None
-        if "__call__" in vars(nn.RNNBase):
-            del nn.RNNBase.__call__
-        self.allocator.restore()
+        self.paths.retry_release(last=True)  # nothing replays automp's CUDA graphs any more
+        while self._undo:
+            self._undo.pop()()
         self.update_report()
-        self._stop_scaling()
         self.roots.clear()
         return self.recorder.as_dict()
 
     def update_report(self) -> None:
-        if self.scaler is not None:
-            self.recorder.loss_scale = self.scaler.summary()
+        if self.scaling.scaler is not None:
+            self.recorder.loss_scale = self.scaling.scaler.summary()
         report_graph_breaks(self.recorder, self.roots.values(), self.breaks_before)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
         if not self.labels and not any(f["where"] == "modules" for f in self.recorder.fallbacks):
             self.recorder.add_fallback("modules", _NO_ROOTS)
-        for trial, labels in self.unfinished.items():  # the script ended (or the module died) mid-trial
-            timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
-            for label in labels:
-                self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False},
-                                         f"trial unfinished: the script ended (or the module was freed) before its "
-                                         f"candidates were measured; it ran {trial.current.value} last")
-        for root in self.roots.values():  # the script ended before the verdict was re-measured: it stands as is
-            if root.confirm is not None and root.verdict is not None:
-                self.recorder.add_choice(root.label, root.verdict.as_dict(), f"{root.verdict.reason}; not "
-                                         f"re-measured in steady state: the script ended first")
+        self.paths.report_unsettled()
+
+    def compile(self, model: nn.Module, config: AutoMPConfig) -> nn.Module:
+        """automp's compiled pass for one model, no trial (automp.compile), recorded in this session's report; its
+        loss scaling, where `config` asks for it, is this session's to remove."""
+        self.install_scaling(config)
+        device = device_of(model)
+        pconfig = PrecisionConfig(dtype=config.low_dtype(device), spec=_spec(config, device))
+        return torch.compile(model, backend=make_backend(pconfig, self.recorder, inner=config.inner,
+                                                         label=type(model).__name__))
 
     def _fused(self, optimizer: torch.optim.Optimizer, groups: int) -> None:
         self.recorder.optimizers.append({
@@ -172,8 +208,7 @@ class Session(RootPaths):
     # -- the call of every module ---------------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """A module called from the script (patched_call has already passed submodules and traced calls through)."""
-        if self.releasing is not None:
-            self.releasing = self.releasing.retry()
+        self.paths.retry_release()
         root = new = self.roots.get(module)
         if root is None:
             if not any(True for _ in module.parameters()):
@@ -183,24 +218,24 @@ class Session(RootPaths):
         if scripts_autocast:
             self.casts.check()  # the script's own region must not find a stale copy automp cached
         if root.aside is None and scripts_autocast:
-            self._step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
-                                   "(and loss scaling) to the script", user_precision=True)
+            self.paths.step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
+                                        "(and loss scaling) to the script", SCRIPTS_AUTOCAST)
         if root.aside is not None:
             return self._run(module, root, Path.FP32, args, kwargs)  # as written, nested modules included
         if new is None:
-            self._graphs_for_one_module()
+            self.paths.graphs_for_one_module()
         if not root.eager_only and input_grads.asks_input_grad(args, kwargs):
-            self._eager_only(root)
+            self.paths.keep_eager(root)
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
             if root.trial.verdict is None and root.trial.current is Path.GRAPHED and root.graphed is None:
-                self._check_graphs_fit(root)
+                self.paths.check_graphs_fit(root)
             if root.trial.verdict is not None:
-                self._settle(root.trial)
+                self.paths.settle(root.trial)
         elif root.confirm is not None:
             root.confirm.tick(id(module), torch.is_grad_enabled())
             if root.confirm.verdict is not None:
-                self._confirmed(root.confirm)
+                self.paths.confirmed(root.confirm)
         if root.path is None:
             return self._run(module, root, root.trial.current, args, kwargs)
         path = root.confirm.current if root.confirm else root.path
@@ -220,9 +255,9 @@ class Session(RootPaths):
         out = self._run(module, root, path, args, kwargs)
         recompiled = not first and root.graphs > graphs
         if recompiled and graphed:
-            self._leave_graphs(root)
+            self.paths.leave_graphs(root)
         elif not first and root.watch is not None and root.watch.observe(recompiled, self.clock() - start):
-            self._give_up_compiled(root, root.watch)
+            self.paths.give_up_compiled(root, root.watch)
         return out
 
     def _run(self, module: nn.Module, root: Root, path: Path, args: tuple, kwargs: dict) -> Any:
@@ -249,15 +284,15 @@ class Session(RootPaths):
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
                 # own error and propagates once, untouched.
-                self._step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
-                                       f"{(str(e).strip().splitlines() or [''])[0][:200]}")
+                self.paths.step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
+                                            f"{(str(e).strip().splitlines() or [''])[0][:200]}", COMPILE_FAILED)
         finally:
             state.depth, state.path, state.low = outer
         return ORIG_CALL(module, *args, **kwargs)
 
     def _deliver(self, root: Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
-        """What the script gets: its FP32 dtypes (automp.runtime.outputs) and, for a ModelOutput, a watch over which fields
-        it reads (automp.runtime.unread_outputs). rerun is None on the eager path, where nothing is detached."""
+        """What the script gets: its FP32 dtypes (automp.runtime.outputs) and, for a ModelOutput, a watch over which
+        fields it reads (automp.runtime.unread_outputs). rerun is None on the eager path, where nothing is detached."""
         if not is_lazy_candidate(out):
             return restore_float32(out) if rerun is None else out  # compiled paths restored it inside the graph
         root.fields.observe(out)
@@ -266,31 +301,31 @@ class Session(RootPaths):
 
     # -- roots, trials, verdicts ----------------------------------------------------------------------------------
     def _new_root(self, module: nn.Module, args: tuple) -> Root:
-        device = _device_of(module)
-        root = self.roots[module] = Root(self._label(module), device, low_dtype(self.config.dtype, device))
+        device = device_of(module)
+        root = self.roots[module] = Root(self._label(module), device, self.config.low_dtype(device))
         label, recorder = root.label, self.recorder  # not root: see compiled_paths.entry_point
         root.fields.on_reattach = lambda why: recorder.unread_outputs.setdefault(
             label, {"detached": []}).update(detached=[], reattached=why)
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
         if floats and torch.float32 not in floats:
             root.aside = f"its parameters are already {floats[0]}: the model runs in the precision it was given"
-            self.recorder.add_choice(root.label, None, root.aside)
+            self.recorder.add_choice(root.label, as_written(HALF_MODEL), root.aside)
             return root
         # the report's header: this run's dtype and device, whichever path runs (not only once a graph compiles)
         self.recorder.dtype = dtype_name(root.low)
-        self.recorder.device = self._spec(device).name if device.type == "cuda" else "cpu"
+        self.recorder.device = _spec(self.config, device).name if device.type == "cuda" else "cpu"
         spec = self.config.spec or ("h100" if device.type == "cuda" else "cpu")
         root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}",
                               extra=f"{self.config.inner}:{spec}" + ("" if self.config.cuda_graphs else ":no-graphs"))
         forced = self.config.forced_path
         if forced is not None:
-            self._decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
+            self.paths.decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
             return root
         cached = self.cache.get(root.key)
         if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without
             root.eager_only, cached = True, None       # them (automp.runtime.input_grads)
             self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED)
-        candidates, why = ([], "") if cached is not None else self._candidates(device, root.low)
+        candidates, why = ([], "") if cached is not None else self.candidates(device, root.low)
         if root.eager_only:
             candidates = [c for c in candidates if c not in COMPILED_PATHS]
         root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
@@ -302,34 +337,23 @@ class Session(RootPaths):
         if cached is not None:
             if cached.detach:  # what the run that measured it learned the script does not read
                 root.fields.detach, root.fields.decided = cached.detach, True
-            self._decide(root, cached)
-            self._confirm([root], cached, None)
+            self.paths.decide(root, cached)
+            self.paths.confirm([root], cached, None)
             return root
-        if self.scaling_paused and len(candidates) > 1:  # a new trial may run fp16: scaling is needed again
-            self.scaler, self.scaling_paused = install_for(self.config), False
+        if len(candidates) > 1:  # a new trial may run fp16: scaling paused for FP32 is needed again
+            self.scaling.resume()
         if len(candidates) == 1:
             verdict = Verdict(candidates[0], why, {})
-            self._decide(root, verdict)
+            self.paths.decide(root, verdict)
             self.cache.put({root.key: verdict})
             return root
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
             self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(device), note=why,
                                later=RECORD_LAST)
-            self.unfinished[self.trial] = []
+            self.paths.unfinished[self.trial] = []
         root.trial = self.trial
-        self.unfinished[self.trial].append(root.label)
+        self.paths.unfinished[self.trial].append(root.label)
         return root
-
-    def _candidates(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
-        """Which paths can win here (choose.candidate_paths), from the device's GEMM rates, measured once, cached."""
-        from automp.precision import calibrate
-        try:
-            if device not in self.calibrations:  # once per session and device, not per module
-                self.calibrations[device] = calibrate.load_or_measure(device, self.config.cache_dir)
-            gain = calibrate.low_precision_gain(self.calibrations[device], low)
-        except (RuntimeError, ValueError) as e:
-            return [Path.FP32], f"could not measure this device ({e}): kept FP32"
-        return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
 
     def script_failed(self, error: BaseException) -> str | None:
         """The script ended with `error`. A double backward through a compiled graph (automp.runtime.input_grads) is
@@ -352,21 +376,26 @@ class Session(RootPaths):
         it, after automp was enabled. The fields to detach are fixed here, from the calls seen so far."""
         if root.fields.decide():
             self.recorder.unread_outputs[root.label] = {"detached": list(root.fields.detach)}
-        if self.undo_once_logging is None:
-            self.undo_once_logging = ignore_once_logging()
-
-    def _spec(self, device: torch.device) -> cost.DeviceSpec:
-        return cost.spec_named(self.config.spec) if self.config.spec else cost.spec_for(device)
+        if not self._logging_undo:
+            self._undo.append(ignore_once_logging())
+            self._logging_undo = True
 
     def _compile(self, module: nn.Module, root: Root) -> Callable[..., Any]:
-        config = PrecisionConfig(dtype=root.low, spec=self._spec(root.device))
+        config = PrecisionConfig(dtype=root.low, spec=_spec(self.config, root.device))
         planned = config.spec.name
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
                                                                 label=root.label))
 
 
-def _device_of(module: nn.Module) -> torch.device:
+def open_session(config: AutoMPConfig, recorder: Recorder) -> Session:
+    """The session `automp.enable()` and `automp.compile()` open. A test replaces this factory to inject a trial's
+    candidates, clock or cache into the session of a script that enables automp itself; users configure automp
+    through AutoMPConfig, and have no reason to."""
+    return Session(config, recorder)
+
+
+def device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
@@ -376,8 +405,5 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def reconfigured(old: Session, config: AutoMPConfig) -> AutoMPConfig:
-    """enable() while enabled (a script under `automp run` that calls enable itself): the new settings apply, the
-    report keeps its path and everything recorded so far."""
-    return config if config.report is not None or old.config.report is None else replace(config,
-                                                                                          report=old.config.report)
+def _spec(config: AutoMPConfig, device: torch.device) -> cost.DeviceSpec:
+    return cost.spec_named(config.spec) if config.spec else cost.spec_for(device)
