@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from automp import __version__
 from automp.argtypes import int_at_least
 
 
@@ -59,8 +60,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from automp.runtime.report import print_saved_report
-    print_saved_report(args.path, show_nodes=args.nodes)
+    from automp.runtime.report import NotAReport, print_saved_report
+    try:
+        print_saved_report(args.path, show_nodes=args.nodes)
+    except NotAReport as e:  # the file named on the command line is the problem: a usage error
+        print(f"automp report: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -93,46 +98,59 @@ def _cmd_protect(args: argparse.Namespace) -> int:
 _PASSTHROUGH = {"optimize": _cmd_optimize, "llm": _cmd_llm, "protect": _cmd_protect}
 
 
+def _rest(p: argparse.ArgumentParser, help: str) -> None:
+    """The command line after a sub-command's own arguments, possibly empty: argparse marks a REMAINDER positional
+    required and names it in its "required" error, which would read as if something were missing."""
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=help).required = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="automp", description="Automatic reduced precision for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"automp {__version__}",
+                        help="print automp's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do (`automp COMMAND --help` for its options)")
 
     p = sub.add_parser("run", help="run an unmodified training script in mixed precision (like `python SCRIPT`)")
     _add_precision_args(p)
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.add_argument("script", help="the training script, run as `python SCRIPT` would run it")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the script's own arguments, passed on unchanged").required = False  # see _rest
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("demo", help="train built-in models FP32 vs automp side by side")
     p.add_argument("--steps", type=_positive_int, default=80,
                    help="training steps per model (>= 1); automp times its paths in the first 20-75")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"])
-    p.add_argument("--report", default="automp-demo-report.json")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"],
+                   help="low-precision dtype; auto = bf16 where supported, else fp16")
+    p.add_argument("--report", default="automp-demo-report.json",
+                   help="write the precision report JSON, with the demo's results, here (default: %(default)s; "
+                        "'' writes none)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("report", help="print a saved precision report")
-    p.add_argument("path")
+    p.add_argument("path", help="the report JSON written by `automp run --report` or `automp demo`")
     p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
     p.set_defaults(func=_cmd_report)
 
     suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo"]
     p = sub.add_parser("bench", help="benchmarks: " + " | ".join(suites) + " (LLM decoding: `automp llm bench`)")
-    p.add_argument("suite", choices=suites)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("suite", choices=suites, help="the benchmark suite to run")
+    _rest(p, "the suite's own arguments (`automp bench SUITE --help` lists them)")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("optimize", help="optimize a model for deployment (ONNX in, ONNX out)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    _rest(p, "arguments of `automp optimize` (`automp optimize --help` lists them)")
     p.set_defaults(func=_cmd_optimize)
 
     p = sub.add_parser("llm", help="weight-only quantized LLMs: quantize | generate | bench", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    _rest(p, "arguments of `automp llm` (`automp llm --help` lists them)")
     p.set_defaults(func=_cmd_llm)
 
     p = sub.add_parser("protect", help="obfuscate (and optionally encrypt) an ONNX model (ONNX in, ONNX out)",
                        add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    _rest(p, "arguments of `automp protect` (`automp protect --help` lists them)")
     p.set_defaults(func=_cmd_protect)
     return parser
 
@@ -141,8 +159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in _PASSTHROUGH:  # its own parser owns every option, before or after IN (and -h)
         return _PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the sub-command's parser, whose usage and name fit them (parse_args: by automp's)
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
 
 
 if __name__ == "__main__":

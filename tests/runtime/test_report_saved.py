@@ -4,7 +4,7 @@ import json
 import pytest
 
 from automp.cli import main
-from automp.runtime.report import print_saved_report, summarize
+from automp.runtime.report import NotAReport, print_saved_report, summarize
 
 
 def _node(**over):
@@ -53,19 +53,21 @@ def test_a_valid_report_prints(tmp_path, capsys):
 ])
 def test_wrong_shapes_are_one_line_errors(tmp_path, capsys, content, where):
     path = _saved(tmp_path, content)
-    with pytest.raises(SystemExit) as exc:
-        main(["report", path])
-    msg = str(exc.value.code)
+    assert main(["report", path]) == 2  # the file named on the command line is wrong: a usage error
+    captured = capsys.readouterr()
+    msg = captured.err
     assert msg.startswith(f"automp report: {path} is not an automp precision report") and where in msg
-    assert "\n" not in msg
+    assert msg.count("\n") == 1 and captured.out == ""
 
 
 def test_unreadable_files_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    for path in (bad, tmp_path / "missing.json"):
-        with pytest.raises(SystemExit, match=f"automp report: cannot read {path}"):
-            print_saved_report(str(path))
+    with pytest.raises(NotAReport, match=f"{bad} is not JSON \\(invalid at line 1, column 2\\)"):
+        print_saved_report(str(bad))
+    missing = tmp_path / "missing.json"
+    with pytest.raises(NotAReport, match=f"cannot read {missing}: No such file"):
+        print_saved_report(str(missing))
 
 
 def test_summarize_names_the_malformed_part():
@@ -84,3 +86,61 @@ def test_a_report_without_graphs_says_so_instead_of_an_empty_table(capsys):
     print_report(_report())
     out = capsys.readouterr().out
     assert "no graph went through" not in out and "casts +/-/=" in out and "g0.forward" in out
+
+
+def _binary(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    return path
+
+
+def _deep(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    return path
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda tmp: tmp, "is a directory, not a report file"),
+    (_binary, "is not JSON (it is not UTF-8 text"),
+    (lambda tmp: (tmp / "a.json").write_text("{oops") and tmp / "a.json", "is not JSON (invalid at line 1, column 2)"),
+    (lambda tmp: (tmp / "e.json").write_text("\n") and tmp / "e.json", "is empty"),
+    (_deep, "nested too deeply"),
+    (lambda tmp: tmp / "none.json", "cannot read"),
+])
+def test_files_that_are_no_report_are_one_plain_line_rc_2(tmp_path, capsys, make, says):
+    """A directory, a binary file, text that is not JSON: one line naming the file and the problem in words, no
+    parser position jargon, no traceback, exit status 2."""
+    path = make(tmp_path)
+    assert main(["report", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"automp report: ") and str(path) in captured.err and says in captured.err
+    assert captured.err.count("\n") == 1 and "char" not in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("section, where", [
+    ({"optimizers": [{"optimizer": "Adam"}]}, "optimizers[0]"),
+    ({"optimizers": "Adam"}, "optimizers"),
+    ({"settings": [{"setting": "cudnn.benchmark", "value": True}]}, "settings[0]"),
+    ({"unread_outputs": ["logits"]}, "unread_outputs"),
+    ({"unread_outputs": {"GPT": "logits"}}, "unread_outputs['GPT']"),
+    ({"unread_outputs": {"GPT": {"detached": 3}}}, "unread_outputs['GPT'].detached"),
+])
+def test_a_malformed_optional_section_rejects_the_file_in_one_line(tmp_path, capsys, section, where):
+    """The sections printed after the table are checked like the rest: printing the others would pass a damaged
+    file for a whole report."""
+    path = _saved(tmp_path, _report(**section))
+    assert main(["report", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"automp report: {path} is not an automp precision report: {where}") and err.count("\n") == 1
+
+
+def test_text_in_a_report_is_printed_as_text_not_markup(tmp_path, capsys):
+    """A reason such as "[/x]" would be rich markup (a closing tag with no opening one raises)."""
+    fallbacks = [{"where": "[/where]", "reason": "[/x] [bold]"}]
+    settings = [{"setting": "[/s]", "value": "[/v]", "reason": "[/r]"}]
+    graph = {**_report()["graphs"][0], "nodes": [_node(reason="[/n]")]}
+    assert main(["report", _saved(tmp_path, _report(fallbacks=fallbacks, settings=settings, graphs=[graph])),
+                 "--nodes"]) == 0
+    out = capsys.readouterr().out
+    assert "[/x] [bold]" in out and "[/v]" in out and "[/n]" in out

@@ -5,6 +5,7 @@ A tool that silently changes numerics is not trusted; one that says, node by nod
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,16 @@ def check_report(report: Any) -> None:
         _require(isinstance(report.get(key, {}), dict), f"{key} is not an object")
     _check_entries(report.get("fallbacks", []), "fallbacks", ("where", "reason"))
     _check_entries(report.get("choices", []), "choices", ("module", "path", "reason"), strings=("module",))
+    _check_entries(report.get("optimizers", []), "optimizers", ("optimizer", "change"))
+    _check_entries(report.get("settings", []), "settings", ("setting", "value", "reason"))
+    unread = report.get("unread_outputs", {})
+    _require(isinstance(unread, dict), "unread_outputs is not an object")
+    for module, u in unread.items():
+        where = f"unread_outputs[{module!r}]"
+        _require(isinstance(u, dict), f"{where} is not an object")
+        detached = u.get("detached", [])
+        _require(isinstance(detached, list) and all(isinstance(d, str) for d in detached),
+                 f"{where}.detached is not a list of strings")
 
 
 def _kept_fp32_for_lack_of_support(node: dict[str, Any]) -> bool:
@@ -139,61 +150,91 @@ def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    def e(value: Any) -> str:  # a value read from the report, shown as text: "[/x]" in it is not rich markup
+        return escape(str(value))
 
     console = Console()
     if not report.get("graphs"):  # every module ran eagerly (its measured winner, or automp stepped aside)
-        console.print(f"automp precision report — {report['dtype']} on {report['device']}: no graph went through "
+        console.print(f"automp precision report — {e(report['dtype'])} on {e(report['device'])}: no graph went through "
                       f"automp's precision pass (each module's path and why: below)")
-    t = Table(title=f"automp precision report — {report['dtype']} on {report['device']}")
+    t = Table(title=f"automp precision report — {e(report['dtype'])} on {e(report['device'])}")
     for col in ("graph", "nodes", "low", "fp32", "casts +/-/=", "kept FP32 (unknown/unsupported)"):
         t.add_column(col)
     for r in summarize(report):
         low = sum(v for k, v in r["by_dtype"].items() if k in ("float16", "bfloat16"))
         c = r["casts"]
-        t.add_row(r["graph"], str(r["nodes"]), str(low), str(r["by_dtype"].get("float32", 0)),
-                  f"{c['inserted']}/{c['eliminated']}/{c['remaining']}", ", ".join(r["unknown"]) or "-")
+        t.add_row(e(r["graph"]), str(r["nodes"]), str(low), str(r["by_dtype"].get("float32", 0)),
+                  e(f"{c['inserted']}/{c['eliminated']}/{c['remaining']}"), e(", ".join(r["unknown"]) or "-"))
     if report.get("graphs"):
         console.print(t)
     ls = report.get("loss_scale", {})
-    console.print(f"loss scale: {ls.get('scale')}  steps: {ls.get('steps')}  overflow steps: "
-                  f"{ls.get('overflow_steps')}")
+    console.print(e(f"loss scale: {ls.get('scale')}  steps: {ls.get('steps')}  overflow steps: "
+                    f"{ls.get('overflow_steps')}"))
     compiles = report.get("compiles", {})
     for c in report.get("choices", []):
-        graphs = f", {compiles[c['module']]} graph(s) compiled" if c["module"] in compiles else ""
+        graphs = f", {e(compiles[c['module']])} graph(s) compiled" if c["module"] in compiles else ""
         cached = " (verdict from cache)" if c.get("cached") else ""
-        console.print(f"[cyan]{c['module']}[/cyan] runs [bold]{c['path']}[/bold]{cached}{graphs}: {c['reason']}")
+        console.print(f"[cyan]{e(c['module'])}[/cyan] runs [bold]{e(c['path'])}[/bold]{cached}{graphs}: "
+                      f"{e(c['reason'])}")
     for o in report.get("optimizers", []):
-        console.print(f"[cyan]{o['optimizer']}[/cyan]: {o['change']}")
-    for e in report.get("settings", []):
-        console.print(f"[cyan]{e['setting']}[/cyan] = {e['value']}: {e['reason']}")
+        console.print(f"[cyan]{e(o['optimizer'])}[/cyan]: {e(o['change'])}")
+    for s in report.get("settings", []):
+        console.print(f"[cyan]{e(s['setting'])}[/cyan] = {e(s['value'])}: {e(s['reason'])}")
     for module, u in report.get("unread_outputs", {}).items():
         if u.get("detached"):
-            console.print(f"[cyan]{module}[/cyan]: output fields the script does not read are detached in its "
-                          f"compiled graphs (no zero gradient of their size): {', '.join(u['detached'])}")
+            console.print(f"[cyan]{e(module)}[/cyan]: output fields the script does not read are detached in its "
+                          f"compiled graphs (no zero gradient of their size): {e(', '.join(u['detached']))}")
         if u.get("reattached"):
-            console.print(f"[cyan]{module}[/cyan]: {u['reattached']}")
+            console.print(f"[cyan]{e(module)}[/cyan]: {e(u['reattached'])}")
     for fb in report.get("fallbacks", []):
-        console.print(f"[yellow]FP32 fallback[/yellow] {fb['where']}: {fb['reason']}")
+        console.print(f"[yellow]FP32 fallback[/yellow] {e(fb['where'])}: {e(fb['reason'])}")
     if show_nodes:
         for g in report["graphs"]:
-            nt = Table(title=g["name"])
+            nt = Table(title=e(g["name"]))
             for col in ("node", "op", "dtype", "reason"):
                 nt.add_column(col)
             for n in g["nodes"]:
-                nt.add_row(n["name"], n["op"], n["dtype"], n["reason"])
+                nt.add_row(e(n["name"]), e(n["op"]), e(n["dtype"]), e(n["reason"]))
             console.print(nt)
 
 
-def print_saved_report(path: str, show_nodes: bool = False) -> None:
-    """Print a report saved as JSON; an unreadable or malformed file is a one-line SystemExit, not a traceback."""
+class NotAReport(ValueError):
+    """A file `automp report` cannot show; the message is one line that names the file and what is wrong with it."""
+
+
+def load_saved_report(path: str) -> dict[str, Any]:
+    """The report saved at `path`, checked (check_report). Every way a file can fail to be one (missing, a
+    directory, binary, not JSON, JSON of another shape, a malformed section) is a NotAReport naming the file and the
+    problem in plain words. A malformed optional section rejects the whole file rather than printing the rest: the
+    sections automp writes are always well formed, so one that is not means the file was damaged, edited or written
+    by something else, and a partial printout would pass for the whole report."""
+    if os.path.isdir(path):
+        raise NotAReport(f"{path} is a directory, not a report file")
     try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"automp report: cannot read {path}: {e}") from None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise NotAReport(f"cannot read {path}: {e.strerror or e}") from None
+    if not raw.strip():
+        raise NotAReport(f"{path} is empty, not a report")
+    try:
+        report = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise NotAReport(f"{path} is not JSON (it is not UTF-8 text: a binary file?)") from None
+    except json.JSONDecodeError as e:
+        raise NotAReport(f"{path} is not JSON (invalid at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise NotAReport(f"{path} is not an automp precision report: its JSON is nested too deeply") from None
     try:
         check_report(report)
     except ValueError as e:
-        raise SystemExit(f"automp report: {path} is not an automp precision report: {e}") from None
-    print_report(report, show_nodes=show_nodes)
+        raise NotAReport(f"{path} is not an automp precision report: {e}") from None
+    return report
+
+
+def print_saved_report(path: str, show_nodes: bool = False) -> None:
+    """Print a report saved as JSON; a file that is not one raises NotAReport (load_saved_report)."""
+    print_report(load_saved_report(path), show_nodes=show_nodes)
