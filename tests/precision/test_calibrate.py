@@ -79,10 +79,20 @@ def test_cache_round_trip_does_not_measure_again(tmp_path):
 
 
 def test_cache_dir_defaults_to_env(tmp_path, monkeypatch):
+    from automp.config import AutoMPConfig  # the one place that reads the variable
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "sub"))
-    calibrate.load_or_measure(CPU, timer=FakeTimer())
-    assert calibrate.cache_path(CPU).parent == tmp_path / "sub"
-    assert calibrate.cache_path(CPU).is_file()
+    cache_dir = AutoMPConfig().cache_dir
+    calibrate.load_or_measure(CPU, cache_dir, timer=FakeTimer())
+    assert calibrate.cache_path(CPU, cache_dir).parent == tmp_path / "sub"
+    assert calibrate.cache_path(CPU, cache_dir).is_file()
+
+
+def test_cache_dir_is_required(tmp_path, monkeypatch):
+    """The directory is resolved in one place (automp.config), not again here from the environment."""
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
+    with pytest.raises(TypeError, match="cache_dir"):
+        calibrate.load_or_measure(CPU, None, timer=FakeTimer())
+    assert list(tmp_path.iterdir()) == []
 
 
 def valid_file_content():
@@ -212,7 +222,7 @@ def test_default_timer_is_not_sized_by_a_jit_in_the_warmup(monkeypatch):
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
     durations = iter([0.05, 0.008, 0.008] + [0.0002] * 10)
     bench = Bench("gemm", lambda: now.__setitem__(0, now[0] + next(durations)), 1)
-    assert default_timer(torch.device("cpu"))(bench) == pytest.approx(0.0002)
+    assert calibrate.timed_median(default_timer(torch.device("cpu")), bench)[0] == pytest.approx(0.0002)
 
 
 def test_only_a_cpu_is_taken_for_emulating_a_slow_dtype():

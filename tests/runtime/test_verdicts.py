@@ -122,3 +122,11 @@ def test_module_key_is_stable_across_processes():
     keys = {subprocess.run([sys.executable, "-c", KEY_SCRIPT], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "3")}
     assert len(keys) == 1 and len(keys.pop()) == 32
+
+
+def test_the_cache_directory_is_required(tmp_path, monkeypatch):
+    """The directory is resolved in one place (automp.config), not again here from the environment."""
+    import pytest
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
+    with pytest.raises(TypeError, match="directory"):
+        VerdictCache(None)

@@ -4,6 +4,12 @@ The built-in DeviceSpecs are peak numbers for a few known devices; an unknown GP
 gets one guess, although CPUs range from emulated bf16 (low precision is slower than FP32) to AMX (much faster).
 A few short micro-benchmarks — GEMMs per dtype and size, one large copy, back-to-back tiny kernels — give the rates
 this device really reaches. They are cached on disk per device and torch version, so they run once, not per script.
+
+Whatever is cached decides every later run, so a measurement must earn its place there: each bench is warmed up and
+timed several times, the median is taken, and a calibration whose runs disagree (the median far above the fastest
+run: most runs were disturbed, by another process's time slice on a shared machine) or whose rates are absurd is
+used for this run only, never written. Timed once and cold on a busy 2-core CPU, FP32 256^3 read anywhere from 0.001
+to 0.19 TFLOP/s, bf16 read 0.02x FP32 in four calibrations of thirteen, and "keep FP32" was cached for good.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ import platform
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -24,7 +31,8 @@ import torch
 from automp.files import atomic_output
 from automp.precision.cost import DeviceSpec
 
-SCHEMA = 1  # bump when the file layout changes: older files then read as corrupt and are re-measured
+SCHEMA = 2  # bump when the file layout or the way of measuring changes: older files then read as corrupt and are
+# re-measured (2: the median of repeated runs; files of 1 hold one cold run per bench)
 BUCKETS = {"small": 256, "medium": 1024, "large": 4096}  # square GEMM sizes, smallest first
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # On a CPU, a low-precision GEMM this much slower than FP32 at one size is emulated: timing it at bigger sizes would
@@ -34,6 +42,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # and cached that verdict.
 EMULATED_SLOWDOWN = 4.0
 LAUNCHES = 100  # tiny kernels per timed call: amortizes the timer's own overhead (a sync, a clock read)
+REPEATS = 5  # timed runs per bench after the warmup; the median is the measurement
+SLOW_REPEATS, SLOW_RUN_S = 3, 0.25  # a bench whose run takes longer (a CPU's emulated 1024^3 bf16 GEMM: seconds)
+# is timed fewer times, to keep measure() within seconds; a stall of a few ms barely moves such a run anyway
+SPREAD_LIMIT = 2.0  # median over fastest run: above it most runs were disturbed and the median is noise
+# A low-precision GEMM rate this far from FP32's, either way, is not a device's: no hardware does 1000x, and emulated
+# bf16 on a CPU without native support measured 1/55 of FP32 at 1024^3 (real, reproducible), so the band is wide.
+RATIO_LIMIT = 200.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ class Calibration:
     bandwidth_gbps: float  # bytes read + written per second by a large copy, in GB/s
     launch_us: float  # cost of one more tiny kernel, back to back
     measured_at: str  # ISO 8601, UTC
+    # why these figures are not to be trusted beyond this run (see the module's docstring); never written to the cache
+    doubts: tuple[str, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -85,12 +102,8 @@ def device_name(device: torch.device | str) -> str:
 
 
 def default_timer(device: torch.device) -> Timer:
-    """Fastest of a few synchronized runs after one warmup; slow benches run fewer times (down to two) so that
-    measure() stays within its budget on slow devices. The repeats are sized by the first run after the warmup: a
-    CPU's first bf16 GEMM carries oneDNN's JIT (50 ms for a 0.1 ms GEMM), and sized by it, two single runs both hit
-    by a 2-core machine's thread stalls measured bf16 at 0.06x FP32, which the cache then kept. The minimum, not the
-    median: noise only ever adds time, and on a shared GPU another process's time slice can stall a sub-millisecond
-    GEMM a hundredfold."""
+    """Seconds one synchronized call of a bench takes. Warmup and repeats are measure()'s: it needs every run to
+    judge the measurement."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(bench: Bench) -> float:
@@ -100,20 +113,36 @@ def default_timer(device: torch.device) -> Timer:
         sync()
         return time.perf_counter() - start
 
-    def timer(bench: Bench) -> float:
-        once(bench)  # warmup: allocator, kernel selection, page faults, oneDNN's JIT
-        second = once(bench)  # sizes the repeats: the warmup's time can be a JIT's, 500x a CPU bf16 GEMM's
-        runs = max(2, min(5, int(0.1 / max(second, 1e-9))))
-        return min(second, *(once(bench) for _ in range(runs)))
-
-    return timer
+    return once
 
 
-def _timed(timer: Timer, bench: Bench) -> float:
+def _once(timer: Timer, bench: Bench) -> float:
     t = timer(bench)
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+    if not _positive(t):
         raise ValueError(f"timer returned {t!r} for a {bench.kind} bench: expected positive seconds")
     return float(t)
+
+
+def timed_median(timer: Timer, bench: Bench) -> tuple[float, float]:
+    """(median seconds, median over fastest) of REPEATS runs of `bench` (SLOW_REPEATS for a slow one) after one
+    warmup run, which pays for the allocator, kernel selection, page faults and oneDNN's JIT (50 ms for a CPU's first
+    0.1 ms bf16 GEMM). The median, not the fastest: one lucky run would make a rate nobody reaches; and the ratio
+    says whether the median can be trusted."""
+    _once(timer, bench)
+    first = _once(timer, bench)
+    runs = [first] + [_once(timer, bench) for _ in range((REPEATS if first < SLOW_RUN_S else SLOW_REPEATS) - 1)]
+    median = statistics.median(runs)
+    return median, median / min(runs)
+
+
+class _Doubts(list):
+    """What made this calibration untrustworthy, in words, as measure() finds it."""
+
+    def timed(self, timer: Timer, bench: Bench, what: str) -> float:
+        seconds, spread = timed_median(timer, bench)
+        if spread > SPREAD_LIMIT:
+            self.append(f"{what}: the median run took {spread:.1f}x the fastest")
+        return seconds
 
 
 def _repeat(op: Callable[[], object], reps: int) -> Callable[[], None]:
@@ -147,7 +176,7 @@ def emulated(device: torch.device, rate: float, fp32_rate: float) -> bool:
     return device.type != "cuda" and rate * EMULATED_SLOWDOWN < fp32_rate
 
 
-def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, float]]:
+def _measure_gemms(device: torch.device, timer: Timer, doubts: _Doubts) -> dict[str, dict[str, float]]:
     dtypes, reps, _ = _plan(device)
     gen = torch.Generator(device=device).manual_seed(0)  # keeps the user's RNG stream untouched
     rates: dict[str, dict[str, float]] = {}
@@ -158,7 +187,8 @@ def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, fl
             rates[name] = {}
             for bucket, r in reps.items():
                 bench = _gemm(device, name, bucket, r, gen)
-                rates[name][bucket] = bench.flops / _timed(timer, bench) / 1e12
+                seconds = doubts.timed(timer, bench, f"{name} GEMM at {BUCKETS[bucket]}^3")
+                rates[name][bucket] = bench.flops / seconds / 1e12
                 fp32 = rates["float32"][bucket]
                 if emulated(device, rates[name][bucket], fp32):
                     break
@@ -168,26 +198,46 @@ def _measure_gemms(device: torch.device, timer: Timer) -> dict[str, dict[str, fl
 
 
 def measure(device: torch.device | str, timer: Timer | None = None) -> Calibration:
-    """Run the micro-benchmarks on `device` (0.3-0.6 s on a CPU or an H100, CUDA's start aside). `timer(bench)` returns
-    the seconds one call of `bench` takes; by default the median of a few synchronized runs."""
+    """Run the micro-benchmarks on `device` (about a second on a CPU or an H100, CUDA's start aside; more on a CPU that
+    emulates bf16). `timer(bench)` returns the seconds one call of `bench` takes (default_timer: one synchronized
+    call); each bench is warmed up and timed repeatedly (timed_median). The result's `doubts` say why its figures
+    should not outlive this run, if they should not."""
     dev = torch.device(device)
     name = device_name(dev)
     timer = timer or default_timer(dev)
-    gemm = _measure_gemms(dev, timer)
+    doubts = _Doubts()
+    gemm = _measure_gemms(dev, timer, doubts)
 
     _, _, n = _plan(dev)
     src = torch.ones(n, device=dev)
     dst = torch.zeros_like(src)  # written once here, so the timed copies do not pay for first-touch page faults
     copies = 3 if dev.type == "cuda" else 1
     copy = Bench("copy", _repeat(lambda: dst.copy_(src), copies), copies, bytes_moved=2.0 * src.nbytes * copies)
-    bandwidth = copy.bytes_moved / _timed(timer, copy) / 1e9
+    bandwidth = copy.bytes_moved / doubts.timed(timer, copy, "the copy") / 1e9
 
     x = torch.zeros(1, device=dev)
     tiny = Bench("launch", _repeat(lambda: x.add_(1), LAUNCHES), LAUNCHES)
-    launch_us = _timed(timer, tiny) / tiny.reps * 1e6
+    launch_us = doubts.timed(timer, tiny, "the tiny kernels") / tiny.reps * 1e6
 
+    doubts += _implausible(gemm)
+    doubts += [f"{what} is {v!r}" for what, v in (("the copy bandwidth", bandwidth), ("the launch cost", launch_us))
+               if not _positive(v)]
     return Calibration(device=name, torch_version=torch.__version__, gemm_tflops=gemm, bandwidth_gbps=bandwidth,
-                       launch_us=launch_us, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                       launch_us=launch_us, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       doubts=tuple(doubts))
+
+
+def _implausible(gemm: dict[str, dict[str, float]]) -> list[str]:
+    """GEMM rates no device has: not a positive finite number, or a low-precision rate more than RATIO_LIMIT times
+    off FP32's at the same size."""
+    bad = [f"the {d} GEMM rate at {BUCKETS[b]}^3 is {r!r}" for d, per in gemm.items() for b, r in per.items()
+           if not _positive(r)]
+    if bad:
+        return bad
+    fp32 = gemm.get("float32", {})
+    return [f"{d} GEMMs ran {r / fp32[b]:.3g}x as fast as float32 at {BUCKETS[b]}^3"
+            for d, per in gemm.items() if d != "float32" for b, r in per.items()
+            if b in fp32 and not 1 / RATIO_LIMIT <= r / fp32[b] <= RATIO_LIMIT]
 
 
 def _positive(x: object) -> bool:
@@ -213,7 +263,7 @@ def from_json(obj: object) -> Calibration | None:
             return None
         if not all(b in BUCKETS and _positive(v) for b, v in buckets.items()):
             return None
-    if not (_positive(obj.get("bandwidth_gbps")) and _positive(obj.get("launch_us"))):
+    if not (_positive(obj.get("bandwidth_gbps")) and _positive(obj.get("launch_us"))) or _implausible(gemm):
         return None
     return Calibration(device=obj["device"], torch_version=obj["torch_version"],
                        gemm_tflops={d: {b: float(v) for b, v in bs.items()} for d, bs in gemm.items()},
@@ -221,10 +271,12 @@ def from_json(obj: object) -> Calibration | None:
                        measured_at=obj["measured_at"])
 
 
-def cache_path(device: torch.device | str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """One file per device and torch version (a new torch can bring new kernels), under `cache_dir`, else
-    $AUTOMP_CACHE_DIR, else ~/.cache/automp."""
-    root = Path(cache_dir or os.environ.get("AUTOMP_CACHE_DIR") or Path.home() / ".cache" / "automp")
+def cache_path(device: torch.device | str, cache_dir: str | os.PathLike) -> Path:
+    """One file per device and torch version (a new torch can bring new kernels), under `cache_dir`: the caller's
+    (AutoMPConfig.cache_dir resolves the default, so that every cache agrees on it)."""
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a directory path (AutoMPConfig.cache_dir), got {cache_dir!r}")
+    root = Path(cache_dir)
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device_name(device)}-torch{torch.__version__}").strip("_")
     return root / f"calibration-{key}.json"
 
@@ -234,13 +286,14 @@ def _write(path: Path, cal: Calibration) -> None:
     half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"schema": SCHEMA, **asdict(cal)}, f, indent=1)
+        json.dump({"schema": SCHEMA, **{k: v for k, v in asdict(cal).items() if k != "doubts"}}, f, indent=1)
 
 
-def load_or_measure(device: torch.device | str, cache_dir: str | os.PathLike | None = None,
+def load_or_measure(device: torch.device | str, cache_dir: str | os.PathLike,
                     timer: Timer | None = None) -> Calibration:
-    """The cached calibration of `device`, measured (and cached) when missing, corrupt or stale. A cache that
-    cannot be written only costs a re-measure next time, so it warns rather than fails."""
+    """The cached calibration of `device` under `cache_dir`, measured (and cached) when missing, corrupt or stale.
+    A measurement with doubts is used for this run only and not cached: it warns, and the next run measures again.
+    A cache that cannot be written only costs a re-measure next time, so it warns rather than fails."""
     dev = torch.device(device)
     path = cache_path(dev, cache_dir)
     try:
@@ -250,11 +303,16 @@ def load_or_measure(device: torch.device | str, cache_dir: str | os.PathLike | N
     if cached is not None and cached.device == device_name(dev) and cached.torch_version == torch.__version__:
         return cached
     cal = measure(dev, timer)
+    if cal.doubts:
+        warnings.warn(f"automp: the calibration of {cal.device} is unreliable ({'; '.join(cal.doubts)}); it is used "
+                      f"for this run only and not cached", RuntimeWarning, stacklevel=2)
+        return cal
     try:
         _write(path, cal)
     except OSError as e:
         warnings.warn(f"automp: cannot cache the device calibration in {path.parent} ({e}); it will be measured "
-                      f"again next time (set AUTOMP_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=2)
+                      f"again next time (point the cache directory, the cache_dir setting, at a writable one)",
+                      RuntimeWarning, stacklevel=2)
     return cal
 
 

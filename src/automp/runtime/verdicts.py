@@ -34,12 +34,12 @@ except ImportError:  # not POSIX: writes stay atomic, but unlocked (see the modu
 
 class VerdictCache:
     """Verdicts on disk under `directory`, keyed by module_key. A corrupt file is ignored (and replaced at the next
-    write), never fatal. `directory` None means config.default_cache_dir()."""
+    write), never fatal. `directory` is the caller's (AutoMPConfig.cache_dir resolves the default, so that every
+    cache agrees on it)."""
 
-    def __init__(self, directory: str | os.PathLike | None):
-        if directory is None:
-            from automp.config import default_cache_dir
-            directory = default_cache_dir()
+    def __init__(self, directory: str | os.PathLike):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"the verdict cache needs a directory path (AutoMPConfig.cache_dir), got {directory!r}")
         self.path = FsPath(directory) / "verdicts.json"
 
     def _load(self) -> dict[str, Any]:
