@@ -2,6 +2,7 @@
 models, the report file has low-precision forward and backward graphs for both, and automp is off afterwards."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -69,3 +70,41 @@ def test_demo_on_cpu_keeps_the_path_it_measured_fastest_or_fp32_within_the_noise
             assert t[c["path"]] == best or (c["path"] == "fp32-eager" and t["fp32-eager"] <= 1.03 * best
                                             and "runs as written" in c["reason"])
     assert rep["graphs"] == [] and rep["compiles"] == {}
+    # measured afresh in a cache of the demo's own: nothing read from or left in the user's
+    assert not any(c["cached"] for c in rep["choices"]) and not any(tmp_path.iterdir())
+    for r in results:
+        if r.mode == "automp" and r.path == "fp32-eager":
+            assert not r.speedup and r.label.startswith("automp: ")
+
+
+def test_a_run_that_kept_fp32_is_said_in_words_with_no_speedup(tmp_path, monkeypatch, capsys):
+    """automp on FP32 runs the code the FP32 run ran: its row says so and shows no step-time ratio (which would only
+    measure noise). The demo writes nothing into the user's cache (HOME and AUTOMP_CACHE_DIR point at empty
+    directories that stay empty)."""
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir(), cache.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("AUTOMP_PATH", "fp32")
+    monkeypatch.setenv("COLUMNS", "250")  # one line per table row
+    path = tmp_path / "demo.json"
+    assert demo.main(steps=2, device="cpu", report=str(path)) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "automp: FP32 as written" in line]
+    assert len(rows) == 2 and not any(re.search(r"\d\.\d\dx", row) for row in rows), out
+    assert not any(home.iterdir()) and not any(cache.iterdir())
+    automp_rows = [r for r in json.loads(path.read_text())["demo"] if r["mode"] == "automp"]
+    assert [(r["path"], r["speedup"]) for r in automp_rows] == [("fp32-eager", False)] * 2
+
+
+@pytest.mark.parametrize("choice, words, ratio", [
+    ({"path": "fp32-eager", "timings_ms": {"fp32-eager": 10.0, "low-precision-eager": 10.4}, "reason": "fastest"},
+     "automp: kept FP32 as written — no low-precision path measured faster here", False),
+    ({"path": "as-written", "timings_ms": {}, "reason": "compilation failed"}, "compilation failed", False),
+    ({"path": "unsettled", "timings_ms": {"fp32-eager": 10.0}, "reason": "still timing"}, "still timing", False),
+    ({"path": "low-precision-eager", "timings_ms": {"fp32-eager": 10.0, "low-precision-eager": 6.0}, "reason": "x"},
+     "automp (bfloat16, low-precision-eager)", True),
+])
+def test_describe_says_what_automp_did(choice, words, ratio):
+    label, speedup = demo.describe(choice, "bfloat16")
+    assert words in label and speedup is ratio
