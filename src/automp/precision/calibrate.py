@@ -8,8 +8,9 @@ this device really reaches. They are cached on disk per device and torch version
 Whatever is cached decides every later run, so a measurement must earn its place there: each bench is warmed up and
 timed several times, the median is taken, and a calibration whose runs disagree (the median far above the fastest
 run: most runs were disturbed, by another process's time slice on a shared machine) or whose rates are absurd is
-used for this run only, never written. Timed once and cold on a busy 2-core CPU, FP32 256^3 read anywhere from 0.001
-to 0.19 TFLOP/s, bf16 read 0.02x FP32 in four calibrations of thirteen, and "keep FP32" was cached for good.
+used for this run only, never written. Timed once and cold on a 2-core CPU shared with other work, an FP32 256^3 GEMM
+reads anywhere from 0.001 to 0.19 TFLOP/s and bf16 as little as 0.02x FP32: cached, such a reading kept every later
+run in FP32.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import math
 import os
 import platform
 import re
+import statistics
 import time
 import warnings
-import statistics
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
