@@ -45,24 +45,18 @@ def _map_leaf(fn: Callable[[torch.Tensor], torch.Tensor], leaf: Any) -> Any:
 
 
 def _rebuilt(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`obj` with fn mapped over its fields, as a new instance (the module may have returned an object it keeps,
-    which must not change under it), or obj itself where nothing changed. Rebuilt by dataclasses.replace, which
-    Dynamo traces and frozen dataclasses accept; fields outside __init__, or a class replace refuses (an InitVar
-    without default), are set on a shallow copy."""
-    changed = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name, None)
-        mapped = map_tensors(fn, value)
-        if mapped is not value:
-            changed[f.name] = mapped
-    if not changed:
-        return obj
-    init = {k: v for k, v in changed.items() if obj.__dataclass_fields__[k].init}
+    """A new instance of `obj`'s class with fn mapped over its fields (the module may have returned an object it
+    keeps, which must not change under it). Rebuilt by dataclasses.replace, which frozen dataclasses accept; fields
+    outside __init__, or a class replace refuses (an InitVar without default), are set on a shallow copy. Every
+    field is passed on, changed or not: an identity test on a tuple field would break the graph Dynamo traces."""
+    fields = dataclasses.fields(obj)
+    mapped = {f.name: map_tensors(fn, getattr(obj, f.name, None)) for f in fields}
+    init = {f.name: mapped[f.name] for f in fields if f.init}
     try:
         new = dataclasses.replace(obj, **init)
     except (TypeError, ValueError):
         new, init = copy.copy(obj), {}
-    for name, value in changed.items():
+    for name, value in mapped.items():
         if name not in init:
             object.__setattr__(new, name, value)
     return new
