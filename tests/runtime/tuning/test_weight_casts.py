@@ -203,3 +203,24 @@ def test_torch_func_grad_over_functional_call_bypasses_the_cache():
             assert g[k].dtype == torch.float32
             assert ((g[k].double() - r).norm() / r.norm()).item() < GRAD_RTOL, k
     assert all(p.grad is not None for p in d.parameters())
+
+
+class _NoStorage:
+    """What the cache sees of a parameter with no storage of its own (a wrapper tensor subclass such as DTensor)."""
+
+    requires_grad, _version = True, 0
+
+    def data_ptr(self):
+        raise RuntimeError("Cannot access data pointer of Tensor that doesn't have storage")
+
+
+def test_parameters_without_storage_run_in_a_plain_region():
+    from automp.runtime.tuning.weight_casts import SharedCasts
+    casts, owner = SharedCasts(), _net()
+    state = casts.enter("cpu", torch.bfloat16, owner, [_NoStorage()])
+    try:
+        assert torch.is_autocast_enabled("cpu") and not state[3]  # autocast on, nothing shared or recorded
+        assert not casts._owners and not casts._cast
+    finally:
+        casts.exit("cpu", state)
+    assert not torch.is_autocast_enabled("cpu")

@@ -88,9 +88,9 @@ class SharedCasts:
                     self._cast += cast
         if share:
             torch.autocast_increment_nesting()
-        else:  # an evaluation pass: a plain region, whose exit empties the cache. Before pytorch#165068 a copy cast
-            self.clear()  # there had no autograd edge, and a training call reusing it left the weights without
-            #               gradient (#112583)
+        else:  # a plain region, whose exit empties the cache (a torch.func call, storage-less parameters, or an
+            self.clear()  # evaluation pass: before pytorch#165068 a copy cast there had no autograd edge, and a
+            #               training call reusing it left the weights without gradient, #112583)
         state = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
                  torch.is_autocast_cache_enabled(), share)
         torch.set_autocast_enabled(device_type, True)
