@@ -54,8 +54,8 @@ def test_a_sane_calibration_is_cached(tmp_path, recwarn):
 @pytest.mark.parametrize("bench, schedule, doubt", [
     # three of five runs stalled: the median itself is noise
     (FP32_SMALL, [1.0, 1.0, 40.0, 1.0, 40.0, 40.0], "median run took 40.0x the fastest"),
-    # every bf16 run slowed 500x (load that lasted through the whole bench): bf16 would read 1/4000 of FP32
-    (("gemm", "bfloat16", "small"), [500.0] * 6, "bfloat16 GEMMs ran 0.00025x as fast as float32"),
+    # every bf16 run slowed 1000x (load that lasted through the whole bench): bf16 would read 1/8000 of FP32
+    (("gemm", "bfloat16", "small"), [1000.0] * 6, "bfloat16 GEMMs ran 0.000125x as fast as float32"),
     (("copy", "float32", ""), [1.0, 1.0, 9.0, 9.0, 1.0, 9.0], "the copy: the median run took 9.0x"),
 ], ids=["spread", "ratio", "copy"])
 def test_a_doubtful_calibration_is_used_for_this_run_and_not_cached(tmp_path, bench, schedule, doubt):
@@ -71,9 +71,20 @@ def test_a_doubtful_calibration_is_used_for_this_run_and_not_cached(tmp_path, be
 
 
 def test_a_cached_calibration_with_an_absurd_ratio_is_measured_again(tmp_path):
+    """A file written by hand or by an older measurement that no device could have produced is not trusted."""
     cal = calibrate.measure(CPU, timer=FakeTimer())
-    absurd = {**cal.gemm_tflops, "float16": {"small": cal.gemm_tflops["float32"]["small"] / 1000}}
+    absurd = {**cal.gemm_tflops, "float16": {"small": cal.gemm_tflops["float32"]["small"] / 5000}}
     text = json.dumps({"schema": calibrate.SCHEMA, **{**calibrate.asdict(cal), "gemm_tflops": absurd}})
     calibrate.cache_path(CPU, tmp_path).write_text(text, encoding="utf-8")
     timer = FakeTimer()
     assert calibrate.load_or_measure(CPU, tmp_path, timer=timer).gemm_tflops == cal.gemm_tflops and timer.calls
+
+
+def test_a_steadily_slow_emulated_dtype_is_cached(tmp_path):
+    """bf16 emulated on a CPU without native support: 1/190 of FP32, run after run. That is the device, not noise,
+    and measuring it again every run would cost seconds each time."""
+    factor = RATES["bfloat16"] * 190 / RATES["float32"]  # turns FakeTimer's bf16 rate into 1/190 of FP32's
+    timer = ScheduledTimer(("gemm", "bfloat16", "small"), [factor] * 6)
+    cal = calibrate.load_or_measure(CPU, tmp_path, timer=timer)
+    assert cal.gemm_tflops["bfloat16"]["small"] == pytest.approx(RATES["float32"] / 190)
+    assert cal.doubts == () and calibrate.cache_path(CPU, tmp_path).is_file()
