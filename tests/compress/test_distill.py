@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import automp
 import automp.runtime.session
 from automp.compress.distill import DistillConfig, Distiller, kd_kl
-from automp.compress.quant.qat import QATLinear, convert_qat, prepare_qat
+from automp.quant.qat import QATLinear, convert_qat, prepare_qat
 from automp.scaling import autograd_hook
 
 

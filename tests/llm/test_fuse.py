@@ -26,6 +26,14 @@ from automp.llm.quantize import QuantLinear, quantize, weight_bytes
 from automp.llm.store import META, WEIGHTS, build, load, save
 from tests.llm import DEVICE
 
+@pytest.fixture(autouse=True)
+def kernel_ops(monkeypatch):
+    """These tests count and compare kernel calls: the quantized layers call the kernel ops on the CPU too (their
+    CPU default is a torch reference, which makes no op call)."""
+    import automp.quant.weight_only as weight_only
+    monkeypatch.setattr(weight_only, "FORCE_KERNELS", True)
+
+
 LAYERS = 2  # tiny-llama: 2 blocks, each with a q/k/v and a gate/up group
 KERNELS = ("quant_gemv", "quant_gemm")
 

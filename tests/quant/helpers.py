@@ -1,11 +1,15 @@
-"""Tiny models and an easy synthetic 4-class image task shared by the quantization tests."""
+"""Tiny models, an easy synthetic 4-class image task and its session fixtures, shared by the quantization tests
+(tests/quant, tests/deploy/qdq: each conftest imports the fixtures from here)."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 from torch import nn
+
+from automp.deploy.qdq.export import export_float
 
 SIDE = 12
 ONE_POINT = 0.01 + 1e-9  # one top-1 percentage point (plus float slack: 0.96 - 0.95 > 0.01)
@@ -68,3 +72,25 @@ def onnx_accuracy(model: onnx.ModelProto, x: np.ndarray, y: np.ndarray) -> float
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     got, ref = got.astype(np.float64), ref.astype(np.float64)
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="session")
+def task():
+    """(x_train, y_train, x_test, y_test) of the synthetic 4-class image task."""
+    return make_images(512, seed=1) + make_images(400, seed=2)
+
+
+@pytest.fixture(scope="session")
+def trained_cnn(task):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    x, y, xt, yt = task
+    train(model, x, y, steps=150)
+    acc = torch_accuracy(model, xt, yt)
+    assert acc > 0.9, f"the synthetic task should be easy; float CNN reached only {acc:.3f}"
+    return model
+
+
+@pytest.fixture(scope="session")
+def cnn_onnx(trained_cnn, task):
+    return export_float(trained_cnn, (torch.from_numpy(task[0][:2]),), ["image"], ["logits"])

@@ -11,11 +11,10 @@ uniform quantizer's error step/sqrt(12) with step = absmax / qmax (absmax of n G
 import pytest
 import torch
 
-from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
-from automp.deploy.quantized.linear import (Int8Linear, WeightOnlyLinear, int8_static_qparams, nbytes,
-                                            smooth_factors, weight_group)
-
-from .helpers import DEVICE, randn, rel_err
+from automp.quant.int8 import Int8Linear, int8_static_qparams, nbytes, smooth_factors, weight_group
+from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
+from automp.quant.weight_only import WeightOnlyLinear
+from tests.deploy.quantized.helpers import DEVICE, randn, rel_err
 
 EXACT = 2e-3
 
@@ -96,9 +95,9 @@ def test_weight_only_linear_matches_references(bits, k, group, tol):
     w, b = randn(29, k, seed=9).to(DEVICE), randn(29, seed=10).to(DEVICE)
     x = randn(2, 7, k, seed=11).half().to(DEVICE)
     assert weight_group(k) == group
-    mod = WeightOnlyLinear(w, b, bits, group)
+    mod = WeightOnlyLinear.from_weight(w, b, bits, group)
     from automp.kernels import dequantize_weight
-    exact = x.double() @ dequantize_weight(mod.qweight, mod.scales, k).double().T + b.double()
+    exact = x.double() @ dequantize_weight(mod.qw, mod.scales, k).double().T + b.double()
     y = mod(x)
     assert y.shape == (2, 7, 29) and y.dtype == torch.float16
     assert rel_err(y, exact) < EXACT
@@ -111,11 +110,12 @@ def test_weight_only_linear_matches_references(bits, k, group, tol):
 
 def test_weight_only_bytes_shrink():
     w = randn(64, 128, seed=12)
-    assert nbytes(WeightOnlyLinear(w, None, 4, 128)) < nbytes(WeightOnlyLinear(w, None, 8, 128)) < w.numel() * 2
+    int4, int8 = (WeightOnlyLinear.from_weight(w, None, bits, 128) for bits in (4, 8))
+    assert nbytes(int4) < nbytes(int8) < w.numel() * 2
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        WeightOnlyLinear(w, None, 3, 128)
+        WeightOnlyLinear.from_weight(w, None, 3, 128)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
-        WeightOnlyLinear(w, None, 8, 128, dtype=torch.float32)
+        WeightOnlyLinear.from_weight(w, None, 8, 128, dtype=torch.float32)
 
 
 def test_weight_group_choice():

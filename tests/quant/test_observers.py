@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from automp.compress.quant.observers import (ObserverConfig, activation_qparams, fake_quantize, make_observer,
+from automp.quant.observers import (ObserverConfig, activation_qparams, fake_quantize, make_observer,
                                              range_to_qparams)
 
 

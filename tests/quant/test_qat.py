@@ -7,10 +7,10 @@ import torch
 from onnx import TensorProto
 from torch import nn
 
-from automp.compress.quant.export import export_qat_onnx
-from automp.compress.quant.observers import ObserverConfig, fake_quantize
-from automp.compress.quant.qat import FakeQuant, QATConfig, QATConv2d, QATLinear, convert_qat, prepare_qat
-from tests.compress.helpers import ONE_POINT, SmallCNN, onnx_accuracy, ort_run, rel_err, torch_accuracy, train
+from automp.deploy.qdq.export import export_qat_onnx
+from automp.quant.observers import ObserverConfig, fake_quantize
+from automp.quant.qat import FakeQuant, QATConfig, QATConv2d, QATLinear, convert_qat, prepare_qat
+from tests.quant.helpers import ONE_POINT, SmallCNN, onnx_accuracy, ort_run, rel_err, torch_accuracy, train
 
 
 def _fq(scale, zero, axis=None, dtype="uint8", narrow=False):

@@ -6,7 +6,6 @@ so ratios are meaningful even when clocks or neighbours change between runs.
 from __future__ import annotations
 
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from automp.files import write_json_and_markdown
+from automp.timing import time_fn  # noqa: F401 - the suites time through the harness
 
 
 @dataclass
@@ -38,36 +38,6 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu ({platform.processor() or platform.machine()})"
-
-
-def time_fn(fn: Callable[[], Any], warmup: int = 10, iters: int = 50, flush_l2: bool = False) -> float:
-    """Median milliseconds per call: CUDA events on a GPU, perf_counter on the CPU.
-
-    Median, not mean, so one preempted iteration does not move the figure; an optional L2 flush between iterations
-    keeps bandwidth-bound kernels from being measured out of cache.
-    """
-    for _ in range(warmup):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        scratch = torch.empty(64 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
-        times = []
-        for _ in range(iters):
-            if scratch is not None:
-                scratch.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:

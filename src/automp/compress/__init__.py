@@ -1,1 +1,2 @@
-"""Model compression for deployment: int8 quantization (quant/: observers, PTQ on ONNX, QAT in torch)."""
+"""Model compression: sparsity (sparse/: pruning, 2:4 semi-structured) and distillation (distill.py). Quantization
+is automp.quant; int8 ONNX models are automp.deploy.qdq."""

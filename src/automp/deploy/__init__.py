@@ -3,7 +3,7 @@
     model, report = automp.deploy.optimize("model.onnx", precision="fp16")
 
 Graph passes (fold constants, dce, fold BN, fuse, reorder) run first, then the precision change (fp16 by the
-training op lists, or int8 by automp.compress PTQ), then the result is checked against the FP32 input in
+training op lists, or int8 by the QDQ PTQ of automp.deploy.qdq), then the result is checked against the FP32 input in
 onnxruntime. The output keeps the input's names and float32 I/O types and runs in onnxruntime's CPU provider.
 """
 from __future__ import annotations
@@ -18,19 +18,10 @@ from automp.deploy.fp16 import Fp16Config, convert_fp16
 from automp.deploy.passes.fuse import FuseConfig
 from automp.deploy.passes.graph import op_counts
 from automp.deploy.passes.pipeline import default_passes, run_pipeline
+from automp.deploy.qdq.ptq import PTQConfig, quantize_onnx
 
 PRECISIONS = ("fp32", "fp16", "int8")
 ERROR_SAMPLES = 256
-
-
-def _quantize_int8(model: onnx.ModelProto, calib: dict[str, np.ndarray], budget: float | None,
-                   progress: Callable[[int, int], None] | None) -> tuple[onnx.ModelProto, dict]:
-    try:
-        from automp.compress.quant.ptq import PTQConfig, quantize_onnx
-    except ImportError as e:
-        raise NotImplementedError(f"--precision int8 needs automp.compress.quant.ptq.quantize_onnx, which is not "
-                                  f"available in this build ({e})") from None
-    return quantize_onnx(model, calib, PTQConfig(), budget=budget, progress=progress)
 
 
 def _signature(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
@@ -135,7 +126,7 @@ def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] |
         model_opt, rep = convert_fp16(model_opt, Fp16Config())
         fp16_rep = rep.to_dict()
     elif precision == "int8":
-        model_opt, int8_rep = _quantize_int8(model_opt, calib, budget, progress)
+        model_opt, int8_rep = quantize_onnx(model_opt, calib, PTQConfig(), budget=budget, progress=progress)
     onnx_io.validate(model_opt, f"optimized {source}", check_runtime=False)
     if _signature(model_opt) != _signature(src):
         raise RuntimeError(f"{source}: optimization changed the model's inputs/outputs from {_signature(src)} to "

@@ -1,29 +1,25 @@
 """AWQ (Lin et al. 2023), optional in automp.llm.quantize: a few input channels carry much larger activations than
-the rest, and their weights matter more. Scaling weight column k by s_k (and the activation by 1/s_k) gives those columns more of the int grid.
+the rest, and their weights matter more. Scaling weight column k by s_k (and the activation by 1/s_k) gives those
+columns more of the int grid.
 Per group of linears that read one activation, s = mean|x|^alpha with alpha chosen on a grid in [0, 1] to minimise the
 group's output MSE on calibration activations (alpha = 0 is plain quantization, so the search never does worse on
 them). 1/s is folded into the op that produces the activation: the RMSNorm/LayerNorm weight (and bias) before q/k/v
 and before the MLP's up projections; the trailing output rows of v_proj (or c_attn's v part) before o_proj/c_proj, and
 of up_proj before down_proj (the attention output is linear in v, and act(gate) * up is linear in up). Where no such
 op exists (GPT-2's mlp.c_proj reads gelu(c_fc); o_proj under grouped-query attention, whose input repeats each v
-head), 1/s stays in the QuantLinear as an explicit input multiply. The search's clipping step from the paper is not
-done.
+head), 1/s stays in the WeightOnlyLinear as an explicit input multiply. The search's clipping step from the paper is
+not done.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from automp.llm.quantize import Arch, _quantizer, kernels
+from automp.llm.arch import Arch
+from automp.quant.weight_only import fake_quant
 
 AWQ_GRID = 20          # alphas 0, 0.05, ..., 0.95
 AWQ_MAX_ROWS = 1024    # calibration rows kept per activation: enough for the MSE, bounded memory on large models
-
-
-def fake_quant(w: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
-    k = kernels()
-    q, s = _quantizer(bits)(w, group_size)
-    return k.dequantize_weight(q, s, w.shape[1])
 
 
 def search_scale(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int | None,

@@ -20,9 +20,10 @@ identity test `cached is x` is decided at trace time, the fused kernel appears o
 cache's attribute writes are replayed after the graph as side effects; the last member leaves the cache empty, so
 the state every call starts from (and the guards on it) is the same and nothing recompiles.
 
-Results: the members' rows are computed by the same kernels on the same rows, so on the CPU (Triton interpreter: one
-tile configuration) fused and unfused outputs are bitwise equal. On a GPU the GEMV autotuner keys on N and may pick
-another K tile (or K split) for the fused N, which changes the fp32 summation order: measured on an H100 with
+Results: the members' rows are computed by the same kernels on the same rows, so on the CPU (the torch reference, or
+the Triton interpreter's one tile configuration) fused and unfused outputs are bitwise equal. On a GPU the GEMV
+autotuner keys on N and may pick another K tile (or K split) for the fused N, which changes the fp32 summation order:
+measured on an H100 with
 TinyLlama-1.1B's shapes, up to 2 fp16 ulps on under 0.4% of a projection's outputs at decode (GEMV), bitwise equal
 at prefill (GEMM), the same greedy tokens; decode went from 1.35 to 1.10 ms/token (int4 g128) and 1.70 to 1.35 (int8).
 """
@@ -31,11 +32,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from automp.llm.quantize import QuantConfig, QuantLinear, arch_of, project
+from automp.llm.arch import QuantConfig, arch_of
+from automp.quant.weight_only import WeightOnlyLinear, project
 
 
 class FusedGroup:
-    """The fused tensors of one group of QuantLinears and the one-entry cache of its output (see the module doc).
+    """The fused tensors of one group of WeightOnlyLinears and the one-entry cache of its output (see the module doc).
 
     Not an nn.Module on purpose: the members' own buffers are what is saved and loaded."""
 
@@ -73,9 +75,9 @@ class FusedGroup:
 
 
 def _fusable(members: list[nn.Module]) -> bool:
-    """QuantLinears that one kernel call can serve: same kernel arguments but N, and no input scale (AWQ folds the
+    """WeightOnlyLinears that one kernel call can serve: same kernel arguments but N, and no input scale (AWQ folds the
     scale of these groups into the norm before them, so it is None there)."""
-    if not all(isinstance(m, QuantLinear) for m in members):
+    if not all(isinstance(m, WeightOnlyLinear) for m in members):
         return False
     first = members[0]
     same = ("bits", "group_size", "in_features", "dtype")
@@ -99,7 +101,7 @@ def _is_fused(members: list[nn.Module]) -> bool:
         all(getattr(m, "_fused", None) is group and m._fused_slot == i for i, m in enumerate(members))
 
 
-def _fuse(members: list[QuantLinear]) -> None:
+def _fuse(members: list[WeightOnlyLinear]) -> None:
     with torch.no_grad():
         qw = torch.cat([m.qw for m in members])
         scales = torch.cat([m.scales for m in members])
@@ -142,7 +144,7 @@ def fused_groups(model: nn.Module) -> list[FusedGroup]:
     """The active groups of `model`, each once (for tests and reports)."""
     seen: dict[int, FusedGroup] = {}
     for m in model.modules():
-        group = getattr(m, "_fused", None) if isinstance(m, QuantLinear) else None
+        group = getattr(m, "_fused", None) if isinstance(m, WeightOnlyLinear) else None
         if group is not None and group.active:
             seen.setdefault(id(group), group)
     return list(seen.values())

@@ -1,14 +1,13 @@
-"""Drop-in nn.Linear replacements that run on the automp int8 kernels.
+"""W8A8 int8 Linear (`Int8Linear`) and the helpers the torch converters share (weight groups, SmoothQuant factors).
 
-Int8Linear (W8A8, precision "int8"): weights int8 per output channel (symmetric), activations int8 per row. The
-per-row ("per-token") scale is taken in the forward by default: transformer activations carry a few large-magnitude
-channels whose size changes from token to token, so one static scale per tensor either clips them or wastes levels
-on every other token. int8_gemm accumulates in int32 and applies both scales and the bias in one epilogue.
+Int8Linear (W8A8, automp.deploy.quantized's precision "int8"): weights int8 per output channel (symmetric),
+activations int8 per row. The per-row ("per-token") scale is taken in the forward by default: transformer activations
+carry a few large-magnitude channels whose size changes from token to token, so one static scale per tensor either
+clips them or wastes levels on every other token. int8_gemm accumulates in int32 and applies both scales and the bias in one epilogue.
 
-WeightOnlyLinear (W8A16 "int8-weight", W4A16 "int4-weight"): weights int8 or int4 in groups of K, activations stay
-fp16/bf16; the kernel dequantizes tiles in registers, so the weight crosses memory at 1 or 0.5 byte per element.
+The weight-only layers (W8A16, W4A16) are automp.quant.weight_only.WeightOnlyLinear.
 
-Both keep nn.Linear's contract: any leading dims, output in the input's dtype (fp32 in -> fp32 out, which the
+Int8Linear keeps nn.Linear's contract: any leading dims, output in the input's dtype (fp32 in -> fp32 out, which the
 sensitivity measurement relies on), `in_features` / `out_features` attributes.
 """
 from __future__ import annotations
@@ -17,9 +16,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from automp import kernels
+from automp.quant.weight_only import kernels
 
-HALF = (torch.float16, torch.bfloat16)
 GROUPS = (128, 64, 32)  # largest first: fewer scales to load, at a small accuracy cost
 
 
@@ -53,7 +51,7 @@ class Int8Linear(nn.Module):
                                  f"{tuple(smooth.shape)}")
             weight = weight * smooth.to(weight)[None, :]
         self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth.float()).contiguous())
-        qw, scale = kernels.quantize_weight_int8(weight, group_size=None)
+        qw, scale = kernels().quantize_weight_int8(weight, group_size=None)
         # [N, K] with K contiguous, passed to int8_gemm as the [K, N] view .t(): the K-major operand layout that
         # 8-bit tensor-core instructions (Hopper wgmma) want for both operands.
         self.register_buffer("qweight", qw)
@@ -76,7 +74,7 @@ class Int8Linear(nn.Module):
         if self.inv_smooth is not None:
             x2 = x2.float() * self.inv_smooth
         if self.act_scale is None:
-            return kernels.quantize_rowwise_int8(x2)
+            return kernels().quantize_rowwise_int8(x2)
         lo, hi = (-127, 127) if self.act_zero is None else (-128, 127)
         q = torch.round(x2.float() * (1.0 / self.act_scale))  # a multiply per element, see quantize_rowwise_int8
         if self.act_zero is not None:
@@ -87,49 +85,13 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         a_q, sa = self._quantize(x2)
-        y = kernels.int8_gemm(a_q, self.qweight.t(), sa, self.wscale, self.bias, out_dtype=x.dtype,
+        y = kernels().int8_gemm(a_q, self.qweight.t(), sa, self.wscale, self.bias, out_dtype=x.dtype,
                               a_zero=self.act_zero)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         smooth = ", smoothed" if self.inv_smooth is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, activations={self.mode}{smooth}"
-
-
-class WeightOnlyLinear(nn.Module):
-    """y = x @ dequant(Wq)^T + b with Wq int8 or packed int4 (layout: automp.kernels.quant), grouped along K."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int | None,
-                 dtype: torch.dtype = torch.float16) -> None:
-        super().__init__()
-        if bits not in (4, 8):
-            raise ValueError(f"WeightOnlyLinear: bits must be 4 or 8, got {bits}")
-        if dtype not in HALF:
-            raise TypeError(f"WeightOnlyLinear: compute dtype must be float16 or bfloat16, got {dtype}")
-        self.out_features, self.in_features = weight.shape
-        self.bits, self.group, self.dtype = bits, group, dtype
-        quantize = kernels.quantize_weight_int4 if bits == 4 else kernels.quantize_weight_int8
-        qw, scales = quantize(weight.detach(), group_size=group)
-        self.register_buffer("qweight", qw)
-        # scales in the compute dtype: 2^-11 relative rounding, far below the int8/int4 step they scale
-        self.register_buffer("scales", scales.to(dtype).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        xa = x2 if x2.dtype in HALF else x2.to(self.dtype)
-        if xa.shape[0] == 1:  # one token: the GEMV streams the weight once with no tile waste
-            y = kernels.quant_gemv(self.qweight, self.scales, xa[0]).unsqueeze(0)
-        else:
-            y = kernels.quant_gemm(xa, self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        g = "per-channel" if self.group is None else f"group={self.group}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, {g}"
 
 
 def smooth_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -142,7 +104,7 @@ def smooth_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float)
 
 
 def int8_static_qparams(scale: np.ndarray, zero: np.ndarray, dtype: str) -> tuple[float, int]:
-    """Observer qparams (automp.compress.quant.observers, per tensor) as the int8 scale and zero point int8_gemm
+    """Observer qparams (automp.quant.observers, per tensor) as the int8 scale and zero point int8_gemm
     takes: a uint8 range [0, 255] with zero point zu is the int8 range [-128, 127] with zero point zu - 128."""
     s, z = float(np.asarray(scale)), int(np.asarray(zero))
     return s, (z - 128 if dtype == "uint8" else z)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from automp.compress.quant.observers import QRANGES, ObserverConfig, activation_qparams, make_observer
+from automp.quant.observers import QRANGES, ObserverConfig, activation_qparams, make_observer
 
 
 def _default_activation() -> ObserverConfig:
@@ -152,7 +152,7 @@ class QATConv2d(_QATMixin, nn.Conv2d):
         return self._conv_forward(self._quant_input(x), self.weight_fq(self.weight), self.bias)
 
 
-def _to_qat(mod: nn.Module, config: QATConfig) -> nn.Module:
+def to_qat(mod: nn.Module, config: QATConfig) -> nn.Module:
     """Same parameters (same names, same tensors) inside a QAT subclass, so optimizers and state dicts hold."""
     if isinstance(mod, nn.Linear):
         q = QATLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
@@ -171,7 +171,7 @@ def _replace(parent: nn.Module, config: QATConfig) -> int:
         if isinstance(child, (QATLinear, QATConv2d)):
             raise ValueError(f"module {name!r} is already prepared for QAT")
         if type(child) in (nn.Linear, nn.Conv2d):
-            setattr(parent, name, _to_qat(child, config))
+            setattr(parent, name, to_qat(child, config))
             count += 1
         else:
             count += _replace(child, config)

@@ -208,7 +208,7 @@ def test_finalize_leaves_a_plain_model_whose_exports_keep_the_zeros(tmp_path):
     for n in ("fc1", "fc2"):
         _assert_two_four(sd[f"{n}.weight"])
 
-    from automp.compress.quant.export import export_float
+    from automp.deploy.qdq.export import export_float
     x = _data(4)[0]
     exported = export_float(model, (x,), ["x"], ["y"])
     inits = [numpy_helper.to_array(t) for t in exported.graph.initializer]

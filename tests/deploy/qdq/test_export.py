@@ -3,10 +3,10 @@ import pytest
 import torch
 from torch import nn
 
-import automp.compress.quant.export as export_mod
-from automp.compress.quant.export import export_float, export_qat_onnx
-from automp.compress.quant.qat import convert_qat, prepare_qat
-from tests.compress.helpers import ort_run, rel_err
+import automp.deploy.qdq.export as export_mod
+from automp.deploy.qdq.export import export_float, export_qat_onnx
+from automp.quant.qat import convert_qat, prepare_qat
+from tests.quant.helpers import ort_run, rel_err
 
 
 def _mlp():

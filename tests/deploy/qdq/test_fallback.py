@@ -3,9 +3,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from automp.compress.quant.fallback import FallbackConfig, fit_budget
-from automp.compress.quant.ptq import PTQConfig, quantize_onnx
-from tests.compress.helpers import ort_run, rel_err
+from automp.deploy.qdq.ptq import PTQConfig, quantize_onnx
+from automp.quant.fallback import FallbackConfig, fit_budget
+from tests.quant.helpers import ort_run, rel_err
 
 _OWN_ERROR = {"a": 0.5, "b": 0.1, "c": 0.05}
 

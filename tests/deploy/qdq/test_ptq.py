@@ -6,10 +6,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from automp.compress.quant.export import export_float
-from automp.compress.quant.observers import ObserverConfig
-from automp.compress.quant.ptq import PTQConfig, quantize_onnx
-from tests.compress.helpers import ONE_POINT, onnx_accuracy, ort_run, rel_err
+from automp.deploy.qdq.export import export_float
+from automp.deploy.qdq.ptq import PTQConfig, quantize_onnx
+from automp.quant.observers import ObserverConfig
+from tests.quant.helpers import ONE_POINT, onnx_accuracy, ort_run, rel_err
 
 INT8_TOL = 5e-2  # int8 per-channel weights + per-tensor uint8 activations on a small CNN / MLP
 

@@ -13,6 +13,13 @@ from .helpers import DEVICE, bert_batch, randn, rel_err, tiny_bert
 EAGER = TorchQuantConfig(compile=False)
 
 
+@pytest.fixture
+def kernel_ops(monkeypatch):
+    """Weight-only layers call the kernel ops on the CPU too (their CPU default is a torch reference with no op)."""
+    import automp.quant.weight_only as weight_only
+    monkeypatch.setattr(weight_only, "FORCE_KERNELS", True)
+
+
 def _automp_ops(model, *args, **kwargs) -> list[str]:
     seen: list[str] = []
 
@@ -25,7 +32,7 @@ def _automp_ops(model, *args, **kwargs) -> list[str]:
 
 
 @pytest.mark.parametrize("precision,op", [("int8", "automp.int8_gemm"), ("int4-weight", "automp.quant_gemm")])
-def test_converted_bert_traces_as_one_graph(precision, op):
+def test_converted_bert_traces_as_one_graph(precision, op, kernel_ops):
     bert = tiny_bert(layers=1, pooler=False)
     model, rep = quantize_module(bert, precision, None, EAGER)
     batch = bert_batch(2, 5, seed=1)
@@ -34,7 +41,7 @@ def test_converted_bert_traces_as_one_graph(precision, op):
     assert _automp_ops(model, **batch) == [op] * len(rep.layers) == [op] * 6
 
 
-def test_one_token_uses_the_gemv_op():
+def test_one_token_uses_the_gemv_op(kernel_ops):
     net = torch.nn.Linear(64, 24).to(DEVICE)
     model, _ = quantize_module(net, "int8-weight", None, EAGER)
     assert _automp_ops(model, randn(1, 64, seed=2).to(DEVICE)) == ["automp.quant_gemv"]

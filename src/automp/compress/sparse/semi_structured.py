@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from automp.compress.sparse.masks import is_two_four
 from automp.compress.sparse.pruning import is_pruned
+from automp.timing import time_fn
 
 Timer = Callable[[str, str, Callable[[], Any]], float]  # (layer, "dense" | "sparse", fn) -> milliseconds
 HALF = (torch.float16, torch.bfloat16)
@@ -95,7 +96,6 @@ def detect_backend(device: torch.device) -> tuple[Backend | None, str]:
 
 
 def default_timer(warmup: int = 5, iters: int = 30) -> Timer:
-    from automp.bench.harness import time_fn
     return lambda layer, kind, fn: time_fn(fn, warmup=warmup, iters=iters)
 
 

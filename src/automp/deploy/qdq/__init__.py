@@ -1,14 +1,11 @@
-"""int8 quantization.
+"""int8 ONNX models in QDQ format (runs in onnxruntime CPU), built on automp.quant's observers and fallback.
 
-PTQ on ONNX:  quantize_onnx(model, calib, PTQConfig(), budget=None) -> (QDQ model, report)
-QAT in torch: prepare_qat(model, QATConfig()) -> train -> convert_qat(model) -> export_qat_onnx(model, inputs)
-Both share the range observers (observers.py) and the QDQ writer (qdq.py).
+PTQ:        quantize_onnx(model, calib, PTQConfig(), budget=None) -> (QDQ model, report)
+QAT export: automp.quant.prepare_qat(model) -> train -> convert_qat(model) -> export_qat_onnx(model, inputs)
+Both write their graph with the one QDQ writer (qdq.py), so the two paths emit identical graphs. This lives in
+deploy (not quant) because it reads and writes ONNX through automp.deploy's onnxruntime helpers.
 """
-from automp.compress.quant.export import export_float, export_qat_onnx
-from automp.compress.quant.fallback import FallbackConfig
-from automp.compress.quant.observers import ObserverConfig, make_observer
-from automp.compress.quant.ptq import PTQConfig, quantize_onnx
-from automp.compress.quant.qat import QATConfig, convert_qat, prepare_qat
+from automp.deploy.qdq.export import export_float, export_qat_onnx
+from automp.deploy.qdq.ptq import PTQConfig, quantize_onnx
 
-__all__ = ["quantize_onnx", "PTQConfig", "FallbackConfig", "ObserverConfig", "make_observer", "prepare_qat",
-           "convert_qat", "export_qat_onnx", "export_float", "QATConfig"]
+__all__ = ["quantize_onnx", "PTQConfig", "export_qat_onnx", "export_float"]

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from automp.compress.quant.observers import Observer
 from automp.deploy import runtime
+from automp.quant.observers import Observer
 
 
 def model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:

@@ -16,10 +16,10 @@ import onnx
 import torch
 from torch import nn
 
-from automp.compress.quant.layers import Layer, check_model, find_layers, weight_array
-from automp.compress.quant.qat import QATLinear, qat_layers
-from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
 from automp.deploy.onnx_io import fit_ir_version
+from automp.deploy.qdq.layers import Layer, check_model, find_layers, weight_array
+from automp.deploy.qdq.qdq import QDQPlan, QParams, write_qdq
+from automp.quant.qat import QATLinear, qat_layers
 
 
 def export_float(model: nn.Module, example_inputs: tuple, input_names: list[str] | None = None,

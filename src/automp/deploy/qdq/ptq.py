@@ -25,11 +25,11 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from automp.compress.quant import calibrate
-from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
-from automp.compress.quant.layers import Layer, LayerScan, check_model, find_layers, weight_array
-from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
-from automp.compress.quant.qdq import QDQPlan, QParams, write_qdq
+from automp.deploy.qdq import calibrate
+from automp.deploy.qdq.layers import Layer, LayerScan, check_model, find_layers, weight_array
+from automp.deploy.qdq.qdq import QDQPlan, QParams, write_qdq
+from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
+from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
 
 INT8_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
                 "QLinearAdd", "QLinearGlobalAveragePool")

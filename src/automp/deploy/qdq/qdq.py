@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from automp.compress.quant.layers import Layer, weight_array
+from automp.deploy.qdq.layers import Layer, weight_array
 
 _INT32_MAX = 2 ** 31 - 1
 _WEIGHT_QMAX = 127  # weights are symmetric int8 in [-127, 127]

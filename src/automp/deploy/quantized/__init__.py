@@ -12,9 +12,10 @@ precision:
 Everything that is not an nn.Linear runs in fp16. With calib and a budget, the most sensitive layers go back to
 fp16 until the error vs FP32 holds. On CUDA the result is torch.compile'd with CUDA graphs (fixed shapes).
 
-Modules: linear (the quantized Linear modules), convert (conversion + fallback), boundary (float32 I/O,
-calibration batches), compile (CUDA graphs), report (per-layer decisions), speed (on CUDA, the result timed
-against the same module in fp16/bf16: the report says which is faster, and a slower result warns).
+The quantized Linear modules are automp.quant's (Int8Linear, WeightOnlyLinear). Modules here: convert (conversion +
+fallback), boundary (float32 I/O, calibration batches), compile (CUDA graphs), report (per-layer decisions), speed (on
+CUDA, the result timed against the same module in fp16/bf16: the report says which is faster, and a slower result
+warns).
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ import torch.nn as nn
 
 from automp.deploy.quantized.compile import compile_module, graph_breaks
 from automp.deploy.quantized.convert import PRECISIONS, TorchQuantConfig, quantize_module
-from automp.deploy.quantized.linear import Int8Linear, WeightOnlyLinear
 from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
 from automp.deploy.quantized import speed
+from automp.quant import Int8Linear, WeightOnlyLinear
 
 
 def optimize_torch(module: nn.Module, precision: str, calib: Iterable | None = None, budget: float | None = None,

@@ -4,13 +4,13 @@
 
 Steps, all under no_grad on the module's device:
 1. calibration batches run through the FP32 module: reference outputs (the error metric's baseline), per-channel
-   activation maxima for SmoothQuant, ranges for static int8 (automp.compress.quant.observers), and each Linear's
+   activation maxima for SmoothQuant, ranges for static int8 (automp.quant.observers), and each Linear's
    input, on which that Linear alone is quantized: its own relative output error, reported as its sensitivity.
 2. a deep copy goes to fp16 (LayerNorm, softmax, GELU run in fp16 as torch does them) and each Linear is swapped
    for its quantized module, built from the FP32 weight.
 3. with a budget, the model's error vs FP32 (automp.deploy.runtime.compare: relative L2, worst output) is measured;
    while it is over the budget the most sensitive quantized layer goes back to fp16 (rule ERROR_BUDGET). "Most
-   sensitive" is by default compress.quant.fallback's: the model error with only that layer quantized. The
+   sensitive" is by default automp.quant.fallback's: the model error with only that layer quantized. The
    per-layer error of step 1 is the cheaper option, but a poor proxy: on all-MiniLM-L6-v2 (int8, budget 0.02) it
    needed 21 of 37 layers back in fp16 where the model-level ranking needed 8, because a layer's own error says
    little about how much the output depends on it.
@@ -29,14 +29,14 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from automp.compress.quant.fallback import FallbackConfig, check_budget, fit_budget
-from automp.compress.quant.observers import ObserverConfig, activation_qparams, make_observer
 from automp.deploy import runtime
 from automp.deploy.quantized import boundary, speed
 from automp.deploy.quantized.compile import compile_module
-from automp.deploy.quantized.linear import (GROUPS, Int8Linear, WeightOnlyLinear, int8_static_qparams, nbytes,
-                                            smooth_factors, weight_group)
 from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
+from automp.quant.api import W8A8Config, WeightOnlyConfig, quantize_layer
+from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
+from automp.quant.int8 import GROUPS, int8_static_qparams, nbytes, smooth_factors, weight_group
+from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
 
 PRECISIONS = ("int8", "int8-weight", "int4-weight")
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -50,7 +50,7 @@ class TorchQuantConfig:
     calibration data (None: no fallback). exclude: fnmatch patterns of module names kept in float.
     smooth: int8 only, with calib - SmoothQuant migration strength alpha in [0, 1] (None: off); see Int8Linear.
     group_size: weight-only - the largest group along K tried (128, 64 or 32; smaller is more accurate, more scales).
-    sensitivity: how the budget search ranks layers - compress.quant.fallback's "isolate" / "drop" (model output
+    sensitivity: how the budget search ranks layers - automp.quant.fallback's "isolate" / "drop" (model output
     error, one model run per layer over the calibration data) or "layer" (each layer's own output error, no extra
     run; see the module docstring for why it is not the default).
     max_calib_batches: calibration batches used (the rest of the iterable is not read). compile: torch.compile the
@@ -126,11 +126,14 @@ def _decide(module: nn.Module, precision: str, config: TorchQuantConfig) -> dict
 
 def _quantized_linear(linear: nn.Linear, precision: str, config: TorchQuantConfig,
                       act: tuple[float, int] | None, smooth: torch.Tensor | None) -> nn.Module:
-    w, b = linear.weight.float(), None if linear.bias is None else linear.bias.float()
+    """The layer automp.quant's handler builds for `precision` (int8 groups: the largest of 128/64/32 dividing K,
+    else per channel)."""
     if precision == "int8":
-        return Int8Linear(w, b, act, smooth)
-    group = weight_group(w.shape[1], config.group_size)
-    return WeightOnlyLinear(w, b, 8 if precision == "int8-weight" else 4, group, config.dtype)
+        scheme = W8A8Config(static=None if act is None else {"": act}, smooth=None if smooth is None else {"": smooth})
+    else:
+        scheme = WeightOnlyConfig(8 if precision == "int8-weight" else 4,
+                                  weight_group(linear.in_features, config.group_size), config.dtype)
+    return quantize_layer(linear, scheme)
 
 
 def _hooked_pass(module: nn.Module, names: Iterable[str], hook: Callable[[str, torch.Tensor, torch.Tensor], None],
@@ -240,10 +243,10 @@ def _aliases(module: nn.Module) -> dict[int, list[str]]:
 def _fit_budget(swap: _Swapper, quantized: set[str], sens: dict[str, float], config: TorchQuantConfig,
                 steps: list[list]) -> tuple[list[str], dict[str, float]]:
     """Put layers back in float, most sensitive first, until the budget holds; returns them (in that order) and the
-    model-level sensitivities when config.sensitivity asked compress.quant.fallback to measure them.
+    model-level sensitivities when config.sensitivity asked automp.quant.fallback to measure them.
 
     "layer" orders by the one-pass per-layer error `sens`; "isolate" / "drop" hand the search to
-    compress.quant.fallback.fit_budget, which measures each layer's effect on the model output (one model run per
+    automp.quant.fallback.fit_budget, which measures each layer's effect on the model output (one model run per
     layer: slower, but it sees which layers the output actually depends on)."""
     budget = config.budget
     floor = swap.error(set())

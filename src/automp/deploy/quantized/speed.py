@@ -7,8 +7,8 @@ slower. So on CUDA, with calibration data, the result is timed against the float
 dtype boundary, same compile mode) on the first calibration batch, and the report says which was faster. The
 precision stays the caller's choice; a slower result also raises a warning naming both timings.
 
-On a CPU nothing is timed (the quantized kernels run there only under the Triton interpreter: a timing would say
-nothing about a GPU), and the report says so.
+On a CPU nothing is timed (the layers run a torch reference there, or the kernels under the Triton interpreter: a
+timing would say nothing about a GPU), and the report says so.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import torch
 import torch.nn as nn
 
 from automp.deploy.quantized import boundary
+from automp.timing import time_fn
 
 Timer = Callable[[Callable[[], Any]], float]  # ms per call of the closure
 
 
 def default_timer(fn: Callable[[], Any]) -> float:
-    from automp.bench.harness import time_fn
     return time_fn(fn, warmup=5, iters=30)
 
 

@@ -1,0 +1,146 @@
+"""One verb for every quantization scheme: `quantize(model, Config(), filter_fn=None)` swaps modules in place.
+
+    quantize(model, WeightOnlyConfig(bits=4, group_size=128))    # every nn.Linear -> WeightOnlyLinear (W4A16)
+    quantize(model, W8A8Config())                                 # every nn.Linear -> Int8Linear (dynamic activations)
+    quantize(model, QATConfig())                                  # nn.Linear / nn.Conv2d -> fake-quant QAT layers
+
+A scheme is a config dataclass and a handler registered for its type (`@register_handler(ConfigType)`): the handler
+turns one module into its quantized replacement. Adding a scheme is adding a pair, with no change to the verb or to
+its callers (automp.deploy.quantized and automp.llm build their layers through the same handlers or classes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from automp.quant.int8 import Int8Linear
+from automp.quant.qat import QATConfig, to_qat
+from automp.quant.weight_only import MIN_GROUP, WeightOnlyLinear
+
+Handler = Callable[[nn.Module, Any, str], nn.Module]
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+@dataclass(frozen=True)
+class WeightOnlyConfig:
+    """W8A16 / W4A16: int8 or int4 weights in groups of `group_size` along K (None: one scale per output row),
+    activations in `dtype`. A group must divide K (checked per layer)."""
+    bits: int = 4
+    group_size: int | None = 128
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"WeightOnlyConfig: bits must be 4 or 8, got {self.bits!r}")
+        g = self.group_size
+        if g is not None and (not isinstance(g, int) or g < MIN_GROUP or g & (g - 1)):
+            raise ValueError(f"WeightOnlyConfig: group_size must be a power of two >= {MIN_GROUP} or None "
+                             f"(per-channel), got {g!r}")
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"WeightOnlyConfig: dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+
+
+@dataclass(frozen=True, eq=False)
+class W8A8Config:
+    """W8A8: int8 weights per output channel, int8 activations per row taken in the forward (dynamic), or per tensor
+    from calibration for the layers named in `static` ({layer name: (scale, zero point)}, see
+    automp.quant.int8.int8_static_qparams). `smooth`: SmoothQuant factors per layer name (see Int8Linear)."""
+    static: dict[str, tuple[float, int]] | None = None
+    smooth: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    handler: Handler
+    default_filter: FilterFn
+
+
+_HANDLERS: dict[type, _Entry] = {}
+
+
+def _is_linear(module: nn.Module, name: str) -> bool:
+    return type(module) is nn.Linear
+
+
+def register_handler(config_type: type, default_filter: FilterFn = _is_linear) -> Callable[[Handler], Handler]:
+    """Register `handler(module, config, name) -> replacement` for configs of `config_type`; `default_filter`
+    picks the modules `quantize` replaces when the caller gives no filter_fn."""
+    def register(handler: Handler) -> Handler:
+        _HANDLERS[config_type] = _Entry(handler, default_filter)
+        return handler
+    return register
+
+
+def _entry(config: Any) -> _Entry:
+    entry = _HANDLERS.get(type(config))
+    if entry is None:
+        known = ", ".join(sorted(t.__name__ for t in _HANDLERS))
+        raise TypeError(f"automp.quant.quantize: no handler for {type(config).__name__}; registered configs: {known}")
+    return entry
+
+
+def quantize_layer(module: nn.Module, config: Any, name: str = "") -> nn.Module:
+    """The quantized replacement of one module (what `quantize` puts in its place)."""
+    return _entry(config).handler(module, config, name)
+
+
+def quantize(model: nn.Module, config: Any, filter_fn: FilterFn | None = None) -> nn.Module:
+    """Replace, in place, every module of `model` that filter_fn(module, name) selects (default: the config's, e.g.
+    every nn.Linear) by the handler's result; returns `model` (or the replacement, when `model` itself matched).
+
+    A module reachable under several names is replaced once, under all of them; the inside of a replaced module is
+    not visited. Selecting nothing is an error, never a silent no-op."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"automp.quant.quantize takes an nn.Module, got {type(model).__name__}")
+    entry = _entry(config)
+    keep = filter_fn or entry.default_filter
+    names: dict[int, list[str]] = {}
+    chosen: dict[int, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+        if keep(module, name):
+            chosen[id(module)] = module
+    if not chosen:
+        raise ValueError(f"automp.quant.quantize: no module of {type(model).__name__} matched the filter for "
+                         f"{type(config).__name__}")
+    if id(model) in chosen:
+        return entry.handler(model, config, "")
+    replaced: list[str] = []
+    for key, module in chosen.items():
+        aliases = names[key]
+        if any(a.startswith(p + ".") for a in aliases for p in replaced):
+            continue  # inside a module already replaced
+        new = entry.handler(module, config, aliases[0])
+        for alias in aliases:
+            parent, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        replaced += aliases
+    return model
+
+
+def _dense(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"automp.quant: expected an nn.Linear, got {type(module).__name__}")
+    return module.weight.detach().float(), None if module.bias is None else module.bias.detach().float()
+
+
+@register_handler(WeightOnlyConfig)
+def _weight_only(module: nn.Module, config: WeightOnlyConfig, name: str) -> nn.Module:
+    w, b = _dense(module)
+    if config.group_size is not None and w.shape[1] % config.group_size:
+        raise ValueError(f"automp.quant: group_size {config.group_size} does not divide K={w.shape[1]} of layer "
+                         f"{name or type(module).__name__}; pick a power of two dividing it, or group_size=None")
+    return WeightOnlyLinear.from_weight(w, b, config.bits, config.group_size, config.dtype)
+
+
+@register_handler(W8A8Config)
+def _w8a8(module: nn.Module, config: W8A8Config, name: str) -> nn.Module:
+    w, b = _dense(module)
+    act = (config.static or {}).get(name)
+    return Int8Linear(w, b, act, (config.smooth or {}).get(name))
+
+
+register_handler(QATConfig, lambda m, n: type(m) in (nn.Linear, nn.Conv2d))(lambda m, config, name: to_qat(m, config))
