@@ -4,8 +4,8 @@ import torch
 
 from automp.llm.quantize import ARCHS, QuantLinear
 
-# Where int4 runs in this test process: tests/conftest.py turns the Triton interpreter on only on a machine without a
-# GPU, and int4 on the CPU needs it (automp.llm.quantize.check_backend). So int4 tests run on CUDA when it exists.
+# Where the quantized models run: on CUDA (the Triton kernels) when it exists, else on the CPU (the layers' torch
+# reference; test_fuse.py sends them through the kernel ops, interpreted, to count and compare kernel calls).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Shared by test_quantize.py and test_awq.py (bounds explained in test_quantize.py's docstring).

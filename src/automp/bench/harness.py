@@ -9,12 +9,12 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from automp.files import write_json_and_markdown
-from automp.timing import time_fn  # noqa: F401 - the suites time through the harness
+from automp.timing import time_fn
 
 
 @dataclass
