@@ -20,3 +20,16 @@ def test_demo_passes_good_steps_on(monkeypatch):
     monkeypatch.setattr(automp.models.demo, "main", lambda **kw: seen.update(kw) or 0)
     assert main(["demo", "--steps", "3", "--device", "cpu"]) == 0
     assert seen["steps"] == 3
+
+
+@pytest.mark.parametrize("argv, env, named", [(["--loss-scale", "banana"], {}, "banana"),
+                                              ([], {"AUTOMP_INNER": "bogus"}, "AUTOMP_INNER='bogus'")])
+def test_run_rejects_a_bad_setting_before_the_script_runs(tmp_path, monkeypatch, capsys, argv, env, named):
+    marker = tmp_path / "ran.txt"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", *argv, str(script)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("automp run: ") and named in err[0] and not marker.exists()

@@ -117,7 +117,13 @@ class AutoMPConfig:
                 found[name] = raw
         if "cache_dir" not in found:
             found["cache_dir"] = default_cache_dir(env)
-        return cls(**{**found, **overrides})
+        try:
+            return cls(**{**found, **overrides})
+        except ValueError as e:  # name the variable when the environment's value is the bad one
+            for var, name in ENVIRONMENT.items():
+                if name in found and name not in overrides and not _valid(cls, name, found[name]):
+                    raise ValueError(f"{var}={env[var]!r}: {e}") from None
+            raise
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> "AutoMPConfig":
@@ -163,6 +169,14 @@ class AutoMPConfig:
             return self.report
         path = FsPath(self.report)
         return str(path.with_name(f"{path.stem}.rank{self.rank}{path.suffix}"))
+
+
+def _valid(cls: type, name: str, value: Any) -> bool:
+    try:
+        cls(**{"cache_dir": ".", name: value})
+    except ValueError:
+        return False
+    return True
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:

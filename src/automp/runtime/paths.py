@@ -1,9 +1,10 @@
-"""A root module's path over a run: the verdict of its trial, the re-measurement in steady state, and the moves
-off a path afterwards (recompiles, CUDA graphs that no longer fit the script, every module on FP32, gradients
-with respect to inputs, a script that manages precision itself).
+"""A root module's path over a run: where it starts (forced, cached, its only candidate, or a trial of the
+candidates its device can win on), the verdict of its trial, the re-measurement in steady state, and the moves off
+a path afterwards (recompiles, CUDA graphs that no longer fit the script, every module on FP32, gradients with
+respect to inputs, a script that manages precision itself).
 
-`RootPaths` changes a root's path once a trial or a re-measurement has spoken: it reads and writes the roots, cache and
-report the session hands it, and nothing here runs a module (that is automp.runtime.session.Session).
+`RootPaths` makes those decisions for the roots, cache and report the session hands it; nothing here runs a module
+(that is automp.runtime.session.Session).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import torch.nn as nn
 from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool, input_grads
 from automp.runtime.report import Recorder
-from automp.runtime.trial import COMPILED_PATHS, Path, Trial, TrialConfig, Verdict, agreed, confirmation, for_ranks
-from automp.runtime.verdicts import VerdictCache
-from automp.scaling import Scaling
+from automp.runtime.trial import (COMPILED_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict, agreed,
+                                  candidate_paths, confirmation, for_ranks)
 from automp.runtime.recompile_watch import CompileWatch, watch_for
 from automp.runtime.unread_outputs import FieldReads
+from automp.runtime.verdicts import VerdictCache
+from automp.scaling import Scaling
 
 
 @dataclass
@@ -67,6 +69,30 @@ class RootPaths:
         self.unfinished: dict[Trial, list[str]] = {}  # labels of modules in trials still running
         self.confirming: Trial | None = None  # the latest re-measurement (trial.confirmation), for roots to join
         self.releasing: graph_pool.Releasing | None = None  # CUDA graphs' pool automp left, until it is given back
+        self.trial: Trial | None = None  # the trial new roots join while it runs
+
+    def start(self, root: Root, cached: Verdict | None, candidates: list[Path], why: str) -> None:
+        """A new root's first path: its cached verdict (re-measured in steady state where it has to be), its only
+        candidate, or a trial of its candidates, joined with the other new roots' while that trial has the same."""
+        if cached is not None:
+            if cached.detach:  # what the run that measured it learned the script does not read
+                root.fields.detach, root.fields.decided = cached.detach, True
+            self.decide(root, cached)
+            self.confirm([root], cached, None)
+            return
+        if len(candidates) > 1:  # a new trial may run fp16: scaling paused for FP32 is needed again
+            self.scaling.resume()
+        if len(candidates) == 1:
+            verdict = Verdict(candidates[0], why, {})
+            self.decide(root, verdict)
+            self.cache.put({root.key: verdict})
+            return
+        if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
+            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
+                               later=RECORD_LAST)
+            self.unfinished[self.trial] = []
+        root.trial = self.trial
+        self.unfinished[self.trial].append(root.label)
 
     def settle(self, trial: Trial) -> None:
         self.unfinished.pop(trial, None)
@@ -237,6 +263,27 @@ class RootPaths:
                            note=input_grads.REASON)
         root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
+
+
+Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Path], str]"]  # (device, low dtype) -> (paths, why)
+
+
+class CalibratedCandidates:
+    """The default candidates: which paths can win on a device (trial.candidate_paths), from its GEMM rates,
+    measured once per device and cached on disk under `cache_dir` (automp.precision.calibrate)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir, self.calibrations = cache_dir, {}
+
+    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
+        from automp.precision import calibrate
+        try:
+            if device not in self.calibrations:  # once per session and device, not per module
+                self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
+            gain = calibrate.low_precision_gain(self.calibrations[device], low)
+        except (RuntimeError, ValueError) as e:
+            return [Path.FP32], f"could not measure this device ({e}): kept FP32"
+        return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
 
 
 # Why a module runs as written (a report's choice "rule" where its "path" is "as-written").

@@ -30,11 +30,10 @@ from automp.runtime import call_state, compiled_paths, input_grads, rnn
 from automp.runtime.graph_breaks import graph_breaks, report_graph_breaks
 from automp.runtime.once_logging import ignore_once_logging
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
-from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUTOCAST, Root, RootPaths, as_written,
-                                  built, sync_for)
+from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUTOCAST, CalibratedCandidates,
+                                  Candidates, Root, RootPaths, as_written, built)
 from automp.runtime.report import Recorder, dtype_name
-from automp.runtime.trial import (COMPILED_PATHS, EAGER_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict,
-                                  candidate_paths, distributed, for_ranks, rank0_start)
+from automp.runtime.trial import COMPILED_PATHS, EAGER_PATHS, Path, TrialConfig, Verdict, distributed, rank0_start
 from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
@@ -50,25 +49,6 @@ ORIG_CALL = compiled_paths.ORIG_CALL
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
-Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Path], str]"]
-
-
-class CalibratedCandidates:
-    """The default candidates: which paths can win on a device (trial.candidate_paths), from its GEMM rates,
-    measured once per device and cached on disk under `cache_dir` (automp.precision.calibrate)."""
-
-    def __init__(self, cache_dir: str) -> None:
-        self.cache_dir, self.calibrations = cache_dir, {}
-
-    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
-        from automp.precision import calibrate
-        try:
-            if device not in self.calibrations:  # once per session and device, not per module
-                self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
-            gain = calibrate.low_precision_gain(self.calibrations[device], low)
-        except (RuntimeError, ValueError) as e:
-            return [Path.FP32], f"could not measure this device ({e}): kept FP32"
-        return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
 
 
 class Session:
@@ -89,7 +69,6 @@ class Session:
         self.scaling = Scaling(config, self._record_scaling)
         self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
                                forget=self._forget_layout)
-        self.trial: Trial | None = None  # the trial new roots join while it runs
         self.labels: dict[str, int] = {}
         self.breaks_before: dict[str, int] = {}
         self.casts = SharedCasts()  # the eager path's weight casts, kept across calls
@@ -111,10 +90,10 @@ class Session:
         self._undo.append(lambda: (step_hook.remove(), self.casts.clear()))
         if self.config.tune_layout:
             self.layout = LayoutTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
-            self._undo.append(self._restore_layout)
+            self._undo.append(lambda: self._restore("layout"))
         if self.config.tune_cudnn:
             self.tuning = ConvTuning(self.trial_config, self.clock, self.cache, self.recorder.add_setting)
-            self._undo.append(self._restore_cudnn)
+            self._undo.append(lambda: self._restore("tuning"))
         self.breaks_before = graph_breaks()
         session = self
 
@@ -143,13 +122,9 @@ class Session:
         setattr(owner, name, value)
         self._undo.append(lambda: setattr(owner, name, old) if had else delattr(owner, name))
 
-    def _restore_layout(self) -> None:
-        self.layout, layout = None, self.layout
-        layout.restore()
-
-    def _restore_cudnn(self) -> None:
-        self.tuning, tuning = None, self.tuning
-        tuning.restore()
+    def _restore(self, tuning: str) -> None:
+        getattr(self, tuning).restore()
+        setattr(self, tuning, None)
 
     def _forget_layout(self, module: nn.Module) -> None:
         if self.layout is not None:
@@ -334,25 +309,7 @@ class Session:
             candidates = [c for c in candidates if c is not Path.GRAPHED]
         if root.lockstep:
             cached, candidates, why = rank0_start(cached, candidates, why)
-        if cached is not None:
-            if cached.detach:  # what the run that measured it learned the script does not read
-                root.fields.detach, root.fields.decided = cached.detach, True
-            self.paths.decide(root, cached)
-            self.paths.confirm([root], cached, None)
-            return root
-        if len(candidates) > 1:  # a new trial may run fp16: scaling paused for FP32 is needed again
-            self.scaling.resume()
-        if len(candidates) == 1:
-            verdict = Verdict(candidates[0], why, {})
-            self.paths.decide(root, verdict)
-            self.cache.put({root.key: verdict})
-            return root
-        if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
-            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(device), note=why,
-                               later=RECORD_LAST)
-            self.paths.unfinished[self.trial] = []
-        root.trial = self.trial
-        self.paths.unfinished[self.trial].append(root.label)
+        self.paths.start(root, cached, candidates, why)
         return root
 
     def script_failed(self, error: BaseException) -> str | None:

@@ -1,0 +1,116 @@
+"""AutoMPConfig parses every source once (keywords, the environment, the command line) into canonical fields;
+enable() and compile() take it with keyword overrides, and a bad one leaves automp as it was."""
+import argparse
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.optim import optimizer as optimizers
+
+import automp
+from automp.config import AutoMPConfig
+from automp.runtime.session import ORIG_CALL
+from automp.scaling import autograd_hook
+
+
+@pytest.mark.parametrize("alias, canonical, dtype", [("half", "fp16", torch.float16), ("float16", "fp16", torch.float16),
+                                                      ("bfloat16", "bf16", torch.bfloat16), ("bf16", "bf16",
+                                                                                             torch.bfloat16)])
+def test_dtype_aliases_are_stored_canonical(alias, canonical, dtype):
+    config = AutoMPConfig(dtype=alias)
+    assert config.dtype == canonical and config.low_dtype("cpu") is dtype
+    assert AutoMPConfig().low_dtype("cpu") is torch.bfloat16  # auto: bf16 wherever the device has it
+
+
+@pytest.mark.parametrize("given, parsed", [("dynamic", "dynamic"), ("off", None), (None, None), (0, None),
+                                           ("1024", 1024.0), (512, 512.0), (" 2e3 ", 2000.0)])
+def test_loss_scale_is_parsed_once(given, parsed):
+    assert AutoMPConfig(loss_scale=given).loss_scale == parsed
+
+
+@pytest.mark.parametrize("given", ["banana", -1, float("inf"), True, [1]])
+def test_a_bad_loss_scale_names_itself(given):
+    with pytest.raises(ValueError, match="loss_scale"):
+        AutoMPConfig(loss_scale=given)
+
+
+def test_fields_are_keywords_only():
+    with pytest.raises(TypeError):
+        AutoMPConfig("bf16")  # noqa
+
+
+def test_the_cache_directory_is_always_resolved(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "env"))
+    assert AutoMPConfig(cache_dir=str(tmp_path / "given")).cache_dir == str(tmp_path / "given")
+    assert AutoMPConfig().cache_dir == str(tmp_path / "env")
+    monkeypatch.delenv("AUTOMP_CACHE_DIR")
+    assert AutoMPConfig().cache_dir == os.path.expanduser(os.path.join("~", ".cache", "automp"))
+
+
+def test_the_environment_is_read_and_overrides_win(tmp_path):
+    env = {"AUTOMP_INNER": "eager", "AUTOMP_PATH": "fp32", "AUTOMP_CACHE_DIR": str(tmp_path), "AUTOMP_DEBUG": "1",
+           "RANK": "3", "WORLD_SIZE": "4"}
+    config = AutoMPConfig.from_env(env)
+    assert (config.inner, config.path, config.cache_dir, config.debug, config.rank, config.world_size) == (
+        "eager", "fp32", str(tmp_path), True, 3, 4)
+    assert AutoMPConfig.from_env(env, path="compile", inner="inductor").path == "compile"
+    assert not AutoMPConfig.from_env({"AUTOMP_DEBUG": "0"}).debug
+    with pytest.raises(ValueError, match="AUTOMP_PATH"):
+        AutoMPConfig.from_env({"AUTOMP_PATH": "warp"})
+    with pytest.raises(ValueError, match="RANK"):
+        AutoMPConfig.from_env({"RANK": "zero"})
+
+
+def test_the_command_line_wins_over_the_environment_where_given():
+    env = {"AUTOMP_PATH": "eager"}
+    args = argparse.Namespace(dtype="fp16", loss_scale="1024", report=None, path=None, fuse_optimizers=False,
+                              tune_cudnn=True, tune_layout=True, cuda_graphs=True, script="s.py", args=[])
+    config = AutoMPConfig.from_cli(args, env)
+    assert (config.dtype, config.loss_scale, config.path, config.fuse_optimizers) == ("fp16", 1024.0, "eager", False)
+    args.path = "auto"
+    assert AutoMPConfig.from_cli(args, env).path == "auto"
+
+
+def test_each_rank_has_its_own_report_path(tmp_path):
+    report = str(tmp_path / "r.json")
+    assert AutoMPConfig(report=report).report_path == report
+    assert AutoMPConfig(report=report, rank=2, world_size=4).report_path == str(tmp_path / "r.rank2.json")
+
+
+def test_enable_takes_a_config_and_overrides(fresh_session):
+    automp.enable(AutoMPConfig(dtype="fp16", inner="eager"), dtype="bf16", path="eager")
+    config = automp._session.config
+    assert (config.dtype, config.inner, config.path) == ("bf16", "eager", "eager")
+
+
+@pytest.mark.parametrize("bad", [{"bogus": 1}, {"dtype": "int3"}, {"loss_scale": "banana"}])
+def test_a_bad_override_leaves_automp_as_it_was(bad, fresh_session):
+    automp.enable(dtype="bf16", inner="eager")
+    before = automp._session
+    with pytest.raises((TypeError, ValueError)):
+        automp.enable(**bad)
+    assert automp._session is before and nn.Module.__call__ is not ORIG_CALL
+
+
+def test_disable_undoes_everything_enable_installed(fresh_session):
+    hooks = dict(optimizers._global_optimizer_pre_hooks)
+    automp.enable(dtype="fp16", inner="eager", path="eager")
+    assert autograd_hook.current() is not None and "__call__" in vars(nn.RNNBase)
+    automp.disable()
+    assert nn.Module.__call__ is ORIG_CALL and "__call__" not in vars(nn.RNNBase)
+    assert autograd_hook.current() is None and dict(optimizers._global_optimizer_pre_hooks) == hooks
+
+
+def test_compile_goes_through_the_session_and_disable_removes_its_scaler(tmp_path, fresh_session):
+    report = tmp_path / "compiled.json"
+    net = automp.compile(nn.Linear(8, 4), dtype="fp16", inner="eager", spec="h100", report=str(report))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net(torch.randn(2, 8)).float().sum().backward()
+    assert autograd_hook.current() is not None
+    rep = automp.disable()
+    assert autograd_hook.current() is None and not automp.is_enabled()
+    assert rep["graphs"] and report.exists()
+    assert nn.Module.__call__ is ORIG_CALL  # compile alone patches no module call
