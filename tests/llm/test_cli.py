@@ -50,10 +50,15 @@ def test_quantize_refuses_to_replace_a_directory_of_other_files(tmp_path, capsys
     assert os.listdir(tmp_path) == ["notes.txt"]
 
 
-def test_a_local_model_quantizes_into_a_new_directory(hf_dir, tmp_path, capsys):
+def test_a_local_model_without_tokenizer_files_generates_with_the_byte_tokenizer(hf_dir, tmp_path, capsys):
+    """transformers builds a tokenizer with an empty vocabulary for a directory without tokenizer files: saving that
+    one made every prompt encode to no tokens."""
     out = tmp_path / "q"
     assert cli.main(["quantize", "--model", str(hf_dir), *QUANT, "-o", str(out)]) == 0
-    assert {META, WEIGHTS} <= set(os.listdir(out))
+    assert sorted(os.listdir(out)) == [META, WEIGHTS]
+    capsys.readouterr()
+    assert cli.main(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "1", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("hi")
 
 
 class FakeTokenizer:

@@ -4,7 +4,8 @@
     ids = automp.llm.generate(model, prompt_ids, max_new_tokens=64)  # static KV cache, CUDA-graph decode on GPU
     automp.llm.save(model, "out/");  model = automp.llm.load("out/", device="cuda")
 
-Command line: `automp llm quantize | generate | bench` (automp.llm.cli).
+Command line: `automp llm quantize | generate` (automp.llm.cli); `automp llm bench` is the benchmark suite
+automp.bench.suites.llm.
 
 Importing automp.llm does not import Triton (automp.kernels loads on first use), so a command can still turn the
 Triton interpreter on (TRITON_INTERPRET=1) before the kernels load.

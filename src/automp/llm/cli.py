@@ -149,11 +149,11 @@ def _quantize(args: argparse.Namespace) -> int:
     check_output(args.model, args.output)
     from automp.llm.generate import ByteTokenizer
     from automp.llm.quantize import quantize, weight_bytes
-    from automp.llm.store import BUILTIN, load_source, save
+    from automp.llm.store import BUILTIN, has_tokenizer, load_source, save
     device = _device(args.device)
     model = load_source(args.model, device)
     tokenizer = None
-    if args.model not in BUILTIN:
+    if args.model not in BUILTIN and has_tokenizer(args.model):
         try:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)

@@ -292,10 +292,16 @@ def load(directory: str, device: torch.device | str = "cpu") -> nn.Module:
     return model.eval()
 
 
+def has_tokenizer(directory: str) -> bool:
+    """Whether a model directory holds tokenizer files. Without them transformers' AutoTokenizer still builds a
+    tokenizer from the model config, one with an empty vocabulary: only its files make a tokenizer worth saving."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in ("tokenizer_config.json", "tokenizer.json"))
+
+
 def load_tokenizer(directory: str):
     """The transformers tokenizer saved beside the model, else the built-in byte tokenizer."""
     from automp.llm.generate import ByteTokenizer
-    if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+    if has_tokenizer(directory):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return ByteTokenizer()
