@@ -10,6 +10,7 @@ This module imports nothing else of automp at import time: every layer may read 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 from dataclasses import dataclass, fields
@@ -133,7 +134,7 @@ class AutoMPConfig:
                  if getattr(args, f.name, None) is not None}
         return cls.from_env(environ, **given)
 
-    @property
+    @functools.cached_property  # read at every module call: looked up once
     def forced_path(self) -> Any:
         """The runtime's Path this configuration forces, or None for "auto" (a trial decides)."""
         from automp.runtime.trial import Path
