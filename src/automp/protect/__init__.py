@@ -2,8 +2,9 @@
 opaque branches, shuffled order) and optional weight encryption with a key needed at load time.
 
     from automp import protect
-    model, report = protect.obfuscate("model.onnx", protect.ObfuscateConfig(seed=0, key="key.bin"))
-    sess = protect.session("protected.onnx", "key.bin")
+    # key.txt: 64 hex characters, e.g. `openssl rand -hex 32 > key.txt`
+    model, report = protect.obfuscate("model.onnx", protect.ObfuscateConfig(seed=0, key="key.txt"))
+    sess = protect.session("protected.onnx", "key.txt")
 
 Obfuscation-grade, not a security audit: see automp.protect.obfuscate for what it does and does not hide.
 """

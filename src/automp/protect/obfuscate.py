@@ -65,7 +65,7 @@ class ObfuscateConfig:
     max_scale: channel scales are within [1/max_scale, max_scale] and never within sqrt(2) of 1.
     allow_mul: scale layers whose scale cannot be absorbed by the next layer too, undone by an inserted Mul (a
     little run time). False leaves those weights to the constant split: no Mul, but the file holds both parts.
-    key: encrypt the weights (bytes, a key file path or hex digits: see encrypt.read_key).
+    key: encrypt the weights (64 hex characters in a string or a file, or 32 raw bytes: see encrypt.read_key).
     tolerance: largest accepted relative L2 output error vs the input model on the verification inputs.
     """
     seed: int | None = None
