@@ -13,9 +13,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from automp.config import VERSION as __version__
 from automp.config import AutoMPConfig
-
-__version__ = "0.3.5"
 __all__ = ["enable", "disable", "compile", "report", "is_enabled", "settled", "AutoMPConfig", "__version__"]
 
 _session = None  # the open automp.runtime.session.Session, if any

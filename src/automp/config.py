@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path as FsPath
 from typing import Any, Mapping
 
+VERSION = "0.3.5"  # the package's version (automp.__version__), here so that any layer can key a cache by it
+
 DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 INNERS = ("inductor", "eager")
 PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs")

@@ -95,9 +95,9 @@ def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra:
     shapes (not values), the shapes and dtypes of the first call's tensor arguments, dtype, device and versions."""
     import torch
 
-    import automp
+    from automp.config import VERSION
 
-    parts = [type(module).__qualname__, dtype, device, torch.__version__, automp.__version__, extra,
+    parts = [type(module).__qualname__, dtype, device, torch.__version__, VERSION, extra,
              sys.implementation.cache_tag or ""]  # the bytecode digests below are per Python version
     parts += sorted({_code_digest(type(m)) for m in module.modules()})
     parts += [f"{n}:{_shape(p)}:{p.dtype}" for n, p in module.named_parameters()]
