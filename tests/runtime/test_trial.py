@@ -338,7 +338,7 @@ def test_a_script_that_never_trains_has_its_inference_calls_timed():
     assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW
 
 
-# the zoo's ResNet-50 on an H100 (twelfth session's trial): FP32 eager is 5x the compiled paths
+# the zoo's ResNet-50 on an H100 (one trial's timings): FP32 eager is 5x the compiled paths
 RESNET = {Path.EAGER_LOW: 0.0347, Path.COMPILED: 0.0300, Path.COMPILED_AUTOCAST: 0.0304, Path.GRAPHED: 0.0245,
           Path.FP32: 0.150}
 

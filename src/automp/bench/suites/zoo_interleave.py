@@ -2,7 +2,7 @@
 
 The zoo runs its modes one after another, minutes apart, and a shared H100 host drifts by 10-40% over minutes: the
 same BERT anchor ran 34.0 ms in one run and 45.8 ms in another; EfficientNet's automp row read 1.37x in one run and
-0.88x in the next (BENCHMARKS.md section 0). Here both loops live in one process: the anchor (autocast-bf16 +
+0.88x in the next (BENCHMARKS.md, "Noise between identical loops"). Here both loops live in one process: the anchor (autocast-bf16 +
 torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would, then blocks of
 steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block hits both.
 
@@ -23,7 +23,7 @@ import torch
 from automp.bench import zoo_modes as zoo
 
 ROUNDS = 6  # even: each side leads in half of them
-# The bar a model's automp row is held to (issue 11): the hand-written autocast + compile loop for the large models,
+# The bar a model's automp row is held to: the hand-written autocast + compile loop for the large models,
 # the eager loops for the small scripts, where compiling does not pay. The detector's own compile ran past 100 s on
 # the H100 (data-dependent shapes), so its practical bar is the eager loop as well.
 EAGER_BAR = ("gan", "recsys", "lstm", "mlp", "detector")

@@ -11,7 +11,7 @@ row in registers (one read) only up to 1024 elements; a wider row (BERT's 3072-w
 GELU that produces it) becomes a looped reduction that reads the row and recomputes the GELU twice. Inductor's
 multi-kernel mode also compiles the one-read version for rows up to 16x that width and keeps whichever measures
 faster on the first call: on an H100 the int8 BERT-base forward at batch 64, seq 128 went from 5.34 to 4.89 ms
-(BENCHMARKS.md section 6). It is set per compiled model (compile options), not globally.
+(BENCHMARKS.md, "Quantized inference"). It is set per compiled model (compile options), not globally.
 
 Shapes are static (dynamic=False): each new input shape compiles and records once, as the anchor
 `torch.compile(model.half(), mode="reduce-overhead")` does. CUDA-graph outputs are overwritten by the next call of

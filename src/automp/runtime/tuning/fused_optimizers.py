@@ -29,7 +29,7 @@ FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
 # SGD only under loss scaling: its fused step measured no faster than foreach on ResNet-50 (H100, bf16), but it takes
 # found_inf, and foreach cannot: there an fp16 step reads the overflow flag on the host. On an H100 loss scaling then
 # cost 9-13% of ResNet-50's graphed fp16 step (scripts/ablate.py fp16 resnet50 autocast-graphs); with fused SGD
-# automp-fp16 ran 4% faster than automp-bf16 (BENCHMARKS.md, fourteenth session).
+# automp-fp16 ran 4% faster than automp-bf16 (BENCHMARKS.md, "fp16 against bf16").
 FUSABLE_UNDER_SCALING = FUSABLE + (torch.optim.SGD,)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
