@@ -55,20 +55,21 @@ def settle_path(dtype, path, loop, fuse=True):
     at every call it times, and a path left in an endless warm-up (this script's first version) was timed with a sync
     per step, which charged each step the host's launch latency the anchor hides. Yields the report, filled in when
     the block ends."""
-    candidates = session.Session._candidates
-    session.Session._candidates = lambda self, device, low: ([Path.EAGER_LOW, path], "diagnostic")
+    factory = session.open_session  # the session enable() opens: these candidates and warm-ups
+    session.open_session = lambda config, recorder: session.Session(
+        config, recorder, candidates=lambda device, low: ([Path.EAGER_LOW, path], "diagnostic"),
+        trial_config=TrialConfig(warmup={Path.EAGER_LOW: 1, path: 10**6}))
     automp.enable(dtype=dtype, cache_dir=tempfile.mkdtemp(), fuse_optimizers=fuse)  # no verdict from an earlier run
-    automp._session.trial_config = TrialConfig(warmup={Path.EAGER_LOW: 1, path: 10**6})
     report = {}
     try:
         block(loop, 4)
         for root in automp._session.roots.values():
             root.path, root.trial = path, None
-        automp._session.unfinished.clear()
+        automp._session.paths.unfinished.clear()
         yield report
     finally:
         report.update(automp.disable())
-        session.Session._candidates = candidates
+        session.open_session = factory
 
 
 def variant(name, dev, dtype, path, detach, fuse=True, module_form=False, profiled=0):

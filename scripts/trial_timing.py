@@ -36,7 +36,7 @@ def synced_step(step):
 def force(path):
     for root in automp._session.roots.values():
         root.path, root.trial = path, None
-    automp._session.unfinished.clear()
+    automp._session.paths.unfinished.clear()
 
 
 def main(name, rounds="6", trial="trial"):

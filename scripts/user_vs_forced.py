@@ -35,14 +35,14 @@ def main(name):
         loops["user"].step()
         n += 1
     print(f"user: settled after {n} steps: {automp.report().get('choices')}", flush=True)
-    candidates = session._candidates
-    session._candidates = lambda device, low: ([Path.EAGER_LOW, Path.COMPILED_AUTOCAST], "diagnostic")
+    candidates = session.candidates
+    session.candidates = lambda device, low: ([Path.EAGER_LOW, Path.COMPILED_AUTOCAST], "diagnostic")
     block(loops["forced"], 1)  # its trial's eager call: the reads that decide what is detached
     for module in loops["forced"].work.modules.values():  # a verdict the user's run cached (same key) is overridden
         root = session.roots[module]
         root.path, root.trial, root.confirm, root.watch = Path.COMPILED_AUTOCAST, None, None, None
-    session.unfinished.clear()
-    session._candidates = candidates
+    session.paths.unfinished.clear()
+    session.candidates = candidates
     block(loops["forced"], 4)
     for m, r in session.roots.items():
         print(f"root {r.label}: path {r.path} watch {r.watch} confirm {r.confirm} aside {r.aside} graphs {r.graphs} "
