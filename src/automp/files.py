@@ -43,8 +43,8 @@ def check_writable(path: PathLike, what: str) -> None:
         raise PermissionError(f"{what} {os.fspath(path)}: cannot write in {folder} ({e.strerror})") from None
 
 
-def _sync(path: str) -> None:
-    """Flush a written file to disk: a full disk may only report itself here (delayed allocation)."""
+def fsync_path(path: str) -> None:
+    """Flush a written file or a directory to disk: a full disk may only report itself here (delayed allocation)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -67,7 +67,7 @@ def atomic_output(path: PathLike) -> Iterator[str]:
         yield os.path.join(tmp, name)
         written = sorted(os.listdir(tmp), key=lambda f: f == name)
         for f in written:
-            _sync(os.path.join(tmp, f))
+            fsync_path(os.path.join(tmp, f))
         for f in written:
             dest = os.path.join(folder, f)
             if os.path.exists(dest):

@@ -30,6 +30,7 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 
+from automp.files import fsync_path
 from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import ARCHS, DTYPES, QuantConfig, QuantEmbedding, QuantLinear, arch_of, check_backend, \
     is_quantized, set_module
@@ -123,15 +124,6 @@ def remove_stale_temps(parent: str, name: str) -> list[str]:
     return removed
 
 
-def _fsync(path: str) -> None:
-    """Flush a file or directory to disk: a full disk may only report itself here (delayed allocation)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _exchange(a: str, b: str) -> bool:
     """Swap two existing paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where this system or
     filesystem has no such call."""
@@ -158,7 +150,7 @@ def _swap_in(tmp: str, dest: str) -> None:
         os.rename(dest, old)
         os.rename(tmp, dest)
         shutil.rmtree(old)
-    _fsync(os.path.dirname(dest))
+    fsync_path(os.path.dirname(dest))
 
 
 def check_destination(directory: str) -> None:
@@ -202,7 +194,7 @@ def save(model: nn.Module, directory: str, tokenizer=None) -> None:
             json.dump(meta, f, indent=1)
         for entry in os.listdir(tmp):
             if os.path.isfile(os.path.join(tmp, entry)):
-                _fsync(os.path.join(tmp, entry))
+                fsync_path(os.path.join(tmp, entry))
         _swap_in(tmp, real)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
