@@ -48,3 +48,27 @@ def test_lstm_numerics_stay_close_to_fp32():
     got = lm(x)
     automp.disable()
     assert (got - ref).norm() / ref.norm() < 2e-2  # bf16: 8 mantissa bits, compounded over the recurrence
+
+
+def test_an_rnn_the_cpu_cannot_run_in_low_precision_runs_fp32_and_the_rest_stays_compiled(monkeypatch):
+    """oneDNN builds no bf16 LSTM on a CPU without AVX-512: the RNN runs FP32 as written instead of crashing the run."""
+    from automp.runtime import rnn
+    monkeypatch.setattr(rnn, "NO_LOW_PRECISION_RNN", set())
+    real = nn.LSTM.forward
+
+    def no_bf16_lstm(self, *args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.LSTM, "forward", no_bf16_lstm)
+    torch.manual_seed(0)
+    lm, x = LSTMLM(), torch.randint(0, 50, (4, 24))
+    with torch.no_grad():
+        ref = lm.double()(x).float()
+    lm.float()
+    _compile(dtype="bf16")
+    out = lm(x)
+    assert out.dtype == torch.float32
+    assert (out.detach() - ref).norm() / ref.norm() < 0.05  # bf16 embedding and head around an FP32 LSTM
+    assert rnn.NO_LOW_PRECISION_RNN == {("cpu", torch.bfloat16)}

@@ -26,7 +26,20 @@ def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
     state = call_state.local
     if getattr(state, "depth", 0) > 0 and getattr(state, "path", None) is Path.COMPILED:
         device = next(module.parameters()).device
-        with torch.autocast(device.type, dtype=state.low):
-            out = ORIG_CALL(module, *args, **kwargs)
-        return restore_float32(out)
+        if (device.type, state.low) not in NO_LOW_PRECISION_RNN:
+            try:
+                with torch.autocast(device.type, dtype=state.low):
+                    out = ORIG_CALL(module, *args, **kwargs)
+                return restore_float32(out)
+            except RuntimeError as e:
+                if device.type != "cpu" or "primitive" not in str(e):
+                    raise
+                NO_LOW_PRECISION_RNN.add((device.type, state.low))
+        return ORIG_CALL(module, *args, **kwargs)  # FP32, as written: the graph around it expects FP32 anyway
     return nn.Module.__call__(module, *args, **kwargs)  # a root RNN, or another path: the session decides
+
+
+# (device type, dtype) pairs whose fused RNN kernels this machine lacks: oneDNN builds no bf16 LSTM on a CPU without
+# AVX-512 ("could not create a primitive descriptor"). A property of the hardware, so known process-wide: the RNN runs
+# FP32 there, as the script wrote it, and the rest of the model keeps its low precision.
+NO_LOW_PRECISION_RNN: set[tuple[str, torch.dtype]] = set()
