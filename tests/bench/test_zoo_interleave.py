@@ -99,3 +99,14 @@ def test_the_anchors_blocks_run_with_the_scripts_cudnn_flag(no_inductor, tmp_pat
     timed = seen[2:]
     assert {flag for side, flag in timed if side == "anchor"} == {False}
     assert {flag for side, flag in timed if side == "automp"} == {True}
+
+
+def test_the_row_carries_the_spread_of_the_blocks(monkeypatch):
+    """A ratio is reported with its spread: each round's anchor block over the automp block beside it."""
+    monkeypatch.setattr(zoo_interleave, "interleaved", lambda *a, **k: {
+        "anchor_ms": 11.0, "automp_ms": 10.0, "ratio": 1.1, "paths": {}, "settled": True,
+        "blocks": {"anchor": [10.0, 12.0, 11.0], "automp": [10.0, 10.0, 10.0]}})
+    row = {"model": "mlp", "mode": "automp-bf16", "step_ms": 10.0, "peak_gib": None, "loss": 0.5}
+    zoo_interleave.add_to_row(row, "mlp", True, "cpu", 1, 1, 1, 0)
+    assert row["ratio_interleaved_spread"] == [1.0, 1.2]
+    assert "(blocks 1.00-1.20x)" in zoo.markdown([row])

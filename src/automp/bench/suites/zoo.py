@@ -239,8 +239,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         if r.get("settled") is False:
             notes.append("automp not settled")
         if r.get("ratio_interleaved") is not None:
+            spread = r.get("ratio_interleaved_spread")
             notes.append(f"interleaved with {r.get('anchor_interleaved', ANCHOR)}: {r['ratio_interleaved']:.2f}x "
-                         f"({r['step_ms_interleaved']:.2f} vs {r['anchor_ms_interleaved']:.2f} ms)")
+                         + (f"(blocks {spread[0]:.2f}-{spread[1]:.2f}x) " if spread else "")
+                         + f"({r['step_ms_interleaved']:.2f} vs {r['anchor_ms_interleaved']:.2f} ms)")
         if r.get("interleave_error"):
             notes.append(f"interleaved: {r['interleave_error']}")
         lines.append(f"| {r['model']} | {r['mode']} | {_fmt(r['step_ms'], '.2f')} | "

@@ -116,5 +116,9 @@ def add_to_row(row: dict[str, Any], name: str, quick: bool, device: str, steps: 
             torch.cuda.empty_cache()
     row.update(ratio_interleaved=got["ratio"], step_ms_interleaved=got["automp_ms"],
                anchor_ms_interleaved=got["anchor_ms"], anchor_interleaved=anchor)
+    blocks = got.get("blocks") or {}
+    if blocks.get("anchor") and blocks.get("automp"):  # the spread beside the medians: each block's anchor/automp
+        ratios = [a / m for a, m in zip(blocks["anchor"], blocks["automp"])]
+        row["ratio_interleaved_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
     print(f"[{name}] interleaved: automp-bf16 {got['automp_ms']:.2f} ms vs {anchor} {got['anchor_ms']:.2f} ms: "
           f"{got['ratio']:.3f}x (paths: {got['paths']})", flush=True)
