@@ -48,7 +48,9 @@ def check_calib(model: onnx.ModelProto, calib: dict[str, np.ndarray]) -> dict[st
     return out
 
 
-def session(model: onnx.ModelProto, extra_outputs: list[str] = ()) -> ort.InferenceSession:
+def session(model: onnx.ModelProto, extra_outputs: list[str] = (), fuse: bool = True) -> ort.InferenceSession:
+    """fuse=False disables ORT's graph optimizations: a QDQ model then runs op by op (DequantizeLinear, float
+    Conv/Gemm/MatMul), i.e. the exact QDQ arithmetic instead of ORT's int8 kernels."""
     if extra_outputs:
         m = onnx.ModelProto()
         m.CopyFrom(model)
@@ -58,6 +60,8 @@ def session(model: onnx.ModelProto, extra_outputs: list[str] = ()) -> ort.Infere
         model = m
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if not fuse:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as e:

@@ -4,6 +4,12 @@ The QAT export does not trace the fake-quant arithmetic: it exports the float gr
 the QDQ writer put int8 weights and Q/DQ pairs around each layer using the learned scales. That gives the exact
 graph PTQ produces (ORT fuses it into int8 kernels) and stores real int8 weights, while tracing fake quant would
 store float weights and depend on per-exporter support for fake_quantize ops.
+
+The exported weights keep the learned 8-bit grid, except on CPUs where onnxruntime's int8 GEMM saturates on
+full-range weights (qdq.int8_gemm_saturates) and the fused int8 model measurably departs from its own QDQ
+arithmetic on the example inputs: there the learned weights are re-rounded onto a 7-bit grid with the same
+clipping range. That costs one extra weight rounding step, so it is only taken where the saturating kernel
+would cost more; a model whose weights rarely saturate keeps the grid it was trained on.
 """
 from __future__ import annotations
 
@@ -17,9 +23,13 @@ import torch
 from torch import nn
 
 from automp.deploy.onnx_io import fit_ir_version
+from automp.deploy.qdq import calibrate, qdq
 from automp.deploy.qdq.layers import Layer, check_model, find_layers, weight_array
-from automp.deploy.qdq.qdq import QDQPlan, QParams, write_qdq
+from automp.deploy.qdq.qdq import (REDUCED_WEIGHT_QMAX, WEIGHT_QMAX, QDQPlan, QParams, on_weight_grid, weight_qmax,
+                                  write_qdq)
 from automp.quant.qat import QATLinear, qat_layers
+
+KERNEL_DRIFT_TOL = 1e-2  # fused int8 output vs the op-by-op QDQ output beyond which the 8-bit grid is given up
 
 
 def export_float(model: nn.Module, example_inputs: tuple, input_names: list[str] | None = None,
@@ -81,23 +91,24 @@ def _match(layers: list[Layer], onnx_model: onnx.ModelProto, name: str, weight: 
     raise RuntimeError(f"could not find QAT layer {name!r} (weight {tuple(weight.shape)}) in the exported graph")
 
 
-def export_qat_onnx(model: nn.Module, example_inputs: tuple, input_names: list[str] | None = None,
-                    output_names: list[str] | None = None) -> onnx.ModelProto:
-    """QDQ ONNX of a converted QAT model: int8 weights with the learned per-channel scales, Q/DQ on each
-    layer input with the learned activation scale. Layers the exporter fused away or renamed are matched by
-    weight value; a QAT layer that cannot be found is an error, never silently left float."""
-    layers_qat = qat_layers(model)
-    if not layers_qat:
-        raise ValueError("export_qat_onnx: model has no QAT layers (prepare_qat + train + convert_qat first)")
-    if any(fq.scale.requires_grad for m in layers_qat.values() for fq in (m.weight_fq, m.input_fq)):
-        raise ValueError("export_qat_onnx: call convert_qat(model) first (scales are still trainable)")
-    onnx_model = check_model(export_float(_float_copy(model), example_inputs, input_names, output_names))
-    scan = find_layers(onnx_model)
-    plan = QDQPlan()
+def kernel_drift(model: onnx.ModelProto, example_inputs: tuple) -> float:
+    """Relative error of ORT's fused int8 kernels against the same QDQ model run op by op, on example_inputs:
+    float rounding where the kernels compute the QDQ arithmetic, far more where their int16 sums saturate."""
+    names = [i.name for i in calibrate.model_inputs(model)]
+    feed = {n: (t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t))
+            for n, t in zip(names, example_inputs)}
+    fused, exact = (calibrate.session(model, fuse=f).run(None, feed) for f in (True, False))
+    outs = [o.name for o in model.graph.output]
+    return max(calibrate.rel_errors(dict(zip(outs, exact)), dict(zip(outs, fused))).values())
+
+
+def _qdq_plan(layers_qat: dict[str, nn.Module], onnx_model: onnx.ModelProto, scan, qmax: int) -> QDQPlan:
+    plan = QDQPlan(weight_qmax=qmax)
     for name, m in layers_qat.items():
         layer = _match(scan.layers, onnx_model, name, m.weight.detach().cpu().numpy())
         wscale = m.weight_fq.effective_scale().detach().cpu().numpy().astype(np.float32)
-        plan.weights[layer.name] = QParams(wscale, np.zeros(wscale.shape, np.int8), layer.weight_axis)
+        learned = QParams(wscale, np.zeros(wscale.shape, np.int8), layer.weight_axis)
+        plan.weights[layer.name] = on_weight_grid(learned, qmax)
         fq = m.input_fq
         zdtype = np.uint8 if int(fq.qrange[0]) == 0 else np.int8
         act = QParams(fq.effective_scale().detach().cpu().numpy().astype(np.float32),
@@ -107,6 +118,28 @@ def export_qat_onnx(model: nn.Module, example_inputs: tuple, input_names: list[s
             raise NotImplementedError(f"tensor {layer.activations[0]!r} feeds several QAT layers with different "
                                       "learned input scales; one Q/DQ pair per tensor cannot honour both")
     plan.float_layers = {l.name for l in scan.layers} - set(plan.weights)
-    out = write_qdq(onnx_model, scan.layers, plan)
+    return plan
+
+
+def export_qat_onnx(model: nn.Module, example_inputs: tuple, input_names: list[str] | None = None,
+                    output_names: list[str] | None = None, weight_bits: int | None = None) -> onnx.ModelProto:
+    """QDQ ONNX of a converted QAT model: int8 weights with the learned per-channel scales, Q/DQ on each
+    layer input with the learned activation scale. Layers the exporter fused away or renamed are matched by
+    weight value; a QAT layer that cannot be found is an error, never silently left float.
+    weight_bits: 8 (the learned grid) or 7 (the learned clipping range on 63 levels a side). None: 8, unless this
+    CPU's onnxruntime int8 GEMM saturates and the 8-bit model's kernel_drift on example_inputs exceeds
+    KERNEL_DRIFT_TOL; a 7-bit model says so in its metadata_props."""
+    layers_qat = qat_layers(model)
+    if not layers_qat:
+        raise ValueError("export_qat_onnx: model has no QAT layers (prepare_qat + train + convert_qat first)")
+    if any(fq.scale.requires_grad for m in layers_qat.values() for fq in (m.weight_fq, m.input_fq)):
+        raise ValueError("export_qat_onnx: call convert_qat(model) first (scales are still trainable)")
+    weight_qmax(weight_bits)  # validates weight_bits
+    onnx_model = check_model(export_float(_float_copy(model), example_inputs, input_names, output_names))
+    scan = find_layers(onnx_model)
+    qmax = WEIGHT_QMAX if weight_bits is None else weight_qmax(weight_bits)
+    out = write_qdq(onnx_model, scan.layers, _qdq_plan(layers_qat, onnx_model, scan, qmax))
+    if weight_bits is None and qdq.int8_gemm_saturates() and kernel_drift(out, example_inputs) > KERNEL_DRIFT_TOL:
+        out = write_qdq(onnx_model, scan.layers, _qdq_plan(layers_qat, onnx_model, scan, REDUCED_WEIGHT_QMAX))
     onnx.checker.check_model(out)
     return out

@@ -7,12 +7,18 @@ file, no calibration needed beyond the error report). mode="static": weights as 
 Q/DQ pairs with ranges calibrated by running the model in onnxruntime; non-negative activations (ReLU outputs)
 use asymmetric uint8 so none of the 256 levels is wasted on negatives.
 
+Weights are 7-bit ([-63, 63]) instead of 8-bit on CPUs whose onnxruntime int8 GEMM saturates on full-range
+weights (x86 AVX2 without VNNI, see qdq.int8_gemm_saturates): there the fused int8 kernels would otherwise
+compute something other than the QDQ graph says. PTQConfig.weight_bits overrides the choice (e.g. to build
+8-bit weights here for a VNNI deployment machine).
+
 Graph inputs and outputs keep their names and types (int64 token ids pass through untouched); only float32
 Conv / Gemm / MatMul layers are quantized, anything else is listed in report["float"] with the reason. A model
 with nothing to quantize is an error, not a silent no-op.
 
 The returned report is a plain dict (JSON-serialisable):
-  mode, calibration {samples, batches, activation_observer, weight_observer},
+  mode, weight_range ("8-bit" | "7-bit (reason)"),
+  calibration {samples, batches, activation_observer, weight_observer},
   quantized [{name, op, weight, weight_axis, activations}], float [{name, op, reason}],
   error {outputs {name: rel}, max_rel_error, samples}, budget, sensitivity {layer: error},
   fallback_steps [[n_float, error]], ort_int8_kernels {op: count in ORT's optimized graph}.
@@ -27,7 +33,7 @@ import onnx
 
 from automp.deploy.qdq import calibrate
 from automp.deploy.qdq.layers import Layer, LayerScan, check_model, find_layers, weight_array
-from automp.deploy.qdq.qdq import QDQPlan, QParams, write_qdq
+from automp.deploy.qdq.qdq import QDQPlan, QParams, on_weight_grid, weight_qmax, weight_range_label, write_qdq
 from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
 from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
 
@@ -45,7 +51,8 @@ class PTQConfig:
     activation: per-tensor activation observer (axis must be None). quantize_outputs: also Q/DQ the output of
     each quantized layer, which lets ORT fuse DQ -> Conv -> Q into one int8 kernel. exclude: node names the
     user keeps in float. batch_size: calibration batch (a model with a fixed batch uses its own).
-    error_samples: calibration samples used to measure the error vs FP32 (and by the budget search)."""
+    error_samples: calibration samples used to measure the error vs FP32 (and by the budget search).
+    weight_bits: 8 or 7 (reduced range); None picks 7 where this CPU's onnxruntime int8 GEMM saturates, else 8."""
     mode: str = "static"
     weight_method: str = "minmax"
     activation: ObserverConfig = field(default_factory=_default_activation)
@@ -56,6 +63,7 @@ class PTQConfig:
     batch_size: int = 32
     error_samples: int = 256
     fallback: FallbackConfig = field(default_factory=FallbackConfig)
+    weight_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("static", "weight_only"):
@@ -64,6 +72,8 @@ class PTQConfig:
             raise ValueError("activations are quantized per tensor: PTQConfig.activation.axis must be None")
         if self.batch_size < 1 or self.error_samples < 1:
             raise ValueError("batch_size and error_samples must be >= 1")
+        if self.weight_bits not in (None, 7, 8):
+            raise ValueError(f"weight_bits must be 7, 8 or None (automatic), got {self.weight_bits!r}")
 
 
 def _weight_qparams(model: onnx.ModelProto, layer: Layer, method: str) -> QParams:
@@ -78,7 +88,9 @@ class _Quantizer:
 
     def __init__(self, model: onnx.ModelProto, layers: list[Layer], config: PTQConfig) -> None:
         self.model, self.layers, self.config = model, layers, config
-        self.weights = {l.name: _weight_qparams(model, l, config.weight_method) for l in layers if l.weight}
+        self.weight_qmax = weight_qmax(config.weight_bits)
+        self.weights = {l.name: on_weight_grid(_weight_qparams(model, l, config.weight_method), self.weight_qmax)
+                        for l in layers if l.weight}
         self.acts: dict[str, QParams] = {}
         self.graph_outputs = {o.name for o in model.graph.output}
 
@@ -97,7 +109,7 @@ class _Quantizer:
         return samples, len(calibrate.model_batches(self.model, calib, self.config.batch_size))
 
     def build(self, quantized: set[str]) -> onnx.ModelProto:
-        plan = QDQPlan(quantize_bias=self.config.quantize_bias)
+        plan = QDQPlan(quantize_bias=self.config.quantize_bias, weight_qmax=self.weight_qmax)
         for l in self.layers:
             if l.name not in quantized:
                 plan.float_layers.add(l.name)
@@ -170,6 +182,7 @@ def quantize_onnx(model: onnx.ModelProto, calib: dict[str, np.ndarray], config: 
                                  f"kept float to meet budget {budget}"})
     report.update({
         "mode": config.mode,
+        "weight_range": weight_range_label(q.weight_qmax),
         "calibration": {"samples": samples, "batches": n_batches, "activation_observer": config.activation.method,
                         "weight_observer": config.weight_method},
         "quantized": [{"name": l.name, "op": l.op, "weight": l.weight,
