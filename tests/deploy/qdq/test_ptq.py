@@ -186,8 +186,8 @@ def test_non_float_layers_are_reported_and_left_alone():
     assert rel_err(ort_run(qmodel, {"x": x})[0], ort_run(model, {"x": x})[0]) < INT8_TOL
 
 
-def test_integer_inputs_embedding_model():
-    """Token ids in (int64, like a transformer): the embedding Gather stays float, the projection is int8."""
+def embedding_model() -> tuple[onnx.ModelProto, np.ndarray]:
+    """Token ids in (int64, like a transformer) through an embedding Gather, then a projection MatMul; and ids."""
     rng = np.random.default_rng(5)
     inits = [numpy_helper.from_array(rng.normal(size=(50, 16)).astype(np.float32), "emb"),
              numpy_helper.from_array(rng.normal(size=(16, 8)).astype(np.float32), "proj")]
@@ -196,7 +196,12 @@ def test_integer_inputs_embedding_model():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", 6])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6, 8])], inits)
     model = helper.make_model_gen_version(graph, opset_imports=[helper.make_opsetid("", 17)])
-    ids = rng.integers(0, 50, (32, 6))
+    return model, rng.integers(0, 50, (32, 6))
+
+
+def test_integer_inputs_embedding_model():
+    """Token ids in (int64, like a transformer): the embedding Gather stays float, the projection is int8."""
+    model, ids = embedding_model()
     qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig())
     assert [q["name"] for q in report["quantized"]] == ["proj_mm"]
     assert report["error"]["max_rel_error"] < INT8_TOL

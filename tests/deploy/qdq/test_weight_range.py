@@ -17,23 +17,12 @@ import automp.deploy.qdq.qdq as qdq_mod
 from automp.deploy.qdq.export import export_qat_onnx
 from automp.deploy.qdq.ptq import PTQConfig, quantize_onnx
 from automp.quant.qat import convert_qat, prepare_qat, qat_layers
+from tests.deploy.qdq.test_ptq import embedding_model
 from tests.quant.helpers import rel_err
 
 INT8_TOL = 5e-2  # the tolerance of test_ptq.py
 KERNEL_TOL = 1e-4  # fused int8 kernels vs the op-by-op QDQ graph: float32 rounding only
 THIS_CPU_SATURATES = qdq_mod.int8_gemm_saturates()  # before any test replaces the detection
-
-
-def _embedding_model() -> tuple[onnx.ModelProto, np.ndarray]:
-    rng = np.random.default_rng(5)
-    inits = [numpy_helper.from_array(rng.normal(size=(50, 16)).astype(np.float32), "emb"),
-             numpy_helper.from_array(rng.normal(size=(16, 8)).astype(np.float32), "proj")]
-    nodes = [helper.make_node("Gather", ["emb", "ids"], ["e"], name="embed"),
-             helper.make_node("MatMul", ["e", "proj"], ["y"], name="proj_mm")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", 6])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6, 8])], inits)
-    model = helper.make_model_gen_version(graph, opset_imports=[helper.make_opsetid("", 17)])
-    return model, rng.integers(0, 50, (32, 6))
 
 
 def _run(model: onnx.ModelProto, feed: dict, fused: bool = True) -> np.ndarray:
@@ -64,7 +53,7 @@ def detection(monkeypatch):
 def test_int8_kernels_compute_the_qdq_graph_on_this_cpu():
     """Whatever this CPU is, the automatic weight range makes ORT's fused int8 output equal the QDQ arithmetic
     (on AVX2 without VNNI, full-range weights drift by ~5% here through the saturating int16 pair sums)."""
-    model, ids = _embedding_model()
+    model, ids = embedding_model()
     qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig())
     assert report["ort_int8_kernels"] == {"MatMulIntegerToFloat": 1}
     fused, exact = _run(qmodel, {"ids": ids}), _run(qmodel, {"ids": ids}, fused=False)
@@ -76,7 +65,7 @@ def test_int8_kernels_compute_the_qdq_graph_on_this_cpu():
 
 def test_cpu_without_vnni_gets_7bit_weights(detection):
     detection(True)
-    model, ids = _embedding_model()
+    model, ids = embedding_model()
     qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig())
     (w,) = _int8_weights(qmodel)
     assert np.abs(w).max() == qdq_mod.REDUCED_WEIGHT_QMAX == 63
@@ -88,7 +77,7 @@ def test_cpu_without_vnni_gets_7bit_weights(detection):
 
 def test_cpu_with_vnni_keeps_8bit_weights(detection):
     detection(False)
-    model, ids = _embedding_model()
+    model, ids = embedding_model()
     qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig())
     (w,) = _int8_weights(qmodel)
     assert np.abs(w).max() == 127
@@ -98,7 +87,7 @@ def test_cpu_with_vnni_keeps_8bit_weights(detection):
 
 def test_weight_bits_overrides_detection(detection):
     detection(True)
-    model, ids = _embedding_model()
+    model, ids = embedding_model()
     qmodel, report = quantize_onnx(model, {"ids": ids}, PTQConfig(weight_bits=8))
     assert np.abs(_int8_weights(qmodel)[0]).max() == 127 and report["weight_range"] == "8-bit"
     with pytest.raises(ValueError, match="weight_bits"):
@@ -107,7 +96,7 @@ def test_weight_bits_overrides_detection(detection):
 
 def test_7bit_grid_keeps_the_clipping_range(detection):
     """Same clip range as 8-bit (scale x 127/63), so a minmax weight still reaches both ends of its grid."""
-    model, ids = _embedding_model()
+    model, ids = embedding_model()
     detection(False)
     q8, _ = quantize_onnx(model, {"ids": ids}, PTQConfig(mode="weight_only"))
     detection(True)
