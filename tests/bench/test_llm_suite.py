@@ -11,9 +11,10 @@ from automp.bench.suites import llm
 from automp.cli import main
 
 
-def test_automp_llm_bench_reaches_the_suite(capsys):
+@pytest.mark.parametrize("argv", [["llm", "bench"], ["bench", "llm"]])
+def test_automp_llm_bench_reaches_the_suite(capsys, argv):
     with pytest.raises(SystemExit) as e:
-        main(["llm", "bench", "--help"])
+        main([*argv, "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: automp llm bench") and "--only" in out

@@ -1,6 +1,7 @@
 """The measure-and-choose trial with an injected clock: which path wins, when losers are dropped, how the timed
 module is picked, and the re-measurement in steady state (the verdict cache: test_verdict_cache.py)."""
 import pytest
+import torch
 
 from automp.runtime.trial import RECORD_LAST, Path, Trial, TrialConfig, Verdict, candidate_paths
 
@@ -410,3 +411,24 @@ def test_a_trial_of_later_candidates_only_or_with_the_others_excluded_still_deci
             break
         clock.run(trial)
     assert trial.verdict is not None and trial.verdict.path is Path.GRAPHED
+
+
+def test_a_calibration_not_cached_is_named_in_the_reason():
+    """A calibration that failed its own sanity check serves this run only; the path decision it fed says so."""
+    from automp.precision.calibrate import Calibration
+    from automp.runtime.paths import CalibratedCandidates
+
+    def calibration(doubts):
+        return Calibration(device="cpu: test", torch_version=torch.__version__,
+                           gemm_tflops={"float32": {"large": 1.0}, "bfloat16": {"large": 0.5}}, bandwidth_gbps=10.0,
+                           launch_us=5.0, measured_at="2026-01-01T00:00:00Z", doubts=doubts)
+
+    cpu = torch.device("cpu")
+    trusted = CalibratedCandidates("/nonexistent")
+    trusted.calibrations[cpu] = calibration(())
+    doubted = CalibratedCandidates("/nonexistent")
+    doubted.calibrations[cpu] = calibration(("the copy: the median run took 4.7x the fastest",))
+    paths, why = trusted(cpu, torch.bfloat16)
+    same_paths, doubted_why = doubted(cpu, torch.bfloat16)
+    assert same_paths == paths and "not cached" not in why
+    assert "not cached" in doubted_why and "4.7x the fastest" in doubted_why

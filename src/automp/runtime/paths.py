@@ -283,7 +283,11 @@ class CalibratedCandidates:
             gain = calibrate.low_precision_gain(self.calibrations[device], low)
         except (RuntimeError, ValueError) as e:
             return [Path.FP32], f"could not measure this device ({e}): kept FP32"
-        return candidate_paths(device.type, gain, str(low).replace("torch.", ""))
+        paths, why = candidate_paths(device.type, gain, str(low).replace("torch.", ""))
+        doubts = self.calibrations[device].doubts
+        if doubts:  # the report says what a warning said: this run decided on figures not trusted beyond it
+            why += f" (device calibration used for this run only, not cached: {'; '.join(doubts)})"
+        return paths, why
 
 
 # Why a module runs as written (a report's choice "rule" where its "path" is "as-written").
