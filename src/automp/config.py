@@ -161,8 +161,7 @@ class AutoMPConfig:
         if self.loss_scale is None:
             return False
         import torch
-        auto_fp16 = self.dtype == "auto" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
-        return self.dtype == "fp16" or auto_fp16
+        return self.low_dtype("cuda" if torch.cuda.is_available() else "cpu") == torch.float16
 
     @property
     def report_path(self) -> str | None:
@@ -184,11 +183,6 @@ def _valid(cls: type, name: str, value: Any) -> bool:
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
     return environ.get("AUTOMP_CACHE_DIR") or str(FsPath.home() / ".cache" / "automp")
-
-
-def debug_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """AUTOMP_DEBUG, for code that runs inside a compiler backend where no config reaches it."""
-    return (os.environ if environ is None else environ).get("AUTOMP_DEBUG", "") not in ("", "0")
 
 
 def parse_loss_scale(spec: Any) -> str | float | None:

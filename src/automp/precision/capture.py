@@ -36,11 +36,12 @@ class _PrecisionPass:
 
 
 def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inner: str = "inductor",
-                 label: str = "graph") -> Callable[[fx.GraphModule, list[Any]], Callable]:
+                 label: str = "graph", debug: bool = False) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """The backend for `torch.compile(..., backend=make_backend(...))`.
 
     Anything that goes wrong inside our pass or the inner compiler falls back to running that graph as captured,
-    in FP32, and the report names the graph and the error: a training run must never die of an optimisation."""
+    in FP32, and the report names the graph and the error: a training run must never die of an optimisation.
+    debug: also print the traceback of each such fallback."""
     counter = itertools.count()
 
     def name() -> str:
@@ -66,16 +67,11 @@ def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inne
         except Exception as e:  # noqa: BLE001 - reported FP32 fallback, see docstring
             if recorder is not None:
                 recorder.add_fallback(label, f"{type(e).__name__}: {e}".strip().splitlines()[0][:300])
-            if config_debug():
+            if debug:
                 traceback.print_exc()
             return gm.forward
 
     return backend
-
-
-def config_debug() -> bool:
-    from automp.config import debug_from_env  # inside a compiler backend no session's config reaches
-    return debug_from_env()
 
 
 def _eager_aot(precision_pass: _PrecisionPass) -> Callable:

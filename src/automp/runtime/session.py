@@ -157,7 +157,7 @@ class Session:
         device = device_of(model)
         pconfig = PrecisionConfig(dtype=config.low_dtype(device), spec=_spec(config, device))
         return torch.compile(model, backend=make_backend(pconfig, self.recorder, inner=config.inner,
-                                                         label=type(model).__name__))
+                                                         label=type(model).__name__, debug=config.debug))
 
     def _fused(self, optimizer: torch.optim.Optimizer, groups: int) -> None:
         self.recorder.optimizers.append({
@@ -342,7 +342,7 @@ class Session:
         planned = config.spec.name
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
-                                                                label=root.label))
+                                                                label=root.label, debug=self.config.debug))
 
 
 def open_session(config: AutoMPConfig, recorder: Recorder) -> Session:
