@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from automp.config import VERSION as __version__
 from automp.config import AutoMPConfig
+
 __all__ = ["enable", "disable", "compile", "report", "is_enabled", "settled", "AutoMPConfig", "__version__"]
 
 _session = None  # the open automp.runtime.session.Session, if any

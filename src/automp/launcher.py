@@ -7,6 +7,7 @@ SIGTERM'd python), and one line on stderr says how each model ran.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import runpy
 import signal
@@ -35,7 +36,8 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
     unreadable = _compile_error(script)
     if unreadable is not None:
         return unreadable
-    automp.enable(config)
+    # the session writes no report of its own: the launcher writes the command line's once, at the end
+    automp.enable(dataclasses.replace(config, report=None))
     recorder = automp.recorder()
     argv, path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [script, *args]
