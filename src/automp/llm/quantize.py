@@ -21,6 +21,7 @@ import torch.nn as nn
 from automp.llm.arch import ARCHS, DTYPES, SCHEMES, Arch, QuantConfig, arch_of
 from automp.llm.awq import collect_inputs, scale_block, search_scale
 from automp.llm.fuse import fuse_projections
+from automp.quant.api import set_module
 from automp.quant.weight_only import QuantEmbedding, WeightOnlyLinear
 
 QuantLinear = WeightOnlyLinear  # the name automp.llm has always exported
@@ -50,11 +51,6 @@ def input_embedding(model: nn.Module) -> tuple[torch.device, torch.dtype, int, b
 
 
 # ----------------------------------------------------------------------------------------------- model surgery
-def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, leaf, module)
-
-
 def _dense(module: nn.Module, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 copies of (weight [N, K], bias [N]) of an nn.Linear or a transformers Conv1D ([K, N] weight)."""
     w = module.weight.detach()

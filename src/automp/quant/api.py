@@ -115,10 +115,15 @@ def quantize(model: nn.Module, config: Any, filter_fn: FilterFn | None = None) -
             continue  # inside a module already replaced
         new = entry.handler(module, config, aliases[0])
         for alias in aliases:
-            parent, _, leaf = alias.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            set_module(model, alias, new)
         replaced += aliases
     return model
+
+
+def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    """root's submodule at dotted `path` replaced by `module`."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
 def _dense(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -27,6 +27,7 @@ from automp.deploy.qdq import calibrate, qdq
 from automp.deploy.qdq.layers import Layer, check_model, find_layers, weight_array
 from automp.deploy.qdq.qdq import (REDUCED_WEIGHT_QMAX, WEIGHT_QMAX, QDQPlan, QParams, on_weight_grid, weight_qmax,
                                   write_qdq)
+from automp.quant.api import set_module
 from automp.quant.qat import QATLinear, qat_layers
 
 KERNEL_DRIFT_TOL = 1e-2  # fused int8 output vs the op-by-op QDQ output beyond which the 8-bit grid is given up
@@ -71,8 +72,7 @@ def _float_copy(model: nn.Module) -> nn.Module:
             plain = nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
                               m.groups, m.bias is not None, m.padding_mode)
         plain.weight, plain.bias = m.weight, m.bias
-        parent = out.get_submodule(name.rpartition(".")[0]) if "." in name else out
-        setattr(parent, name.rpartition(".")[2], plain)
+        set_module(out, name, plain)
     return out
 
 
