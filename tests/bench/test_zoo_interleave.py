@@ -82,8 +82,8 @@ def test_an_anchor_automp_would_take_over_is_refused():
 
 
 def test_the_anchors_blocks_run_with_the_scripts_cudnn_flag(no_inductor, tmp_path, monkeypatch):
-    """cudnn.benchmark is process-wide: automp's choice of it (automp.runtime.tuning.conv_tuning) must not reach the anchor's
-    blocks, and automp's blocks keep it."""
+    """cudnn.benchmark is process-wide: automp's choice of it (automp.runtime.tuning.conv_tuning) must not reach the
+    anchor's blocks, and automp's blocks keep it."""
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     seen = []

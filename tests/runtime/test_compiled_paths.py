@@ -1,5 +1,5 @@
-"""The compiled paths automp builds for a root module (automp.runtime.compiled_paths): stock Inductor with autocast entered
-around the compiled call as a hand-written loop does, and closures that leave the model collectable."""
+"""The compiled paths automp builds for a root module (automp.runtime.compiled_paths): stock Inductor with autocast
+entered around the compiled call as a hand-written loop does, and closures that leave the model collectable."""
 import pytest
 import torch
 import torch.nn as nn

@@ -1,5 +1,5 @@
-"""automp.runtime.graph_pool: gradients copied out of CUDA graphs' pool before a replay frees them, and the pool given back
-once automp leaves its graphs. On a CPU there are no cudagraph trees: their state is faked at the two functions
+"""automp.runtime.graph_pool: gradients copied out of CUDA graphs' pool before a replay frees them, and the pool given
+back once automp leaves its graphs. On a CPU there are no cudagraph trees: their state is faked at the two functions
 graph_pool reads it through (live_storages, _containers)."""
 import types
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers.utils import ModelOutput
 
-from automp.runtime.outputs import is_lazy_candidate, out_of_pool, restore_float32, restore_lazily, restore_outside_graph
+from automp.runtime.outputs import (is_lazy_candidate, out_of_pool, restore_float32, restore_lazily,
+                                    restore_outside_graph)
 
 
 @dataclass

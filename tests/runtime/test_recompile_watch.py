@@ -1,5 +1,6 @@
-"""A compiled path that keeps recompiling after its trial goes back to the eager path it beat (automp.runtime.recompile_watch):
-the balance itself, then a session with an injected clock in which each compiled graph costs seconds."""
+"""A compiled path that keeps recompiling after its trial goes back to the eager path it beat
+(automp.runtime.recompile_watch): the balance itself, then a session with an injected clock in which each compiled graph
+costs seconds."""
 import torch
 import torch.nn as nn
 

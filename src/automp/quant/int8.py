@@ -3,7 +3,8 @@
 Int8Linear (W8A8, automp.deploy.quantized's precision "int8"): weights int8 per output channel (symmetric),
 activations int8 per row. The per-row ("per-token") scale is taken in the forward by default: transformer activations
 carry a few large-magnitude channels whose size changes from token to token, so one static scale per tensor either
-clips them or wastes levels on every other token. int8_gemm accumulates in int32 and applies both scales and the bias in one epilogue.
+clips them or wastes levels on every other token. int8_gemm accumulates in int32 and applies both scales and the bias in
+one epilogue.
 
 The weight-only layers (W8A16, W4A16) are automp.quant.weight_only.WeightOnlyLinear.
 

@@ -4,9 +4,9 @@ A script written for FP32 must see FP32 tensors after the call (a loss outside t
 low-precision results are cast back at the module's boundary. For a plain tensor or tuple the cast is fused into the
 compiled graph's last kernel. But a transformers model returns a ModelOutput that often holds a huge tensor nobody
 reads: GPT-2's `model(**batch).loss` leaves 8x1024x50257 logits untouched, and casting them anyway costs 1.6 GB of
-memory at the peak and 2% of the step on an H100 (BENCHMARKS.md, "Unread outputs"). So ModelOutput-like results are cast lazily: each
-low-precision field turns FP32 the first time it is read (attribute, key, values(), to_tuple(), ...), and a field
-never read never costs anything. Read or not, the script only ever sees FP32.
+memory at the peak and 2% of the step on an H100 (BENCHMARKS.md, "Unread outputs"). So ModelOutput-like results are cast
+lazily: each low-precision field turns FP32 the first time it is read (attribute, key, values(), to_tuple(), ...), and a
+field never read never costs anything. Read or not, the script only ever sees FP32.
 
 A plain `@dataclass` result (not a ModelOutput) is a single leaf to torch's pytree, so its fields are walked here:
 it comes back as a copy with FP32 fields, frozen or not (and, out of a CUDA graph's memory, with copied fields).
@@ -98,7 +98,8 @@ def out_of_pool(out: Any, keep: tuple[str, ...] = ()) -> Any:
 
 def restore_lazily(out: Any, watch: Any = None) -> Any:
     """`out` with FP32 promised: a ModelOutput becomes its lazy twin (same object, class swapped), anything else is
-    restored now. `watch.on_read(out, name)` is told of every field read before it happens (automp.runtime.unread_outputs)."""
+    restored now. `watch.on_read(out, name)` is told of every field read before it happens
+    (automp.runtime.unread_outputs)."""
     if not is_lazy_candidate(out):
         return restore_float32(out)
     if watch is None and not any(isinstance(v, torch.Tensor) and v.dtype in HALVES for v in dict.values(out)):

@@ -37,7 +37,8 @@ class Recorder:
     # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
     # "reattached": why that stopped, if it did} (automp.runtime.unread_outputs)
     unread_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # process-wide settings automp measured and chose: {"setting", "value", "reason", ...} (automp.runtime.tuning.conv_tuning)
+    # process-wide settings automp measured and chose: {"setting", "value", "reason", ...}
+    # (automp.runtime.tuning.conv_tuning)
     settings: list[dict[str, Any]] = field(default_factory=list)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:

@@ -8,8 +8,8 @@ would hand-write, so automp is never slower than that either — and the same gr
 the host's launch work away where a step is host-bound), timed from one call of the module to its next call — forward,
 backward, optimizer step and the data loading in between, everything the user waits for. The fastest path is kept for
 the rest of the run, re-measured once in steady state against the eager paths that came close (`confirmation`), and the
-verdict is cached on disk per module shape, dtype and device (automp.runtime.verdicts), so the next run of the same script
-starts on the winner and pays nothing.
+verdict is cached on disk per module shape, dtype and device (automp.runtime.verdicts), so the next run of the same
+script starts on the winner and pays nothing.
 """
 from __future__ import annotations
 
@@ -57,13 +57,13 @@ class TrialConfig:
     autocast-compiled is what a user hand-writes (stock Inductor under torch.autocast), so keeping it can never leave
     the script slower than that; automp's own graph pass replaces it only when it measured faster by more than the
     margin. Two identical loops measured 3-6% apart on an H100 (BENCHMARKS.md, "Noise between identical loops"),
-    and trials chose automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50). fp32_margin: the same
-    for the script as written (FP32 eager): any other path changes the script's numerics, so it must lead by more than
-    the noise to be kept; `automp demo` on a 2-core CPU chose low precision for its GPT on a 2% trial lead and then ran
-    at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured once, after this many
-    iterations on it, against the eager paths that came within confirm_within of it (see `confirmation`); 0: never.
-    churn: a compiled path's recompiling training calls after its verdict before it may go back to the eager path it
-    beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never."""
+    and trials chose automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50).
+    fp32_margin: the same for the script as written (FP32 eager): any other path changes the script's numerics, so it
+    must lead by more than the noise to be kept; `automp demo` on a 2-core CPU chose low precision for its GPT on a 2%
+    trial lead and then ran at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured
+    once, after this many iterations on it, against the eager paths that came within confirm_within of it (see
+    `confirmation`); 0: never. churn: a compiled path's recompiling training calls after its verdict before it may go
+    back to the eager path it beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
                                                              Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3})
@@ -85,10 +85,12 @@ class Verdict:
     reason: str
     timings_ms: dict[str, float]
     cached: bool = False
-    detach: tuple[str, ...] = ()  # output fields detached when it ran (automp.runtime.unread_outputs): cached, not reported
+    # output fields detached when it ran (automp.runtime.unread_outputs): cached, not reported
+    detach: tuple[str, ...] = ()
     confirmed: bool = False  # re-measured in steady state (confirmation below)
-    eager_only: bool = False  # a run crashed in a double backward on a compiled path (automp.runtime.input_grads): a new
-    #                           trial of the eager paths, not a verdict; cached, not reported
+    # a run crashed in a double backward on a compiled path (automp.runtime.input_grads): a new trial of the eager
+    # paths, not a verdict; cached, not reported
+    eager_only: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
@@ -185,8 +187,8 @@ class Trial:
         self._start = self.clock()  # bookkeeping above is not charged to the next candidate
 
     def exclude(self, paths: frozenset[Path] | set[Path], why: str) -> None:
-        """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.input_grads); a sample of one
-        of them in progress is dropped. The other candidates go on as if those had never been in it."""
+        """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.input_grads); a sample of
+        one of them in progress is dropped. The other candidates go on as if those had never been in it."""
         remaining = [p for p in self.alive if p not in paths]
         if self.verdict is not None or len(remaining) == len(self.alive):
             return

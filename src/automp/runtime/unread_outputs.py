@@ -7,11 +7,11 @@ gradient of their size: for GPT-2 124M at B8 x T1024, 8x1024x50257 bf16 = 0.77 G
 detached inside the compiled function is an output without a gradient, so the backward takes none for it.
 
 Which fields: the tensors that required grad in the module's outputs and were not read by the script
-(automp.runtime.outputs sees every read of a ModelOutput field: attribute, key, to_tuple, values, ...) in the calls before
-the module's first compilation, i.e. the trial's eager steps. Decided once per module, at its first compilation,
+(automp.runtime.outputs sees every read of a ModelOutput field: attribute, key, to_tuple, values, ...) in the calls
+before the module's first compilation, i.e. the trial's eager steps. Decided once per module, at its first compilation,
 and cached with the trial's verdict, so a later run of the same script detaches the same fields from its first call.
-With a forced path and no cached verdict, nothing has been seen and nothing is detached (a second compilation to
-detach later would cost more than it saves in a short run).
+With a forced path and no cached verdict, nothing has been seen and nothing is detached (a second compilation to detach
+later would cost more than it saves in a short run).
 
 Never a missing gradient: a detached field read before the backward of its call has run may feed a loss. Such a
 read re-runs the call with every field attached (the compiled function is guarded on the detached names, so it

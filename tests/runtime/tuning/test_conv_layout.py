@@ -1,6 +1,6 @@
-"""channels_last activations for eager convolutions as a measured choice (automp.runtime.tuning.conv_layout), with an injected
-clock whose iteration cost depends on the layout in force. A CPU stands in for the CUDA device (conv_tuning.tunable):
-its convolutions run channels_last too, so the numerics are checked for real."""
+"""channels_last activations for eager convolutions as a measured choice (automp.runtime.tuning.conv_layout), with an
+injected clock whose iteration cost depends on the layout in force. A CPU stands in for the CUDA device
+(conv_tuning.tunable): its convolutions run channels_last too, so the numerics are checked for real."""
 import copy
 
 import pytest

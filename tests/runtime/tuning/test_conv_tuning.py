@@ -1,5 +1,6 @@
-"""cuDNN's benchmark mode as a measured choice (automp.runtime.tuning.conv_tuning), with an injected clock: the iteration's cost
-depends on the flag in force while it runs, as on a GPU. A CPU stands in for the CUDA device (conv_tuning.tunable)."""
+"""cuDNN's benchmark mode as a measured choice (automp.runtime.tuning.conv_tuning), with an injected clock: the
+iteration's cost depends on the flag in force while it runs, as on a GPU. A CPU stands in for the CUDA device
+(conv_tuning.tunable)."""
 import pytest
 import torch
 import torch.nn as nn

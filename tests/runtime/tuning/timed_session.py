@@ -1,5 +1,6 @@
 """A training loop under an automp Session whose clock the test advances: each iteration costs what `cost()` says for
-the settings then in force (automp.runtime.tuning.conv_tuning, automp.runtime.tuning.conv_layout), as it would on a GPU."""
+the settings then in force (automp.runtime.tuning.conv_tuning, automp.runtime.tuning.conv_layout), as it would on a
+GPU."""
 from typing import Any, Callable
 
 import torch

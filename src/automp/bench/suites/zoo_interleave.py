@@ -2,14 +2,16 @@
 
 The zoo runs its modes one after another, minutes apart, and a shared H100 host drifts by 10-40% over minutes: the
 same BERT anchor ran 34.0 ms in one run and 45.8 ms in another; EfficientNet's automp row read 1.37x in one run and
-0.88x in the next (BENCHMARKS.md, "Noise between identical loops"). Here both loops live in one process: the anchor (autocast-bf16 +
-torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would, then blocks of
-steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block hits both.
+0.88x in the next (BENCHMARKS.md, "Noise between identical loops"). Here both loops live in one process: the anchor
+(autocast-bf16 + torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would,
+then blocks of steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block
+hits both.
 
 Both models are resident, so this measures time only: peak memory and loss stay the separate rows'. Both also run
-under the allocator setting automp makes (automp.runtime.tuning.allocator), which the anchor's separate row does not have. bf16 only:
-the anchor runs inside the automp session (automp steps aside for a module called under the script's own autocast,
-as the report says), and under fp16 that step-aside would also take automp's loss scaling off for the automp loop.
+under the allocator setting automp makes (automp.runtime.tuning.allocator), which the anchor's separate row does not
+have. bf16 only: the anchor runs inside the automp session (automp steps aside for a module called under the script's
+own autocast, as the report says), and under fp16 that step-aside would also take automp's loss scaling off for the
+automp loop.
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         raise ValueError(f"anchor {anchor_mode!r}: interleaving needs an autocast-bf16 anchor (automp's session "
                          f"would also run an FP32 anchor's modules)")
     import automp
-    scripts_flag = torch.backends.cudnn.benchmark  # process-wide: automp may choose another (automp.runtime.tuning.conv_tuning)
+    # process-wide: automp may choose another (automp.runtime.tuning.conv_tuning)
+    scripts_flag = torch.backends.cudnn.benchmark
     torch.manual_seed(0)
     anchor = zoo.ModeLoop(zoo.MODELS[name][0](quick, device), anchor_mode, device)
     for _ in range(warmup):

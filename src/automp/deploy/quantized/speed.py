@@ -1,11 +1,11 @@
 """Is the quantized module faster than the same module in plain fp16/bf16? Measured, not assumed.
 
 Quantized kernels do not always pay: on an H100, automp's W8A8 BERT-base ran at 0.5–0.7x of the fp16 model compiled
-the same way (BENCHMARKS.md, "Quantized inference") — small GEMMs, an extra activation-quantization kernel per layer. A deployment
-engineer who asked for int8 may still want it (memory), but must not find out from production latency that it is
-slower. So on CUDA, with calibration data, the result is timed against the float model built the same way (same
-dtype boundary, same compile mode) on the first calibration batch, and the report says which was faster. The
-precision stays the caller's choice; a slower result also raises a warning naming both timings.
+the same way (BENCHMARKS.md, "Quantized inference") — small GEMMs, an extra activation-quantization kernel per layer. A
+deployment engineer who asked for int8 may still want it (memory), but must not find out from production latency that it
+is slower. So on CUDA, with calibration data, the result is timed against the float model built the same way (same dtype
+boundary, same compile mode) on the first calibration batch, and the report says which was faster. The precision stays
+the caller's choice; a slower result also raises a warning naming both timings.
 
 On a CPU nothing is timed (the layers run a torch reference there, or the kernels under the Triton interpreter: a
 timing would say nothing about a GPU), and the report says so.
