@@ -14,15 +14,19 @@ from automp.argtypes import int_at_least
 
 
 def _add_precision_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16"],
-                   help="low-precision dtype; auto = bf16 where supported, else fp16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16", "fp8"],
+                   help="low-precision dtype; auto = bf16 where supported, else fp16; fp8 = bf16 with FP8 linear "
+                        "layers where measured to pay and accurate (needs compute capability 8.9+: Ada, Hopper)")
+    p.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise"],
+                   help="FP8 scaling under --dtype fp8: one scale per tensor (default, fastest) or per row")
     p.add_argument("--loss-scale", default="dynamic",
                    help="dynamic | off | a constant such as 1024 (only matters for fp16)")
     p.add_argument("--report", default=None,
                    help="write the precision report JSON here (under torchrun, rank 0 writes this path and rank N "
                         "writes <stem>.rankN<suffix> beside it)")
     p.add_argument("--path", default=None,
-                   choices=["auto", "compile", "eager", "autocast-compile", "autocast-graphs", "fp32"],
+                   choices=["auto", "compile", "eager", "autocast-compile", "autocast-graphs", "fp32", "fp8-compile",
+                            "fp8-graphs"],
                    help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
                         "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
                         "model and device; default: the environment's, else auto); or force one")
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
     p.set_defaults(func=_cmd_report)
 
-    suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "llm"]
+    suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "fp8", "llm"]
     p = sub.add_parser("bench", help="benchmarks: " + " | ".join(suites) + " (llm = `automp llm bench`)")
     p.add_argument("suite", choices=suites, help="the benchmark suite to run")
     _rest(p, "the suite's own arguments (`automp bench SUITE --help` lists them)")

@@ -19,9 +19,11 @@ from typing import Any, Mapping
 
 VERSION = "0.3.5"  # the package's version (automp.__version__), here so that any layer can key a cache by it
 
-DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
+          "fp8": "fp8", "float8": "fp8"}
+FP8_RECIPES = ("tensorwise", "rowwise")
 INNERS = ("inductor", "eager")
-PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs")
+PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs", "fp8-compile", "fp8-graphs")
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
                "AUTOMP_DEBUG": "debug", "RANK": "rank", "WORLD_SIZE": "world_size"}
@@ -30,8 +32,12 @@ _FLAGS = ("fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug"
 
 @dataclass(frozen=True, kw_only=True)
 class AutoMPConfig:
-    """dtype: "auto" (bf16 where supported, else fp16), "fp16" or "bf16" (aliases float16/half/bfloat16 accepted,
-    stored canonical).
+    """dtype: "auto" (bf16 where supported, else fp16), "fp16", "bf16" or "fp8" (aliases float16/half/bfloat16/float8
+    accepted, stored canonical). "fp8": bf16 everywhere, and FP8 GEMMs in the linear layers where the device's
+    measured times predict a gain and FP8 stays accurate on the real batch, if the trial confirms it on the whole
+    step (automp.precision.fp8_choice); it needs FP8 tensor cores (compute capability 8.9+).
+    fp8_recipe: "tensorwise" (one scale per tensor; the fastest) or "rowwise" (a scale per row; more accurate with
+    outliers), as torchao names them (automp.precision.fp8).
     loss_scale: "dynamic", "off" (or None/0) or a positive constant (a number or a numeric string such as "1024");
     stored as "dynamic", None (off) or a float. Only fp16 uses it.
     report: path of the JSON precision report (made absolute now: the script may chdir). Under torchrun each rank
@@ -55,6 +61,7 @@ class AutoMPConfig:
     rank, world_size: this process's place under torchrun (RANK, WORLD_SIZE), for per-rank report files."""
 
     dtype: str = "auto"
+    fp8_recipe: str = "tensorwise"
     loss_scale: Any = "dynamic"
     report: str | None = None
     inner: str = "inductor"
@@ -71,8 +78,12 @@ class AutoMPConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}: expected 'auto', 'fp16' or 'bf16'")
+            raise ValueError(f"unsupported dtype {self.dtype!r}: expected 'auto', 'fp16', 'bf16' or 'fp8'")
         self._set("dtype", DTYPES[self.dtype])
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"unknown fp8_recipe {self.fp8_recipe!r}: expected one of {FP8_RECIPES}")
+        if self.path.startswith("fp8-") and self.dtype != "fp8":
+            raise ValueError(f"path {self.path!r} runs FP8 layers: it needs dtype='fp8', not {self.dtype!r}")
         self._set("loss_scale", parse_loss_scale(self.loss_scale))
         if self.inner not in INNERS:
             raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
@@ -81,7 +92,7 @@ class AutoMPConfig:
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.path not in PATHS:
             raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
-        if self.path == "autocast-graphs" and not self.cuda_graphs:
+        if self.path in ("autocast-graphs", "fp8-graphs") and not self.cuda_graphs:
             raise ValueError(f"path {self.path!r} asks for the CUDA graphs that cuda_graphs=False turns off")
         if self.spec:
             from automp.precision import cost
@@ -141,12 +152,15 @@ class AutoMPConfig:
         """The runtime's Path this configuration forces, or None for "auto" (a trial decides)."""
         from automp.runtime.trial import Path
         return {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
-                "autocast-compile": Path.COMPILED_AUTOCAST, "autocast-graphs": Path.GRAPHED}[self.path]
+                "autocast-compile": Path.COMPILED_AUTOCAST, "autocast-graphs": Path.GRAPHED,
+                "fp8-compile": Path.FP8_COMPILED, "fp8-graphs": Path.FP8_GRAPHED}[self.path]
 
     def low_dtype(self, device: Any = None) -> Any:
         """The torch dtype low precision means on `device`: "auto" is bf16 (no loss scaling needed, fp32 range)
-        wherever the hardware has it, else fp16."""
+        wherever the hardware has it, else fp16. "fp8" computes everything but its FP8 GEMMs in bf16."""
         import torch
+        if self.dtype == "fp8":
+            return torch.bfloat16
         if self.dtype != "auto":
             return torch.float16 if self.dtype == "fp16" else torch.bfloat16
         dev = torch.device(device) if device is not None else torch.device("cpu")

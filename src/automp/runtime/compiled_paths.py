@@ -6,6 +6,7 @@ each module a code object of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import types
 import weakref
@@ -14,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from automp.precision.fp8 import active as fp8_active
 from automp.runtime import graph_pool
 from automp.runtime.trial import Path
 from automp.runtime.outputs import out_of_pool, restore_outside_graph
@@ -65,7 +67,7 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
 
 
-def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., Any]:
+def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
     region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
@@ -79,8 +81,12 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
     different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
     spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory
     (outputs.out_of_pool), and so are gradients the next replay would free (graph_pool.GradRescue); the returned
-    function's `pool` gives the graphs' memory back once the session leaves them (graph_pool.PoolRelease)."""
+    function's `pool` gives the graphs' memory back once the session leaves them (graph_pool.PoolRelease).
+
+    fp8=True (Path.FP8_COMPILED, Path.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
+    (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
+    switch = functools.partial(fp8_active, fp8)
 
     def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return restore_outside_graph(entry(mod, *args, **kwargs))
@@ -96,7 +102,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
     if not graphs:
         def autocast_call(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device, dtype=low):
+            with torch.autocast(device, dtype=low), switch():
                 return compiled(*args, **kwargs)
         return autocast_call
 
@@ -107,7 +113,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False) -> Callable[..., A
 
     def graphed_call(*args: Any, **kwargs: Any) -> Any:
         rescue.before_replay(p for p in (ref() for ref in params) if p is not None)
-        with torch.autocast(device, dtype=low):
+        with torch.autocast(device, dtype=low), switch():
             out = compiled(*args, **kwargs)
         pool.seen()
         return out_of_pool(out, fields.detach)

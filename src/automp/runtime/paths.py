@@ -18,8 +18,8 @@ import torch.nn as nn
 from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool, input_grads
 from automp.runtime.report import Recorder
-from automp.runtime.trial import (COMPILED_PATHS, RECORD_LAST, Path, Trial, TrialConfig, Verdict, agreed,
-                                  candidate_paths, confirmation, for_ranks)
+from automp.runtime.trial import (COMPILED_PATHS, GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Path, Trial,
+                                  TrialConfig, Verdict, agreed, candidate_paths, confirmation, for_ranks)
 from automp.runtime.recompile_watch import CompileWatch, watch_for
 from automp.runtime.unread_outputs import FieldReads
 from automp.runtime.verdicts import VerdictCache
@@ -41,6 +41,9 @@ class Root:
     compiled: Callable[..., Any] | None = None
     stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
     graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Path.GRAPHED)
+    fp8_stock: Callable[..., Any] | None = None  # stock with its FP8 layers on (Path.FP8_COMPILED)
+    fp8_graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Path.FP8_GRAPHED)
+    fp8_layers: tuple[str, ...] = ()  # its linear layers that run FP8 on the FP8 paths (automp.precision.fp8_choice)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
@@ -139,14 +142,14 @@ class RootPaths:
         # under DDP every rank must run the same path: a rank's own compile times are not a shared verdict
         root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
-        left = root.graphed if root.path is not Path.GRAPHED else None
-        if root.path is Path.GRAPHED and root.graphed is not None:  # won a trial it ran in
+        left = [built(root, p) for p in GRAPHED_PATHS if p is not root.path and built(root, p) is not None]
+        if root.path in GRAPHED_PATHS and built(root, root.path) is not None:  # won a trial it ran in
             compiled_paths.release_cached(root.device)
         for path, attribute in BUILT.items():
             if root.path is not path:
                 setattr(root, attribute, None)
-        if left is not None:
-            self.release_graphs(left.pool)
+        for graphed in left:
+            self.release_graphs(graphed.pool)
         self.recorder.add_choice(root.label, verdict.as_dict(), verdict.reason)
         self._pause_scaling_if_fp32()
 
@@ -162,7 +165,7 @@ class RootPaths:
         memory = compiled_paths.device_memory(root.device)
         why = None if memory is None else compiled_paths.graphs_fit(*memory)
         if why is not None:
-            root.trial.exclude({Path.GRAPHED}, why)
+            root.trial.exclude(GRAPHED_PATHS, why)
         else:
             compiled_paths.release_cached(root.device)
 
@@ -179,9 +182,9 @@ class RootPaths:
         why = (f"{Path.GRAPHED.value} not for a script whose modules ({', '.join(r.label for r in roots)}) run under "
                f"automp together: CUDA graph memory of one module is reused when another's backward runs")
         for root in roots:  # a re-measurement of a graphed verdict ends with leave_graphs
-            if root.trial is not None and root.trial.verdict is None and Path.GRAPHED in root.trial.alive:
-                root.trial.exclude({Path.GRAPHED}, why)
-            if root.path is Path.GRAPHED and self.config.forced_path is None:
+            if root.trial is not None and root.trial.verdict is None and GRAPHED_PATHS & set(root.trial.alive):
+                root.trial.exclude(GRAPHED_PATHS, why)
+            if root.path in GRAPHED_PATHS and self.config.forced_path is None:
                 self.leave_graphs(root, why)
 
     def leave_graphs(self, root: Root, why: str | None = None) -> None:
@@ -191,7 +194,8 @@ class RootPaths:
         old = root.verdict
         why = why or (f"{Path.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
                       f"recorded again for every shape, so it runs without them")
-        verdict = Verdict(Path.COMPILED_AUTOCAST, f"{why} ({old.reason})", dict(old.timings_ms))
+        verdict = Verdict(WITHOUT_GRAPHS.get(root.path, Path.COMPILED_AUTOCAST), f"{why} ({old.reason})",
+                          dict(old.timings_ms))
         root.confirm = None
         self.decide(root, verdict)
         self._remember([root], verdict)
@@ -202,7 +206,8 @@ class RootPaths:
     def retry_release(self, last: bool = False) -> None:
         """Ask again for the CUDA graph pool automp left (at each module call; `last`: at uninstall, where whatever
         still replays automp's graphs stops too)."""
-        graphed = next((r.graphed for r in self.roots.values() if r.graphed is not None), None) if last else None
+        graphed = next((g for r in self.roots.values() for g in (r.graphed, r.fp8_graphed) if g is not None),
+                       None) if last else None
         if graphed is not None:
             self.release_graphs(graphed.pool, last=True)
         elif self.releasing is not None:
@@ -301,7 +306,8 @@ def as_written(rule: str) -> dict[str, Any]:
     return {"path": "as-written", "timings_ms": {}, "cached": False, "rule": rule}
 
 
-BUILT = {Path.COMPILED: "compiled", Path.COMPILED_AUTOCAST: "stock", Path.GRAPHED: "graphed"}  # Root's field
+BUILT = {Path.COMPILED: "compiled", Path.COMPILED_AUTOCAST: "stock", Path.GRAPHED: "graphed",
+         Path.FP8_COMPILED: "fp8_stock", Path.FP8_GRAPHED: "fp8_graphed"}  # Root's field
 
 
 def built(root: Root, path: Path) -> Callable[..., Any] | None:

@@ -40,6 +40,10 @@ class Recorder:
     # process-wide settings automp measured and chose: {"setting", "value", "reason", ...}
     # (automp.runtime.tuning.conv_tuning)
     settings: list[dict[str, Any]] = field(default_factory=list)
+    # per root module under dtype="fp8": each linear layer's LayerChoice and the counts per rule
+    # (automp.runtime.fp8_layers); fp8_fallback: the loss divergence that took the run back to bf16, if one did
+    fp8: dict[str, dict[str, Any]] = field(default_factory=dict)
+    fp8_fallback: dict[str, Any] | None = None
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -73,7 +77,8 @@ class Recorder:
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
                 "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
-                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings}
+                "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings,
+                "fp8": self.fp8, "fp8_fallback": self.fp8_fallback}
 
     def save(self, path: str) -> None:
         from automp.files import atomic_output

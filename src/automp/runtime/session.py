@@ -27,13 +27,15 @@ from automp.precision import cost
 from automp.precision.capture import make_backend, traceable_attention
 from automp.precision.paint import PrecisionConfig
 from automp.runtime import call_state, compiled_paths, input_grads, rnn
+from automp.runtime.fp8_layers import Fp8Layers
 from automp.runtime.graph_breaks import graph_breaks, report_graph_breaks
 from automp.runtime.once_logging import ignore_once_logging
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUTOCAST, CalibratedCandidates,
                                   Candidates, Root, RootPaths, as_written, built)
 from automp.runtime.report import Recorder, dtype_name
-from automp.runtime.trial import COMPILED_PATHS, EAGER_PATHS, Path, TrialConfig, Verdict, distributed, rank0_start
+from automp.runtime.trial import (BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS, GRAPHED_PATHS, WITHOUT_GRAPHS,
+                                  Path, TrialConfig, Verdict, distributed, rank0_start)
 from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
@@ -57,7 +59,8 @@ class Session:
 
     def __init__(self, config: AutoMPConfig, recorder: Recorder | None = None, *, candidates: Candidates | None = None,
                  clock: Callable[[], float] = time.perf_counter, cache: VerdictCache | None = None,
-                 trial_config: TrialConfig | None = None, allocator: ExpandableSegments | None = None) -> None:
+                 trial_config: TrialConfig | None = None, allocator: ExpandableSegments | None = None,
+                 fp8: Fp8Layers | None = None) -> None:
         self.config = config
         self.recorder = recorder if recorder is not None else Recorder()
         self.candidates = candidates or CalibratedCandidates(config.cache_dir)
@@ -65,6 +68,8 @@ class Session:
         self.cache = cache if cache is not None else VerdictCache(config.cache_dir)
         self.trial_config = trial_config or TrialConfig()
         self.allocator = allocator or ExpandableSegments()  # process-wide: restored at uninstall
+        # dtype="fp8": the FP8 layers of each root and the loss watch (injectable: a CPU test emulates the device)
+        self.fp8 = (fp8 or Fp8Layers(config, self.recorder)) if config.dtype == "fp8" else None
         self.roots: weakref.WeakKeyDictionary[nn.Module, Root] = weakref.WeakKeyDictionary()
         self.scaling = Scaling(config, self._record_scaling)
         self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
@@ -79,6 +84,9 @@ class Session:
 
     # -- install / uninstall --------------------------------------------------------------------------------------
     def install(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.require()  # before anything is changed: a machine without FP8 fails in one line
+            self._undo.append(self.fp8.uninstall)
         self.allocator.turn_on(self.recorder.add_setting)  # first: before anything allocates device memory
         self._undo.append(self.allocator.restore)
         if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
@@ -188,7 +196,7 @@ class Session:
         if root is None:
             if not any(True for _ in module.parameters()):
                 return ORIG_CALL(module, *args, **kwargs)
-            root = self._new_root(module, args)
+            root = self._new_root(module, args, kwargs)
         scripts_autocast = torch.is_autocast_enabled(root.device.type)
         if scripts_autocast:
             self.casts.check()  # the script's own region must not find a stale copy automp cached
@@ -197,13 +205,16 @@ class Session:
                                         "(and loss scaling) to the script", SCRIPTS_AUTOCAST)
         if root.aside is not None:
             return self._run(module, root, Path.FP32, args, kwargs)  # as written, nested modules included
+        if self.fp8 is not None:
+            self._fp8_guard(root)
         if new is None:
             self.paths.graphs_for_one_module()
         if not root.eager_only and input_grads.asks_input_grad(args, kwargs):
             self.paths.keep_eager(root)
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
-            if root.trial.verdict is None and root.trial.current is Path.GRAPHED and root.graphed is None:
+            current = root.trial.current if root.trial.verdict is None else None
+            if current in GRAPHED_PATHS and built(root, current) is None:
                 self.paths.check_graphs_fit(root)
             if root.trial.verdict is not None:
                 self.paths.settle(root.trial)
@@ -222,7 +233,7 @@ class Session:
                 tuning.call(module, root.device, root.key, args, kwargs, self._layout_settled, eager)
         if eager and layout is not None and layout.on:
             return layout.run(module, root.device, lambda: self._run(module, root, path, args, kwargs))
-        graphed = path is Path.GRAPHED and self.config.forced_path is None
+        graphed = path in GRAPHED_PATHS and self.config.forced_path is None
         if (root.watch is None and not graphed) or root.confirm is not None or not torch.is_grad_enabled():
             return self._run(module, root, path, args, kwargs)
         first = built(root, path) is None  # its first compile is no recompile
@@ -249,7 +260,7 @@ class Session:
             if compiled is None:
                 self._before_compile(root)
                 compiled = (self._compile(module, root) if path is Path.COMPILED else
-                            compiled_paths.stock(module, root, graphs=path is Path.GRAPHED))
+                            compiled_paths.stock(module, root, graphs=path in GRAPHED_PATHS, fp8=path in FP8_PATHS))
                 setattr(root, BUILT[path], compiled)
             try:
                 with traceable_attention():
@@ -275,7 +286,7 @@ class Session:
         return restore_lazily(out, FieldWatch(out, root.fields, detached, rerun))
 
     # -- roots, trials, verdicts ----------------------------------------------------------------------------------
-    def _new_root(self, module: nn.Module, args: tuple) -> Root:
+    def _new_root(self, module: nn.Module, args: tuple, kwargs: dict) -> Root:
         device = device_of(module)
         root = self.roots[module] = Root(self._label(module), device, self.config.low_dtype(device))
         label, recorder = root.label, self.recorder  # not root: see compiled_paths.entry_point
@@ -290,9 +301,17 @@ class Session:
         self.recorder.dtype = dtype_name(root.low)
         self.recorder.device = _spec(self.config, device).name if device.type == "cuda" else "cpu"
         spec = self.config.spec or ("h100" if device.type == "cuda" else "cpu")
-        root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}",
-                              extra=f"{self.config.inner}:{spec}" + ("" if self.config.cuda_graphs else ":no-graphs"))
+        extra = f"{self.config.inner}:{spec}" + ("" if self.config.cuda_graphs else ":no-graphs")
+        if self.fp8 is not None:  # before the key: the FP8 layers' classes are part of it
+            root.fp8_layers = self.fp8.prepare(module, root.label, device,
+                                               lambda: self._run(module, root, Path.FP32, args, kwargs))
+            extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
+        root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}", extra=extra)
         forced = self.config.forced_path
+        if forced in FP8_PATHS and not root.fp8_layers:
+            forced = BF16_TWIN[forced]
+            self.recorder.add_fallback(root.label, f"path {self.config.path!r} forced, but no linear layer was chosen "
+                                                   f"for FP8: runs {forced.value}")
         if forced is not None:
             self.paths.decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
             return root
@@ -300,17 +319,31 @@ class Session:
         if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without
             root.eager_only, cached = True, None       # them (automp.runtime.input_grads)
             self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED)
-        candidates, why = ([], "") if cached is not None else self.candidates(device, root.low)
-        if root.eager_only:
-            candidates = [c for c in candidates if c not in COMPILED_PATHS]
+        if cached is not None:
+            candidates, why = [], ""
+        elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (trial.BF16_TWIN)
+            candidates = [Path.GRAPHED, Path.FP8_GRAPHED]
+            why = (f"{len(root.fp8_layers)} linear layer(s) predicted faster in FP8 ({self.config.fp8_recipe}); "
+                   f"the whole step timed in FP8 and in bf16")
+        else:
+            candidates, why = self.candidates(device, root.low)
+        if root.eager_only and candidates:
+            candidates = [c for c in candidates if c not in COMPILED_PATHS] or [Path.EAGER_LOW]
         root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
         # under DDP, CUDA graphs' memory check and moves would be a rank's own: every rank must run rank 0's path
         if root.lockstep or not self.config.cuda_graphs:
-            candidates = [c for c in candidates if c is not Path.GRAPHED]
+            candidates = list(dict.fromkeys(WITHOUT_GRAPHS.get(c, c) for c in candidates))
         if root.lockstep:
             cached, candidates, why = rank0_start(cached, candidates, why)
         self.paths.start(root, cached, candidates, why)
         return root
+
+    def _fp8_guard(self, root: Root) -> None:
+        """Between steps: a root on FP8 has its loss watched; after a divergence every root on FP8 goes bf16."""
+        if root.path in FP8_PATHS:
+            self.fp8.watch_loss()
+        if self.fp8.diverged is not None:
+            self.fp8.leave(self.roots.values(), self.paths.decide, self.cache.put)
 
     def script_failed(self, error: BaseException) -> str | None:
         """The script ended with `error`. A double backward through a compiled graph (automp.runtime.input_grads) is

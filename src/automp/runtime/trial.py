@@ -28,6 +28,8 @@ class Path(enum.Enum):
     COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
     COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
     GRAPHED = "autocast-graphed"  # the same graphs replayed as CUDA graphs (automp.runtime.compiled_paths.stock)
+    FP8_COMPILED = "fp8-compiled"  # autocast-compiled with the chosen linear layers in FP8 (automp.precision.fp8)
+    FP8_GRAPHED = "fp8-graphed"  # the same replayed as CUDA graphs
 
 
 # Candidates a trial warms up only after its first round has dropped the clear losers. CUDA graphs record a memory
@@ -35,10 +37,16 @@ class Path(enum.Enum):
 # activations, the largest of any path and the path most often dropped in that round. On an H100 ResNet-50's trial
 # reserved 18.2 GiB that way, against 6.7 GiB in steady state; recorded last, its whole-run peak (11.3 GiB) is below
 # the FP32 script's 12.5 (BENCHMARKS.md, "Large models").
-RECORD_LAST = frozenset({Path.GRAPHED})
+RECORD_LAST = frozenset({Path.GRAPHED, Path.FP8_GRAPHED})
 EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
-COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED})
-AUTOCAST_PATHS = frozenset({Path.COMPILED_AUTOCAST, Path.GRAPHED})  # compiled, under torch.autocast
+GRAPHED_PATHS = frozenset({Path.GRAPHED, Path.FP8_GRAPHED})  # replayed as CUDA graphs
+FP8_PATHS = frozenset({Path.FP8_COMPILED, Path.FP8_GRAPHED})
+COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED}) | FP8_PATHS
+AUTOCAST_PATHS = frozenset({Path.COMPILED_AUTOCAST, Path.GRAPHED}) | FP8_PATHS  # compiled, under torch.autocast
+# each FP8 path's bf16 twin: the same compiled step without FP8 layers. FP8 changes numerics, so it must beat its twin
+# by more than the noise (TrialConfig.anchor_margin); the twin is also where a diverging FP8 run goes back to.
+BF16_TWIN = {Path.FP8_COMPILED: Path.COMPILED_AUTOCAST, Path.FP8_GRAPHED: Path.GRAPHED}
+WITHOUT_GRAPHS = {Path.GRAPHED: Path.COMPILED_AUTOCAST, Path.FP8_GRAPHED: Path.FP8_COMPILED}
 
 
 @dataclass
@@ -66,7 +74,8 @@ class TrialConfig:
     back to the eager path it beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
-                                                             Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3})
+                                                             Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3,
+                                                             Path.FP8_COMPILED: 2, Path.FP8_GRAPHED: 3})
     measure: int = 4  # even: alternating rounds then cancel a linear drift exactly (x block iterations each)
     block: int = 2  # iterations per timed sample, run back to back as the script runs them (see Trial)
     give_up: float = 1.3
@@ -251,10 +260,15 @@ class Trial:
             tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {inc.value} (this "
                    f"measurement's noise), so {inc.value} is kept")
             winner = inc
+        twin = BF16_TWIN.get(winner)
+        if twin is not None and self._within(twin, winner, timings, self.config.anchor_margin):
+            tie += (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {twin.value} (this "
+                    f"measurement's noise), so the step stays bf16")
+            winner = twin
         if winner in (Path.COMPILED, Path.GRAPHED) and self._within(Path.COMPILED_AUTOCAST, winner, timings,
                                                                     self.config.anchor_margin):
-            tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
-                   f"noise), so the hand-written loop's own path is kept")
+            tie += (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
+                    f"noise), so the hand-written loop's own path is kept")
             winner = Path.COMPILED_AUTOCAST
         if winner is not Path.FP32 and self._within(Path.FP32, winner, timings, self.config.fp32_margin):
             tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Path.FP32.value} (this "

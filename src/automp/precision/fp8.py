@@ -1,0 +1,223 @@
+"""FP8 linear layers for training: the three GEMMs of a linear layer (forward, grad-input, grad-weight) in float8 on
+Hopper's FP8 tensor cores, with dynamic scaling, master weights and optimizer state unchanged.
+
+Recipes (torchao's names and choices, as its float8 training README describes them):
+- "tensorwise": one fp32 scale per tensor, amax/448 for e4m3 activations and weights, amax/57344 for e5m2 gradients
+  (e5m2 keeps the gradients' range, e4m3 the activations' precision). The fastest: one scale, one cast per tensor.
+- "rowwise": e4m3 everywhere, one scale per row of each GEMM operand (per token, per output channel), so an outlier
+  row no longer crushes the others' resolution; each tensor is cast along the axis each GEMM reduces over.
+
+Written as one torch.autograd.Function over torch._scaled_mm, not torchao's tensor subclass: Dynamo traces it into
+the joint graph as plain ops, so Inductor fuses each amax with its cast and the compile stays that of a bf16 model
+(torchao's float8 compile of a 16-layer Llama did not finish in 140 s on an H100, where bf16 took 43 s for two
+layers' worth less). torchao's recipes are the benchmark's anchors (`automp bench fp8`).
+
+A layer is switched by `install` (its class becomes an FP8 subclass of its own class: same parameters, same state_dict,
+isinstance unchanged) and runs FP8 only inside `active()`: the runtime compiles its FP8 path under it and its bf16
+path outside it, so both can be timed against each other on the same modules and the FP8 one left at any time.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+RECIPES = ("tensorwise", "rowwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+_EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale (its values cast to zero exactly)
+ALIGN = 16  # torch._scaled_mm needs every GEMM dimension a multiple of 16
+
+
+class _Switch:
+    """Whether FP8 layers run FP8 now. A plain attribute read, so Dynamo guards on it: the graphs compiled inside
+    `active()` are FP8, those compiled outside are bf16, and each is reused only under its own setting."""
+
+    on = False
+
+
+SWITCH = _Switch()
+
+
+@contextlib.contextmanager
+def active(on: bool = True) -> Iterator[None]:
+    before = SWITCH.on
+    SWITCH.on = on
+    try:
+        yield
+    finally:
+        SWITCH.on = before
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why FP8 GEMMs cannot run for training on `device` (one line), or None where they can."""
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"this torch ({torch.__version__}) has no FP8 GEMM (torch._scaled_mm)"
+    if device.type != "cuda":
+        return (f"FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                f"the model is on {device.type}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"FP8 training needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+    return None
+
+
+def fits(m: int, k: int, n: int) -> bool:
+    return m % ALIGN == 0 and k % ALIGN == 0 and n % ALIGN == 0
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in `dtype`, its fp32 inverse scale): scaled so that its amax (of the whole tensor, or along `dim`, kept as a
+    size-1 dimension) lands on the format's largest value. Multiplying the FP8 values by the inverse scale gives t
+    back up to FP8 rounding."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = _MAX[dtype] / amax.float().clamp(min=_EPS)
+    t8 = (t.float() * scale).clamp(-_MAX[dtype], _MAX[dtype]).to(dtype)
+    return t8, scale.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same (rows, cols) matrix stored column-major: _scaled_mm's second operand must be."""
+    return t.t().contiguous().t()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+        out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b on FP8 operands, dequantized by the inverse scales into `out_dtype`. Per-row scales (2-D) produce bf16,
+    the one output cuBLAS gives row-wise scaling on Hopper, converted after."""
+    rowwise = scale_a.dim() == 2
+    y = torch._scaled_mm(a.contiguous(), _col_major(b) if b.stride(0) != 1 else b, scale_a=scale_a,
+                         scale_b=scale_b.contiguous(), out_dtype=torch.bfloat16 if rowwise else out_dtype)
+    return y.to(out_dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y(m,n) = x(m,k) @ w(n,k).T with all three GEMMs in FP8. Saves FP8 copies (tensorwise: half bf16's bytes) or
+    the originals (rowwise: the backward casts them along other axes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.recipe, ctx.x_dtype, ctx.w_dtype = recipe, x.dtype, w.dtype
+        if recipe == "tensorwise":
+            x8, sx = cast(x, E4M3)
+            w8, sw = cast(w, E4M3)
+            ctx.save_for_backward(x8, sx, w8, sw)
+            return _mm(x8, w8.t(), sx, sw, out_dtype)
+        x8, sx = cast(x, E4M3, dim=1)  # per row of x: (m, 1)
+        w8, sw = cast(w, E4M3, dim=1)  # per output channel: (n, 1)
+        ctx.save_for_backward(x, w)
+        return _mm(x8, w8.t(), sx, sw.t(), out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_dtype = g.dtype if g.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if ctx.recipe == "tensorwise":
+            x8, sx, w8, sw = ctx.saved_tensors
+            g8, sg = cast(g, E5M2)
+            grad_x = _mm(g8, w8, sg, sw, _out(ctx.x_dtype, grad_dtype))
+            grad_w = _mm(g8.t(), x8, sg, sx, torch.float32)
+        else:
+            x, w = ctx.saved_tensors
+            g8, sg = cast(g, E4M3, dim=1)  # rows of g: (m, 1)
+            w8c, swc = cast(w, E4M3, dim=0)  # columns of w (k of them): (1, k)
+            grad_x = _mm(g8, w8c, sg, swc, _out(ctx.x_dtype, grad_dtype))
+            gt8, sgt = cast(g.t(), E4M3, dim=1)  # rows of g.T (output channels): (n, 1)
+            x8c, sxc = cast(x, E4M3, dim=0)  # columns of x: (1, k)
+            grad_w = _mm(gt8, x8c, sgt, sxc, torch.float32)
+        return grad_x, grad_w.to(ctx.w_dtype), None, None
+
+
+def _out(dtype: torch.dtype, fallback: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else fallback
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: str = "tensorwise"
+               ) -> torch.Tensor:
+    """F.linear(x, w, bias) with FP8 GEMMs. The output has the dtype F.linear would give: autocast's where autocast
+    is on (bf16 under automp), else x's."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}: expected one of {RECIPES}")
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    lead = x.shape[:-1]
+    with torch.autocast(device, enabled=False):
+        y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), w, recipe, out_dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+# -- layers ------------------------------------------------------------------------------------------------------
+def weight_nk(module: nn.Module) -> torch.Tensor:
+    """The layer's weight as (out_features, in_features): nn.Linear's own; transformers' Conv1D (GPT-2) stores it
+    transposed."""
+    return module.weight.t() if getattr(module, "_automp_fp8_transposed", False) else module.weight
+
+
+def linear_like(module: nn.Module) -> bool:
+    """nn.Linear, or transformers' Conv1D (a linear layer with a (in, out) weight), exactly: subclasses may compute
+    something else in their forward."""
+    return type(module) is nn.Linear or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and hasattr(module, "nf")
+
+
+def _fp8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    w = weight_nk(self)
+    if SWITCH.on and x.dim() >= 2 and fits(x.numel() // x.shape[-1], w.shape[1], w.shape[0]):
+        return fp8_linear(x, w, self.bias, self._automp_fp8_recipe)
+    return super(type(self), self).forward(x)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _fp8_class(cls: type) -> type:
+    """The FP8 subclass of a layer class, made once and registered in this module (a pickled model finds it)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        name = f"Fp8{cls.__name__}"
+        sub = type(name, (cls,), {"forward": _fp8_forward, "__module__": __name__, "__qualname__": name})
+        setattr(sys.modules[__name__], name, sub)
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def install(module: nn.Module, recipe: str) -> None:
+    """Make one linear layer FP8-capable (FP8 inside `active()`); `uninstall` undoes it exactly."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}: expected one of {RECIPES}")
+    if not linear_like(module):
+        raise TypeError(f"FP8 layers replace nn.Linear or transformers' Conv1D, not {type(module).__name__}")
+    module._automp_fp8_recipe = recipe
+    module._automp_fp8_transposed = _is_conv1d(module)
+    module.__class__ = _fp8_class(type(module))
+
+
+def uninstall(module: nn.Module) -> None:
+    cls = type(module)
+    base = next((b for b, s in _SUBCLASSES.items() if s is cls), None)
+    if base is None:
+        return
+    module.__class__ = base
+    for attr in ("_automp_fp8_recipe", "_automp_fp8_transposed"):
+        module.__dict__.pop(attr, None)
+
+
+def relative_error(module: nn.Module, x: torch.Tensor, recipe: str) -> float:
+    """‖y_fp8 − y_bf16‖ / ‖y_bf16‖ of one layer on the input it was given: what FP8 changes in its output, against
+    what the bf16 path computes (both without bias: it is added exactly in either)."""
+    w = weight_nk(module)
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1])
+        ref = (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
+        out = _Fp8Matmul.apply(x2, w, recipe, torch.float32).float()
+        return float((out - ref).norm() / ref.norm().clamp(min=_EPS))

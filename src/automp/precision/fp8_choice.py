@@ -1,0 +1,134 @@
+"""Which linear layers of a model run FP8: predicted from measured GEMM times, kept only where FP8 stays accurate.
+
+FP8 GEMMs run up to ~2x bf16's on large shapes and lose on small ones, where the amax and cast passes cost more than
+the faster GEMM saves; where the line falls depends on the device, the shape and the recipe. So each layer's three
+training GEMMs at its real shape (tokens x in x out, seen on the script's first batch) are looked up in the device's
+measured table (automp.precision.fp8_table), and a layer is predicted to pay where FP8 plus its casts comes out at
+least MIN_GAIN faster than bf16. The whole model is then timed both ways by the runtime's trial: a prediction that
+does not hold on the real step is caught there.
+
+Accuracy: on the same first batch, each candidate layer's FP8 output is compared with its bf16 output on the input
+it really receives (relative error ‖y_fp8 − y_bf16‖ / ‖y_bf16‖). FP8 e4m3 with one scale per tensor errs by about
+0.04 on Gaussian data; an activation with outliers (one huge channel) crushes the rest of the tensor into FP8's few
+subnormal steps and errs far more. A layer above MAX_ERROR stays bf16.
+
+A choice is data (`LayerChoice`) keyed by rule, for reports and tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from automp.precision import fp8
+from automp.precision.fp8_table import Fp8Timing, GemmShape
+
+MIN_GAIN = 1.10  # predicted speedup of a layer's three GEMMs, casts included, before it is offered FP8
+MAX_ERROR = 0.10  # relative output error against bf16 on the real batch (2.5x what Gaussian data gives)
+PROBE_ROWS = 2048  # rows of a layer's input the accuracy check uses: enough for a stable norm, bounded memory
+
+# rules
+FP8 = "fp8-predicted-gain"
+NO_GAIN = "bf16-no-predicted-gain"
+SHAPE = "bf16-shape-unsupported"  # a dimension not a multiple of 16: torch._scaled_mm cannot take it
+ACCURACY = "bf16-accuracy-guard"
+NOT_CALLED = "bf16-not-called"  # the layer did not run on the first batch: nothing to measure it on
+NOT_MEASURED = "bf16-not-measured"  # the device table has no time for its shape
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    dtype: str  # "fp8" or "bf16"
+    predicted_gain: float | None
+    measured_error: float | None
+    rule: str
+    shape: tuple[int, int, int] | None = None  # (tokens, in, out) on the first batch
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "predicted_gain": self.predicted_gain, "measured_error": self.measured_error,
+                "rule": self.rule, "shape": list(self.shape) if self.shape else None}
+
+
+@dataclass
+class Probe:
+    """What one forward of the real batch showed: each linear layer's GEMM shape and FP8 error."""
+
+    shapes: dict[str, GemmShape]
+    errors: dict[str, float]
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if fp8.linear_like(m)}
+
+
+def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtype = torch.bfloat16) -> Probe:
+    """Run `run()` (one forward of `model` on the script's batch) under no_grad and autocast, in eval mode so that it
+    leaves no trace (no BatchNorm statistics, no dropout draws from the script's RNG), recording each linear layer's
+    shape and FP8 error on the input it receives. Training flags are restored after."""
+    layers = linear_layers(model)
+    shapes: dict[str, GemmShape] = {}
+    errors: dict[str, float] = {}
+
+    def hook_for(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else next(iter(kwargs.values()))
+            if name in shapes or not torch.is_tensor(x) or x.dim() < 2:
+                return
+            w = fp8.weight_nk(module)
+            shapes[name] = GemmShape(x.numel() // x.shape[-1], w.shape[1], w.shape[0])
+            if fp8.fits(shapes[name].m, shapes[name].k, shapes[name].n):  # PROBE_ROWS keeps rows a multiple of 16
+                errors[name] = fp8.relative_error(module, x.reshape(-1, x.shape[-1])[:PROBE_ROWS], recipe)
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in layers.items()]
+    modes = {m: m.training for m in model.modules()}
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    try:
+        model.eval()
+        with torch.no_grad(), torch.autocast(device, dtype=low), fp8.active(False):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    return Probe(shapes, errors)
+
+
+def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None],
+           min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR) -> dict[str, LayerChoice]:
+    """Each layer's choice, in the order given. `timing`: the device table's entry for a shape (None: unmeasured)."""
+    choices: dict[str, LayerChoice] = {}
+    for name in layers:
+        shape = probe.shapes.get(name)
+        if shape is None:
+            choices[name] = LayerChoice("bf16", None, None, NOT_CALLED)
+            continue
+        dims = (shape.m, shape.k, shape.n)
+        error = probe.errors.get(name)
+        if not fp8.fits(*dims):
+            choices[name] = LayerChoice("bf16", None, error, SHAPE, dims)
+            continue
+        entry = timing(shape)
+        if entry is None:
+            choices[name] = LayerChoice("bf16", None, error, NOT_MEASURED, dims)
+            continue
+        gain = round(entry.predicted_gain, 3)
+        if gain < min_gain:
+            rule = NO_GAIN
+        elif error is None or error > max_error:
+            rule = ACCURACY
+        else:
+            rule = FP8
+        choices[name] = LayerChoice("fp8" if rule == FP8 else "bf16", gain, error, rule, dims)
+    return choices
+
+
+def summary(choices: dict[str, LayerChoice]) -> dict[str, int]:
+    """How many layers each rule decided: the report's one-line view."""
+    counts: dict[str, int] = {}
+    for c in choices.values():
+        counts[c.rule] = counts.get(c.rule, 0) + 1
+    return counts

@@ -1,0 +1,118 @@
+"""The FP8 side of a session under dtype="fp8": which linear layers of each root run FP8 (chosen on its first call),
+installed with their undo, and the loss watch that takes the model back to bf16 if training diverges.
+
+The choice needs the real shapes, so it is made at a root's first call, before its trial: one forward of that batch
+in bf16 without gradients (automp.precision.fp8_choice.probe) gives each layer's GEMM shape and FP8 error, the
+device's timing table (automp.precision.fp8_table, measured once per device and cached) predicts each layer's gain,
+and the chosen layers are made FP8-capable. They run FP8 only on the FP8 paths, which the trial then times against
+their bf16 twins (automp.runtime.trial.BF16_TWIN): a prediction that does not hold on the whole step loses there.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from automp.config import AutoMPConfig
+from automp.precision import fp8, fp8_choice, fp8_table
+from automp.runtime.fp8_guard import Divergence, LossWatch
+from automp.runtime.report import Recorder
+from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict
+
+Table = Callable[..., fp8_table.Fp8Table]  # fp8_table.load_or_measure's signature
+
+
+class Fp8Layers:
+    """check: why FP8 cannot run on a device, or None (automp.precision.fp8.unavailable); table: the timing table's
+    loader; both injectable, so a CPU test runs the whole decision with an emulated device and a made-up table."""
+
+    def __init__(self, config: AutoMPConfig, recorder: Recorder, *,
+                 check: Callable[[torch.device], str | None] = fp8.unavailable,
+                 table: Table = fp8_table.load_or_measure) -> None:
+        self.config, self.recorder, self.check, self.table = config, recorder, check, table
+        self.installed: list[nn.Module] = []
+        self.watch: LossWatch | None = None
+        self._unwatch: Callable[[], None] | None = None
+        self.diverged: Divergence | None = None  # set by the watch; the session moves the model at its next call
+
+    def require(self) -> None:
+        """At install: a run that asks for FP8 on a machine whose GPU has none fails now, in one line, rather than
+        training in bf16 while the user believes it is FP8."""
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        why = self.check(device)
+        if why is not None:
+            raise RuntimeError(f"dtype fp8 is not available: {why}. Use --dtype bf16 (or auto).")
+
+    def prepare(self, module: nn.Module, label: str, device: torch.device, run: Callable[[], Any]) -> tuple[str, ...]:
+        """Choose and install the FP8 layers of a new root; `run()` calls it once on the script's first batch, as
+        written. Returns the chosen layers' names (empty: the root runs bf16, and the report says why)."""
+        recipe = self.config.fp8_recipe
+        why = self.check(device)
+        if why is not None:
+            self.recorder.add_fallback(label, f"FP8 not used: {why}; runs bf16")
+            return ()
+        probe = fp8_choice.probe(module, run, recipe, self.config.low_dtype(device))
+        shapes = [s for s in probe.shapes.values() if fp8.fits(s.m, s.k, s.n)]
+        table: fp8_table.Fp8Table | None = None
+        if shapes:
+            try:
+                table = self.table(device, shapes, recipe, self.config.cache_dir)
+            except (RuntimeError, ValueError) as e:
+                self.recorder.add_fallback(label, f"FP8 GEMM times could not be measured ({e}): runs bf16")
+        layers = fp8_choice.linear_layers(module)
+        choices = fp8_choice.choose(probe, list(layers),
+                                    lambda s: table.get(s, recipe) if table is not None else None)
+        chosen = tuple(name for name, c in choices.items() if c.dtype == "fp8")
+        for name in chosen:
+            fp8.install(layers[name], recipe)
+            self.installed.append(layers[name])
+        self.recorder.fp8[label] = {"recipe": recipe, "fp8_layers": len(chosen), "layers_seen": len(choices),
+                                    "rules": fp8_choice.summary(choices),
+                                    "layers": {n: c.as_dict() for n, c in choices.items()}}
+        return chosen
+
+    @staticmethod
+    def key(chosen: tuple[str, ...], recipe: str) -> str:
+        """The verdict cache's extra key: another set of FP8 layers is another trial."""
+        return f"fp8:{recipe}:" + hashlib.sha256("|".join(chosen).encode()).hexdigest()[:12]
+
+    def watch_loss(self) -> None:
+        """Once a root runs FP8: watch the loss for the rest of the run (automp.runtime.fp8_guard)."""
+        if self.watch is None:
+            self.watch = LossWatch(self._diverged)
+            self._unwatch = self.watch.install()
+
+    def _diverged(self, divergence: Divergence) -> None:
+        self.diverged = divergence  # acted on between steps: this backward still runs the FP8 graph it recorded
+        self.recorder.fp8_fallback = divergence.as_dict()
+
+    def leave(self, roots: Iterable[Any], decide: Callable[[Any, Verdict], None],
+              remember: Callable[[dict[str, Verdict]], None]) -> None:
+        """After a divergence, at the next module call (between steps): every root on an FP8 path moves to its bf16
+        twin for the rest of the run, and the verdict cache keeps that for the next run of the script."""
+        divergence, self.diverged = self.diverged, None
+        for root in list(roots):
+            if root.path not in FP8_PATHS:
+                continue
+            verdict = Verdict(BF16_TWIN[root.path], f"left FP8 at backward {divergence.step}: {divergence.rule} "
+                                                    f"(loss {divergence.loss:.4g}, recent median {divergence.median});"
+                                                    f" bf16 from the next step",
+                              dict(root.verdict.timings_ms) if root.verdict else {})
+            root.confirm = None
+            decide(root, verdict)
+            remember({root.key: verdict})
+            self.recorder.add_fallback(root.label, verdict.reason)
+
+    def uninstall(self) -> None:
+        if self.watch is not None:
+            self.watch.flush()
+            skipped = self.watch.skipped_steps
+            if skipped:
+                self.recorder.add_fallback("fp8", f"{skipped} optimizer step(s) skipped: their loss was not finite")
+            self._unwatch()
+            self.watch = self._unwatch = None
+        for module in self.installed:
+            fp8.uninstall(module)
+        self.installed.clear()

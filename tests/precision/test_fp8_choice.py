@@ -1,0 +1,73 @@
+"""The per-layer FP8 decision from an injected timing table and injected errors: which layers, and by which rule."""
+import torch
+import torch.nn as nn
+
+from automp.precision import fp8_choice as fc
+from automp.precision.fp8_table import Fp8Timing, GemmShape
+
+
+def table(gains: dict[tuple[int, int], float]):
+    """A made-up device table: gain by (k, n); shapes not listed are unmeasured."""
+    def timing(shape: GemmShape) -> Fp8Timing | None:
+        gain = gains.get((shape.k, shape.n))
+        return None if gain is None else Fp8Timing(bf16_ms=gain, fp8_gemm_ms=0.8, cast_ms=0.2)
+    return timing
+
+
+def test_each_rule_from_injected_times_and_errors() -> None:
+    probe = fc.Probe(
+        shapes={"big": GemmShape(4096, 2048, 8192), "small": GemmShape(4096, 64, 64),
+                "noisy": GemmShape(4096, 2048, 2048), "odd": GemmShape(4096, 2048, 50257),
+                "unmeasured": GemmShape(4096, 1024, 1024)},
+        errors={"big": 0.04, "small": 0.04, "noisy": 0.25, "odd": 0.05, "unmeasured": 0.04})
+    layers = ["big", "small", "noisy", "odd", "unmeasured", "head_never_called"]
+    choices = fc.choose(probe, layers, table({(2048, 8192): 1.6, (64, 64): 0.7, (2048, 2048): 1.4}))
+    assert {n: c.rule for n, c in choices.items()} == {
+        "big": fc.FP8, "small": fc.NO_GAIN, "noisy": fc.ACCURACY, "odd": fc.SHAPE, "unmeasured": fc.NOT_MEASURED,
+        "head_never_called": fc.NOT_CALLED}
+    assert [n for n, c in choices.items() if c.dtype == "fp8"] == ["big"]
+    assert choices["big"].predicted_gain == 1.6 and choices["big"].shape == (4096, 2048, 8192)
+    assert choices["noisy"].measured_error == 0.25
+    assert fc.summary(choices)[fc.FP8] == 1
+    assert choices["big"].as_dict()["rule"] == fc.FP8
+
+
+def test_thresholds_are_the_stated_ones() -> None:
+    probe = fc.Probe({"a": GemmShape(64, 64, 64)}, {"a": fc.MAX_ERROR * 0.99})
+    at = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN}))
+    below = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN * 0.98}))
+    assert at["a"].rule == fc.FP8 and below["a"].rule == fc.NO_GAIN
+    worse = fc.choose(fc.Probe({"a": GemmShape(64, 64, 64)}, {"a": fc.MAX_ERROR * 1.01}), ["a"],
+                      table({(64, 64): 2.0}))
+    assert worse["a"].rule == fc.ACCURACY
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.bn, self.drop, self.down = nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), nn.Linear(64, 16)
+        self.unused = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(self.bn(self.up(x))))
+
+
+def test_probe_measures_real_inputs_and_leaves_no_trace() -> None:
+    """Shapes and errors from the real batch; an outlier channel in a layer's input raises its error; BatchNorm's
+    statistics, the RNG and the training flags are as before."""
+    net = Net().train()
+    x = torch.randn(48, 32)
+    stats = net.bn.running_mean.clone()
+    rng = torch.get_rng_state()
+    probe = fc.probe(net, lambda: net(x), "tensorwise")
+    assert probe.shapes == {"up": GemmShape(48, 32, 64), "down": GemmShape(48, 64, 16)}
+    assert set(probe.errors) == {"up", "down"} and all(0 < e < 0.1 for e in probe.errors.values())
+    assert torch.equal(net.bn.running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+    assert all(m.training for m in net.modules())
+    # one huge input channel that its weights ignore (the "massive activations" of LLMs): scaled to it, the other
+    # channels fall into FP8's few subnormal steps, and the output, made of those channels, errs far beyond bf16
+    outlier = x.clone()
+    outlier[:, 3] = 1e5
+    with torch.no_grad():
+        net.up.weight[:, 3] = 0
+    assert fc.probe(net, lambda: net(outlier), "tensorwise").errors["up"] > fc.MAX_ERROR
