@@ -1,0 +1,512 @@
+"""`automp bench fp8`: FP8 training step time on one GPU against the strongest bf16 loop and torchao, in one process.
+
+Modes (AdamW lr 1e-4 in every one, the same recipe, so the losses compare):
+  bf16-reduce-overhead  the strongest bf16 loop written by hand: autocast bf16 + torch.compile(model,
+                        mode="reduce-overhead") (CUDA graphs) + fused AdamW. The anchor: ratio_vs_bf16 = its ms / ours
+  torchao-tensorwise    torchao.float8.convert_to_float8_training with the "tensorwise" recipe (e4m3 activations and
+  torchao-rowwise       weights, e5m2 gradients, one scale per tensor) or "rowwise" (e4m3, per-row scales), then the
+                        same compiled loop. The module filter is the one torchao's README recommends: the LM head
+                        `lm_head` and the classifier `head` stay in bf16 (the final projection is the layer most
+                        sensitive to FP8 error), and a Linear whose dims are not multiples of 16 is not swapped (FP8
+                        GEMMs need them). GPT-2's blocks use transformers' Conv1D, not nn.Linear: torchao swaps none.
+  automp-bf16           the plain FP32 loop (no autocast, no compile, AdamW as built) with automp.enable(dtype=...)
+  automp-fp8            before it and automp.disable() after, as `automp run` does; warm-up runs until
+                        automp.settled(). On a machine without FP8, enable raises and the row says so (skipped).
+
+Blocks: models under 300M parameters keep every mode resident and time them in alternating blocks (A B C, then C B A,
+...), so a host that drifts during the run (10-40% over minutes on a shared GPU host) biases no mode. automp's session
+is process-wide, so each automp mode has its own phase: its session opens, it warms up, and it alternates with the
+resident hand-written modes (automp steps aside for a model called under the script's own autocast); the hand-written
+modes' step time is the median over the blocks of every phase. A larger model with AdamW state (a 1.2B Llama: ~20 GB)
+does not fit five times in one GPU: such models run their modes one after another (build, warm up, time the blocks,
+free) and their rows say "blocks": "sequential".
+
+first_run_s: wall time from building the loop (model, optimizer, conversion) to the end of its first --first-steps
+steps: torch.compile's compilation and automp's trial of its paths included, the cost a user pays before the steady
+state. loss: read after the same number of optimizer steps in every mode (warm-up plus timed steps, automp's longer
+warm-up notwithstanding), so a lower loss is progress, not more steps. peak_gib: the mode's own peak, what
+torch.cuda.max_memory_allocated reached above what was allocated when it started (the other resident modes).
+Inductor's and AOTAutograd's caches are off: every mode compiles cold, so first_run_s compares like with like.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from automp.bench.harness import device_name
+from automp.bench.suites.zoo_interleave import block_ms
+from automp.bench.zoo_modes import fuse_adam, time_limit
+from automp.files import atomic_output, check_outputs, write_json_and_markdown
+
+MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
+ANCHOR = "bf16-reduce-overhead"
+ROUNDS = 6  # even: every mode leads as often as it trails
+RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
+LR = 1e-4
+ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "loss", "first_run_s", "ratio_vs_bf16",
+            "automp_paths", "fp8_layers", "blocks")
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    batch: Any
+    loss: Callable[[Callable[..., Any], Any], torch.Tensor]
+
+
+def _lm_loss(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _batch(vocab: int, b: int, t: int, device: str) -> dict[str, torch.Tensor]:
+    """Tokens from a fixed CPU generator, then moved: the same data in every mode and on every device."""
+    ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(1234)).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _llama(quick: bool, device: str, hidden: int, ff: int, layers: int, tied: bool) -> Workload:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    vocab, heads, kv, b, t = (512, 4, 2, 2, 32) if quick else (128256, 32, 8, 4, 2048)
+    hidden, ff, layers = (64, 256, 2) if quick else (hidden, ff, layers)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=t,
+                      tie_word_embeddings=tied, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return Workload(LlamaForCausalLM(cfg).to(device), _batch(vocab, b, t, device), _lm_loss)
+
+
+def llama_d2048(quick: bool, device: str, layers: int) -> Workload:
+    """Llama-3.2-1B dims: hidden 2048, FFN 8192, 16 layers, 32 heads, 8 KV heads, vocab 128256, tied (B4, T2048)."""
+    return _llama(quick, device, 2048, 8192, 16, True)
+
+
+def llama_d4096(quick: bool, device: str, layers: int) -> Workload:
+    """Llama-3-8B dims: hidden 4096, FFN 14336, 32 heads, 8 KV heads, vocab 128256, untied (B4, T2048); --layers
+    layers (default 4), as many as fit one 80 GB GPU with FP32 weights and AdamW state."""
+    return _llama(quick, device, 4096, 14336, layers, False)
+
+
+def gpt2(quick: bool, device: str, layers: int) -> Workload:
+    """transformers GPT-2 124M (B8, T1024, vocab 50257), dropout 0."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    vocab, d, n, heads, b, t = (512, 64, 2, 4, 2, 32) if quick else (50257, 768, 12, 12, 8, 1024)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=t, n_embd=d, n_layer=n, n_head=heads, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return Workload(GPT2LMHeadModel(cfg).to(device), _batch(vocab, b, t, device), _lm_loss)
+
+
+def vit_l16(quick: bool, device: str, layers: int) -> Workload:
+    """timm ViT-L/16 at 224 (B32, 1000 classes), random images, cross-entropy."""
+    import timm
+    tiny = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4) if quick else {}
+    b, res = (2, 32) if quick else (32, 224)
+    model = timm.create_model("vit_large_patch16_224", pretrained=False, num_classes=1000, **tiny).to(device)
+    gen = torch.Generator().manual_seed(1234)
+    batch = (torch.randn(b, 3, res, res, generator=gen).to(device), torch.randint(0, 1000, (b,), generator=gen).to(device))
+    return Workload(model, batch, lambda net, xy: F.cross_entropy(net(xy[0]), xy[1]))
+
+
+# name -> (builder, the library it needs); a mode -> the library it needs
+MODELS: dict[str, tuple[Callable[[bool, str, int], Workload], str]] = {
+    "llama-d2048": (llama_d2048, "transformers"), "llama-d4096": (llama_d4096, "transformers"),
+    "gpt2": (gpt2, "transformers"), "vit-l16": (vit_l16, "timm")}
+MODE_LIBS = {"torchao-tensorwise": "torchao", "torchao-rowwise": "torchao"}
+
+
+def _step_fn(work: Workload, net: Callable[..., Any], opt: torch.optim.Optimizer, autocast: str | None
+             ) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = work.loss(net, work.batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def compiled_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
+    """autocast bf16 + torch.compile(mode="reduce-overhead") + fused AdamW: the strongest bf16 loop by hand."""
+    opt = torch.optim.AdamW(work.model.parameters(), lr=LR)
+    fuse_adam([opt])
+    return _step_fn(work, torch.compile(work.model, mode="reduce-overhead"), opt, device)
+
+
+def torchao_filter(module: nn.Module, fqn: str) -> bool:
+    """torchao README's filter: not the final projection (LM head, classifier head), not dims off multiples of 16."""
+    if fqn.split(".")[-1] in ("lm_head", "head"):
+        return False
+    return not isinstance(module, nn.Linear) or (module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def torchao_loop(recipe: str) -> Callable[[Workload, str], Callable[[], torch.Tensor]]:
+    def build(work: Workload, device: str) -> Callable[[], torch.Tensor]:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(work.model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                   module_filter_fn=torchao_filter)
+        return compiled_loop(work, device)
+    return build
+
+
+def fp32_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
+    """The plain FP32 loop automp runs under: what the user wrote, unchanged."""
+    return _step_fn(work, work.model, torch.optim.AdamW(work.model.parameters(), lr=LR), None)
+
+
+LOOPS: dict[str, Callable[[Workload, str], Callable[[], torch.Tensor]]] = {
+    "bf16-reduce-overhead": compiled_loop, "torchao-tensorwise": torchao_loop("tensorwise"),
+    "torchao-rowwise": torchao_loop("rowwise"), "automp-bf16": fp32_loop, "automp-fp8": fp32_loop}
+
+
+def block_order(modes: list[Any], rounds: int) -> list[list[Any]]:
+    """The order of the timed blocks: A B C, C B A, A B C, ... (rounds of them)."""
+    return [list(modes) if r % 2 == 0 else list(modes)[::-1] for r in range(rounds)]
+
+
+def one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+class Run:
+    """One mode of one model: its loop, its step count, its block times and its row."""
+
+    def __init__(self, model: str, mode: str, opts: argparse.Namespace, blocks: str):
+        self.mode, self.opts, self.device = mode, opts, opts.device
+        self.row: dict[str, Any] = {k: None for k in ROW_KEYS}
+        self.row.update(model=model, mode=mode, blocks=blocks)
+        self.common = max(opts.warmup, opts.first_steps) + ROUNDS * opts.steps  # where every mode reads its loss
+        self.step_fn: Callable[[], torch.Tensor] | None = None
+        self.n, self.spent, self.base = 0, 0.0, 0
+        self.loss: torch.Tensor | None = None
+        self.means: list[float] = []
+
+    @property
+    def live(self) -> bool:
+        return "skipped" not in self.row
+
+    def skip(self, reason: str) -> None:
+        self.row["skipped"] = reason
+        self.step_fn = None  # its model, optimizer state and graphs go
+
+    def guarded(self, work: Callable[[], None]) -> None:
+        """work() under what is left of this mode's --mode-timeout; a timeout or any exception skips the mode."""
+        if not self.live:
+            return
+        limit = self.opts.mode_timeout
+        if limit > 0 and self.spent >= limit:
+            return self.skip(f"timeout: the mode ran past --mode-timeout {limit:g} s")
+        t0 = time.perf_counter()
+        try:
+            with time_limit(limit - self.spent if limit > 0 else 0) as expired:
+                work()
+                if expired:  # swallowed by the code it interrupted
+                    raise expired[0]
+        except Exception as e:  # noqa: BLE001 - a failing mode (OOM, compile error) must not lose the others' rows
+            self.skip(str(expired[0]) if expired else one_line(e))
+        finally:
+            self.spent += time.perf_counter() - t0
+
+    def step(self) -> None:
+        loss = self.step_fn()
+        self.n += 1
+        if self.n == self.common:  # a copy: a CUDA graph's replay overwrites its output
+            self.loss = loss.clone()
+
+    def build(self, quick: bool, layers: int) -> None:
+        """Build the loop and warm it up (automp: until settled); first_run_s at --first-steps steps."""
+        import automp
+
+        def go() -> None:
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                self.base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            self.step_fn = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
+            target = max(self.opts.warmup, self.opts.first_steps)
+            while self.n < target or (self.mode.startswith("automp") and not automp.settled()
+                                      and self.n < self.opts.max_warmup):
+                self.step()
+                if self.n == self.opts.first_steps:
+                    if self.device == "cuda":  # the steps' kernels done, not only queued
+                        torch.cuda.synchronize()
+                    self.row["first_run_s"] = round(time.perf_counter() - t0, 2)
+            if self.mode.startswith("automp"):
+                self.row["settled"] = bool(automp.settled())
+        self.guarded(go)
+
+    def block(self, steps: int, timed: bool = True) -> None:
+        def go() -> None:
+            ms = block_ms(self.step, steps, self.device)
+            if timed:
+                self.means.append(ms)
+        self.guarded(go)
+
+    def note_peak(self) -> None:
+        if self.live and self.device == "cuda":
+            self.row["peak_gib"] = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
+
+    def note_report(self, report: dict[str, Any] | None) -> None:
+        report = report or {}
+        self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
+        if self.mode == "automp-fp8":
+            self.row["fp8_layers"] = report.get("fp8", {})
+
+    def finish(self) -> dict[str, Any]:
+        if self.live and self.means:
+            self.row["step_ms"] = round(statistics.median(self.means), 3)
+            self.row["spread"] = [round(min(self.means), 3), round(max(self.means), 3)]
+            loss = float(self.loss) if self.loss is not None else math.nan
+            self.row["loss"] = loss if math.isfinite(loss) else None
+        self.step_fn = None
+        return self.row
+
+
+def _enable(run: Run) -> bool:
+    """automp.enable(dtype=...) for an automp mode; a machine that cannot run the dtype skips the row."""
+    import automp
+    try:
+        automp.enable(dtype=run.mode.split("-")[1])  # the rest from the environment, as `automp run` reads it
+    except (RuntimeError, ValueError) as e:
+        run.skip(" ".join(str(e).split())[:300])
+        return False
+    return True
+
+
+def _disable(run: Run) -> None:
+    import automp
+    if automp.is_enabled():
+        run.note_report(automp.disable())
+
+
+def run_alternating(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
+    """Every hand-written mode resident; each automp mode's phase alternates with them inside its session (one
+    phase without a session where no automp mode runs)."""
+    runs = {m: Run(name, m, opts, "alternating") for m in modes}
+    plain = [m for m in modes if not m.startswith("automp")]
+    for m in plain:
+        runs[m].build(opts.quick, opts.layers)
+        runs[m].note_peak()
+    timed = False
+    for phase in [m for m in modes if m.startswith("automp")]:
+        if _enable(runs[phase]):
+            try:
+                runs[phase].build(opts.quick, opts.layers)
+                runs[phase].note_peak()
+                _alternate([runs[m] for m in plain + [phase]], opts.steps)
+                timed = True
+            finally:
+                _disable(runs[phase])
+        emit(runs[phase].finish())
+        gc.collect()
+    if not timed:
+        _alternate([runs[m] for m in plain], opts.steps)
+    for m in plain:
+        emit(runs[m].finish())
+
+
+def _alternate(runs: list[Run], steps: int) -> None:
+    for run in runs:  # the first call under a session: automp notes the script's own autocast and steps aside
+        run.block(1, timed=False)
+    for order in block_order(runs, ROUNDS):
+        for run in order:
+            run.block(steps)
+
+
+def run_sequential(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
+    """One mode at a time, freed before the next: the large models, whose modes do not fit the GPU together."""
+    for m in modes:
+        run = Run(name, m, opts, "sequential")
+        automp_mode = m.startswith("automp")
+        if not automp_mode or _enable(run):
+            try:
+                run.build(opts.quick, opts.layers)
+                for _ in range(ROUNDS):
+                    run.block(opts.steps)
+                run.note_peak()
+            finally:
+                if automp_mode:
+                    _disable(run)
+        emit(run.finish())
+        free(opts.device)
+
+
+def free(device: str) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def parameters(name: str, opts: argparse.Namespace) -> int:
+    """The model's parameter count, from a copy on the meta device (no memory, no init)."""
+    try:
+        with torch.device("meta"):
+            model = MODELS[name][0](opts.quick, "meta", opts.layers).model
+    except Exception:  # noqa: BLE001 - a builder that cannot build on meta: one mode at a time is always safe
+        return sys.maxsize
+    return sum(p.numel() for p in model.parameters())
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    anchors = {r["model"]: r["step_ms"] for r in rows if r["mode"] == ANCHOR and r.get("step_ms")}
+    for r in rows:
+        a = anchors.get(r["model"])
+        r["ratio_vs_bf16"] = round(a / r["step_ms"], 3) if a and r.get("step_ms") else None
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["# automp bench fp8", ""]
+    if rows:
+        lines += [f"- {rows[0].get('device')} · torch {rows[0].get('torch')} · {rows[0].get('date')}"]
+    lines += [f"- ratio: {ANCHOR} ms / mode ms (> 1: faster than the strongest bf16 loop)",
+              "- step ms: median of the blocks' mean step time; spread: the fastest and slowest block",
+              "- loss: after the same number of optimizer steps in every mode; first run s: build + first steps, "
+              "compilation and automp's trial included"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        lines += ["", f"## {model} ({mine[0].get('blocks')} blocks)", "",
+                  "| mode | step ms | spread | ratio | peak GiB | loss | first run s | notes |",
+                  "|---|---:|---|---:|---:|---:|---:|---|"]
+        for r in mine:
+            spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
+            notes = [f"skipped: {r['skipped']}" if "skipped" in r else ""]
+            if r.get("automp_paths"):
+                notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in r["automp_paths"].items()))
+            if r.get("settled") is False:
+                notes.append("automp not settled")
+            lines.append(f"| {r['mode']} | {_fmt(r['step_ms'], '.2f')} | {spread} | "
+                         f"{_fmt(r['ratio_vs_bf16'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | "
+                         f"{_fmt(r['loss'], '.4f')} | {_fmt(r['first_run_s'], '.1f')} | "
+                         f"{'; '.join(n for n in notes if n)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Grouped bars of ratio_vs_bf16, one group per model, one bar per mode; the anchor is the line at 1."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    ratio = {(r["model"], r["mode"]): r.get("ratio_vs_bf16") for r in rows}
+    width = 0.8 / len(MODES)
+    fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(models)), 5))
+    for i, mode in enumerate(MODES):
+        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(models))]
+        ax.bar(xs, [ratio.get((m, mode)) or 0 for m in models], width, label=mode)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks(range(len(models)), models)
+    ax.set(ylabel=f"speed vs {ANCHOR} (> 1 faster)", title=f"automp bench fp8 — {rows[0].get('device', '')}")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'cpu (x86_64)' -> 'cpu'."""
+    words = [w for w in name.lower().replace("nvidia", "").split() if any(c.isdigit() for c in w)]
+    return "cpu" if name.startswith("cpu") else (words[0] if words else "gpu")
+
+
+def _order(row: dict[str, Any]) -> tuple[int, int]:
+    return list(MODELS).index(row["model"]), MODES.index(row["mode"]) if row["mode"] in MODES else len(MODES)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="automp bench fp8", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=10, help=f"steps per timed block ({ROUNDS} blocks per mode)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per mode (automp: more until settled)")
+    p.add_argument("--max-warmup", type=int, default=300, help="cap on automp's warm-up while it has not settled")
+    p.add_argument("--first-steps", type=int, default=20, help="first_run_s is the time to the end of this step")
+    p.add_argument("--layers", type=int, default=4, help="llama-d4096's layers: as many as fit (4 on an 80 GB GPU)")
+    p.add_argument("--quick", action="store_true", help="tiny dims of every model (a CPU smoke run)")
+    p.add_argument("--out", default=None, help="writes OUT.json, .md, .png (default: benchmarks/fp8-<gpu>)")
+    p.add_argument("--mode-timeout", type=float, default=300, help="seconds one mode may take; 0: no limit")
+    return p
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    for flag, names, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
+        unknown = [n for n in names.split(",") if n not in known]
+        if unknown:
+            return f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--layers", args.layers, 1),
+                             ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0)):
+        if value < low:
+            return f"{flag} must be at least {low}, got {value}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        check_outputs({f"--out {args.out}{ext}": args.out + ext for ext in (".json", ".md", ".png")}, {})
+    except (OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_name() if args.device == "cuda" else "cpu"
+    args.out = args.out or os.path.join("benchmarks", f"fp8-{gpu_slug(device)}" + ("-quick" if args.quick else ""))
+    error = _usage_error(args)
+    if error:
+        print(f"automp bench fp8: {error}", file=sys.stderr)
+        return 2
+    out_dir, stem = os.path.split(os.path.abspath(args.out))
+    meta = {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        """Print the row and rewrite the results: a run cut off later keeps every row it finished."""
+        rows.append(dict(row, **meta))
+        rows.sort(key=_order)
+        add_ratios(rows)
+        shown = f"skipped: {row['skipped']}" if "skipped" in row else (
+            f"{row['step_ms']} ms/step (blocks {row['spread']}), loss {row['loss']}, peak {row['peak_gib']} GiB, "
+            f"first run {row['first_run_s']} s")
+        print(f"[{row['model']}] {row['mode']}: {shown}", flush=True)
+        write_json_and_markdown(out_dir, stem, rows, markdown(rows))
+
+    print(f"automp bench fp8: {device}, torch {torch.__version__}", flush=True)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for name in args.models.split(","):
+            modes = []
+            for m in args.modes.split(","):  # a missing library skips its rows, not the run
+                lib = MODELS[name][1] if _missing(MODELS[name][1]) else MODE_LIBS.get(m)
+                if lib and _missing(lib):
+                    emit({**{k: None for k in ROW_KEYS}, "model": name, "mode": m, "skipped": f"pip install {lib}"})
+                else:
+                    modes.append(m)
+            if modes:
+                resident = parameters(name, args) < RESIDENT_MAX_PARAMS
+                (run_alternating if resident else run_sequential)(name, modes, args, emit)
+                free(args.device)
+            plot(rows, args.out + ".png")
+    print(markdown(rows))
+    print(f"wrote {args.out}.json, .md, .png", flush=True)
+    return 0
+
+
+def _missing(lib: str) -> bool:
+    return importlib.util.find_spec(lib) is None

@@ -1,0 +1,160 @@
+"""`automp bench fp8`: rows with every key, skipped rows instead of lost ones, the block schedule, and losses read
+after the same number of optimizer steps in every mode."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import automp
+from automp.bench.suites import fp8
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+QUICK = ["--quick", "--steps", "1", "--warmup", "1", "--first-steps", "1", "--max-warmup", "30", "--mode-timeout", "0"]
+
+
+def _rows(prefix):
+    with open(f"{prefix}.json") as f:
+        return {(r["model"], r["mode"]): r for r in json.load(f)}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOMP_INNER", "eager")  # automp's compiled path without Inductor: the suite, not compile time
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, cache):
+    out = tmp_path / "fp8-cpu"
+    assert fp8.main(["--models", "gpt2,llama-d2048", "--modes", "automp-bf16,automp-fp8", "--out", str(out),
+                     *QUICK]) == 0
+    rows = _rows(out)
+    assert set(rows) == {(m, mode) for m in ("gpt2", "llama-d2048") for mode in ("automp-bf16", "automp-fp8")}
+    for model in ("gpt2", "llama-d2048"):
+        row = rows[(model, "automp-bf16")]
+        assert set(fp8.ROW_KEYS) <= set(row) and "skipped" not in row
+        assert row["step_ms"] > 0 and row["spread"][0] <= row["step_ms"] <= row["spread"][1]
+        assert row["loss"] is not None and row["first_run_s"] > 0 and row["blocks"] == "alternating"
+        assert row["peak_gib"] is None and row["ratio_vs_bf16"] is None  # CPU; no anchor in this run
+        assert isinstance(row["automp_paths"], dict) and row["automp_paths"]
+        assert rows[(model, "automp-fp8")]["skipped"]  # no FP8 here: enable raises, the row says why
+    md = (tmp_path / "fp8-cpu.md").read_text()
+    assert "## gpt2" in md and "## llama-d2048" in md and "| automp-bf16 |" in md and "skipped:" in md
+    assert (tmp_path / "fp8-cpu.png").read_bytes()[:4] == b"\x89PNG"
+    assert not automp.is_enabled()
+
+
+def test_bad_names_are_a_usage_error(tmp_path, capsys):
+    for args in (["--models", "gpt3"], ["--modes", "automp-int4"], ["--steps", "0"]):
+        assert fp8.main([*args, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("automp bench fp8: ") and "\n" not in err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def _counting_loop(calls):
+    """A fake loop whose loss is the number of optimizer steps taken so far."""
+    def build(work, device):
+        n = [0]
+
+        def step():
+            n[0] += 1
+            calls.append(n[0])
+            return torch.tensor(float(n[0]))
+        return step
+    return build
+
+
+def _tiny(quick, device, layers):
+    return fp8.Workload(torch.nn.Linear(4, 4).to(device), None, None)
+
+
+@pytest.fixture
+def fake_models(monkeypatch):
+    monkeypatch.setitem(fp8.MODELS, "gpt2", (_tiny, "torch"))
+    monkeypatch.setitem(fp8.MODELS, "llama-d2048", (_tiny, "torch"))
+    monkeypatch.setattr(fp8, "_missing", lambda lib: False)  # the fake loops need no torchao
+
+
+def test_a_failing_mode_is_a_skipped_row_and_the_rest_run(tmp_path, cache, fake_models, monkeypatch):
+    def broken(work, device):
+        raise RuntimeError("compile failed\nsecond line")
+
+    monkeypatch.setitem(fp8.LOOPS, "bf16-reduce-overhead", broken)
+    monkeypatch.setitem(fp8.LOOPS, "torchao-tensorwise", _counting_loop([]))
+    out = tmp_path / "r"
+    assert fp8.main(["--models", "gpt2,llama-d2048", "--modes", "bf16-reduce-overhead,torchao-tensorwise",
+                     "--out", str(out), *QUICK]) == 0
+    rows = _rows(out)
+    for model in ("gpt2", "llama-d2048"):
+        assert rows[(model, "bf16-reduce-overhead")]["skipped"] == "RuntimeError: compile failed second line"
+        assert rows[(model, "bf16-reduce-overhead")]["step_ms"] is None
+        assert rows[(model, "torchao-tensorwise")]["step_ms"] > 0 and "skipped" not in rows[(model,
+                                                                                            "torchao-tensorwise")]
+
+
+def test_every_mode_reads_its_loss_after_the_same_number_of_steps(tmp_path, cache, fake_models, monkeypatch):
+    """automp warms up until settled (longer than the others); the loss still compares step for step."""
+    for mode in ("bf16-reduce-overhead", "torchao-rowwise", "automp-bf16"):
+        monkeypatch.setitem(fp8.LOOPS, mode, _counting_loop([]))
+    for blocks, limit in (("alternating", fp8.RESIDENT_MAX_PARAMS), ("sequential", 0)):
+        settles = iter([False] * 7 + [True] * 1000)
+        monkeypatch.setattr(automp, "settled", lambda: next(settles))
+        monkeypatch.setattr(fp8, "RESIDENT_MAX_PARAMS", limit)
+        out = tmp_path / blocks
+        assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,torchao-rowwise,automp-bf16",
+                         "--out", str(out), "--steps", "2", "--warmup", "3", "--first-steps", "2",
+                         "--mode-timeout", "0"]) == 0
+        rows = _rows(out)
+        common = 3 + fp8.ROUNDS * 2
+        assert {r["loss"] for r in rows.values()} == {float(common)}
+        assert {r["blocks"] for r in rows.values()} == {blocks}
+        assert all(r["ratio_vs_bf16"] is not None for r in rows.values())
+        assert rows[("gpt2", "bf16-reduce-overhead")]["ratio_vs_bf16"] == 1.0
+
+
+def test_a_mode_past_its_timeout_is_skipped(tmp_path, cache, fake_models, monkeypatch):
+    def slow(work, device):
+        def step():
+            import time
+            time.sleep(0.05)
+            return torch.tensor(1.0)
+        return step
+
+    monkeypatch.setitem(fp8.LOOPS, "bf16-reduce-overhead", slow)
+    out = tmp_path / "t"
+    assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead", "--out", str(out), "--steps", "20",
+                     "--warmup", "1", "--first-steps", "1", "--mode-timeout", "0.3"]) == 0
+    assert _rows(out)[("gpt2", "bf16-reduce-overhead")]["skipped"].startswith("timeout")
+
+
+def test_block_schedule_alternates():
+    assert fp8.block_order(["A", "B", "C"], 4) == [["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"], ["C", "B", "A"]]
+    assert fp8.ROUNDS % 2 == 0  # every mode leads as often as it trails
+
+
+def test_torchao_filter_keeps_the_head_and_odd_dims_in_bf16():
+    lin = torch.nn.Linear(64, 32)
+    assert fp8.torchao_filter(lin, "model.layers.0.mlp.up_proj")
+    assert not fp8.torchao_filter(lin, "lm_head") and not fp8.torchao_filter(lin, "head")
+    assert not fp8.torchao_filter(torch.nn.Linear(64, 10), "blocks.0.fc")
+
+
+def test_gpu_slug():
+    assert fp8.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert fp8.gpu_slug("NVIDIA H200") == "h200"
+    assert fp8.gpu_slug("cpu") == "cpu"
+
+
+def test_a_missing_library_skips_its_rows_only(tmp_path, cache, fake_models, monkeypatch):
+    monkeypatch.setitem(fp8.LOOPS, "bf16-reduce-overhead", _counting_loop([]))
+    monkeypatch.setattr(fp8, "_missing", lambda lib: lib == "torchao")
+    out = tmp_path / "m"
+    assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,torchao-tensorwise,torchao-rowwise",
+                     "--out", str(out), *QUICK]) == 0
+    rows = _rows(out)
+    assert rows[("gpt2", "torchao-tensorwise")]["skipped"] == rows[("gpt2", "torchao-rowwise")]["skipped"] \
+        == "pip install torchao"
+    assert set(fp8.ROW_KEYS) <= set(rows[("gpt2", "torchao-rowwise")])
+    assert rows[("gpt2", "bf16-reduce-overhead")]["step_ms"] > 0
