@@ -81,6 +81,9 @@ def test_extra_bytes_is_positive_grows_with_each_dim_and_rowwise_costs_more():
     assert extra_bytes(base, "rowwise") > extra_bytes(base, "tensorwise")
     # the model itself: x 7 B, w 5 B (beyond bf16's own weight cast), g 7 B per element for tensorwise
     assert extra_bytes(GemmShape(16, 32, 64), "tensorwise") == 16 * 32 * 7 + 64 * 32 * 5 + 16 * 64 * 7
+    # rowwise: amax + cast + write twice per operand, the second cast writing the transposed layout: x and g 10 B,
+    # w 2 * 9 - 6 = 12 B
+    assert extra_bytes(GemmShape(16, 32, 64), "rowwise") == 16 * 32 * 10 + 64 * 32 * 12 + 16 * 64 * 10
 
 
 def test_extra_bytes_rejects_an_unknown_recipe():
@@ -184,8 +187,8 @@ def test_unsupported_shapes_are_neither_measured_nor_looked_up(tmp_path):
     odd = GemmShape(1000, 64, 64)  # bucket 1024 could run; 1000 itself cannot
     table = load(tmp_path, [odd], measure=measure)
     assert measure.calls == [] and table.get(odd, "tensorwise") is None
-    load(tmp_path, [GemmShape(1024, 64, 64)], measure=measure)
-    assert table.get(odd, "tensorwise") is None
+    table = load(tmp_path, [GemmShape(1024, 64, 64)], measure=measure)
+    assert len(measure.calls) == 1 and table.get(odd, "tensorwise") is None
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [0.0]])
@@ -211,16 +214,35 @@ def test_table_get_looks_up_by_bucket():
 
 
 # -- the FP8 operands the timing runs -------------------------------------------------------------------------------
+def _rowwise_on_cpu():
+    """Whether this torch's CPU _scaled_mm takes per-row scales (2.13 does; 2.11's takes per-tensor scales only)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _devices():
+    yield "cpu"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        yield "cuda"
+
+
+@pytest.mark.parametrize("device", list(_devices()))
 @pytest.mark.parametrize("recipe", fp8_table.RECIPES)
-def test_fp8_operands_compute_the_three_training_gemms(recipe):
-    """The scaled GEMMs on the CPU against float64 references of x @ w.T, g @ w and g.T @ x. Tolerance 0.1 relative
+def test_fp8_operands_compute_the_three_training_gemms(recipe, device):
+    """The scaled GEMMs against float64 references of x @ w.T, g @ w and g.T @ x. Tolerance 0.1 relative
     (Frobenius): e4m3 keeps 3 mantissa bits (a relative rounding error up to 1/16 per element, about 3.6% RMS for
     normal data) and e5m2 2 bits (up to 1/8, about 7% RMS); over a sum of random products the errors average, so a
     correct layout lands near 0.03-0.07, while a wrong layout or scale is off by about 1.0 or more."""
+    if device == "cpu" and recipe == "rowwise" and not _rowwise_on_cpu():
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only")
     shape = GemmShape(32, 48, 64)
-    (x, _), (g, w), _ = fp8_table.bf16_operands(shape, CPU, torch.float64)
+    (x, _), (g, w), _ = fp8_table.bf16_operands(shape, device, torch.float64)
     refs = (x @ w.T, g @ w, g.T @ x)
-    ops = fp8_table.fp8_operands(shape, recipe, CPU)
+    ops = fp8_table.fp8_operands(shape, recipe, device)
     for (a, b, sa, sb), out, ref in zip(ops, fp8_table.run_fp8(ops), refs):
         assert a.is_contiguous() and b.t().is_contiguous()  # a row-major, b column-major
         assert sa.dtype == sb.dtype == torch.float32
@@ -241,3 +263,15 @@ def test_bf16_operands_are_the_layouts_autograd_uses():
     outs = fp8_table.run_bf16(fp8_table.bf16_operands(shape, CPU))
     assert [tuple(o.shape) for o in outs] == [(32, 64), (32, 48), (64, 48)]
     assert all(o.dtype == torch.bfloat16 for o in outs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMM timing needs a GPU with FP8 tensor cores")
+def test_measure_cuda_and_bandwidth_cuda_return_agreeing_positive_samples(tmp_path):
+    shape = GemmShape(1024, 1024, 1024)
+    for recipe in fp8_table.RECIPES:
+        bf16, fp8 = fp8_table.measure_cuda(shape, recipe)
+        assert len(bf16) == len(fp8) == fp8_table.REPEATS and min(bf16 + fp8) > 0
+    assert min(fp8_table.bandwidth_cuda()) > 100  # GB/s: any HBM GPU copies far faster
+    table = fp8_table.load_or_measure(torch.device("cuda"), [shape], "tensorwise", tmp_path)
+    assert table.get(shape, "tensorwise").predicted_gain > 0
