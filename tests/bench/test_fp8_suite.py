@@ -158,3 +158,24 @@ def test_a_missing_library_skips_its_rows_only(tmp_path, cache, fake_models, mon
         == "pip install torchao"
     assert set(fp8.ROW_KEYS) <= set(rows[("gpt2", "torchao-rowwise")])
     assert rows[("gpt2", "bf16-reduce-overhead")]["step_ms"] > 0
+
+
+def test_automp_modes_run_their_trial_cold_with_the_machines_measurements(tmp_path, fake_models, monkeypatch):
+    """first_run_s counts automp's trial: a cached verdict would skip it; the device calibration is kept."""
+    env = tmp_path / "env-cache"
+    env.mkdir()
+    (env / "verdicts.json").write_text("{}")
+    (env / "calibration-dev.json").write_text("{\"x\": 1}")
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(env))
+    monkeypatch.setitem(fp8.LOOPS, "automp-bf16", _counting_loop([]))
+    seen = []
+    real_enable = automp.enable
+
+    def enable(**kw):
+        seen.append(sorted(p.name for p in (tmp_path / kw["cache_dir"]).iterdir()))
+        real_enable(**kw)
+
+    monkeypatch.setattr(automp, "enable", enable)
+    assert fp8.main(["--models", "gpt2", "--modes", "automp-bf16", "--out", str(tmp_path / "c"), *QUICK]) == 0
+    assert seen == [["calibration-dev.json"]]
+    assert (env / "verdicts.json").read_text() == "{}"  # the user's cache untouched

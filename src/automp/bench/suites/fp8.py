@@ -26,7 +26,8 @@ steps: torch.compile's compilation and automp's trial of its paths included, the
 state. loss: read after the same number of optimizer steps in every mode (warm-up plus timed steps, automp's longer
 warm-up notwithstanding), so a lower loss is progress, not more steps. peak_gib: the mode's own peak, what
 torch.cuda.max_memory_allocated reached above what was allocated when it started (the other resident modes).
-Inductor's and AOTAutograd's caches are off: every mode compiles cold, so first_run_s compares like with like.
+Inductor's and AOTAutograd's caches are off and automp's verdicts start empty: every mode compiles cold and automp
+runs its trial, so first_run_s compares like with like.
 """
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ import gc
 import importlib.util
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -191,6 +194,7 @@ class Run:
         self.n, self.spent, self.base = 0, 0.0, 0
         self.loss: torch.Tensor | None = None
         self.means: list[float] = []
+        self.cache: tempfile.TemporaryDirectory | None = None  # automp modes: their verdict cache
 
     @property
     def live(self) -> bool:
@@ -276,12 +280,16 @@ class Run:
 
 
 def _enable(run: Run) -> bool:
-    """automp.enable(dtype=...) for an automp mode; a machine that cannot run the dtype skips the row."""
+    """automp.enable(dtype=...) for an automp mode, with the rest of the configuration from the environment as
+    `automp run` reads it, but a verdict cache of its own (cold_cache); a machine that cannot run the dtype skips
+    the row."""
     import automp
     try:
-        automp.enable(dtype=run.mode.split("-")[1])  # the rest from the environment, as `automp run` reads it
+        run.cache = cold_cache()
+        automp.enable(dtype=run.mode.split("-")[1], cache_dir=run.cache.name)
     except (RuntimeError, ValueError) as e:
         run.skip(" ".join(str(e).split())[:300])
+        _disable(run)
         return False
     return True
 
@@ -290,6 +298,22 @@ def _disable(run: Run) -> None:
     import automp
     if automp.is_enabled():
         run.note_report(automp.disable())
+    if run.cache is not None:
+        run.cache.cleanup()
+        run.cache = None
+
+
+def cold_cache() -> tempfile.TemporaryDirectory:
+    """A cache directory without verdicts, so automp's trial runs as on a model's first run and first_run_s counts
+    it; the environment's device measurements (GEMM rates, the FP8 table) are copied in: those are paid once per
+    machine, not per model."""
+    from automp.config import AutoMPConfig
+    src = AutoMPConfig.from_env().cache_dir
+    tmp = tempfile.TemporaryDirectory(prefix="automp-bench-fp8-")
+    for name in os.listdir(src) if src and os.path.isdir(src) else []:
+        if not name.startswith("verdicts.") and os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), tmp.name)
+    return tmp
 
 
 def run_alternating(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
@@ -488,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json_and_markdown(out_dir, stem, rows, markdown(rows))
 
     print(f"automp bench fp8: {device}, torch {torch.__version__}", flush=True)
+    # Every mode compiles the same model class's forward (automp's trial two paths of its own): the default limit of
+    # 8 compiled versions per frame would let a later mode run eager unnoticed
     with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+            torch._functorch.config.patch(enable_autograd_cache=False), torch._dynamo.config.patch(recompile_limit=64):
         for name in args.models.split(","):
             modes = []
             for m in args.modes.split(","):  # a missing library skips its rows, not the run
