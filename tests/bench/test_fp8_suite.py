@@ -46,11 +46,15 @@ def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, 
 
 
 def test_bad_names_are_a_usage_error(tmp_path, capsys):
-    for args in (["--models", "gpt3"], ["--modes", "automp-int4"], ["--steps", "0"]):
+    for args in (["--models", "gpt3"], ["--modes", "automp-int4"], ["--steps", "0"], ["--mode-timeout", "-1"],
+                 ["--models", "gpt2,"]):
         assert fp8.main([*args, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("automp bench fp8: ") and "\n" not in err
     assert not list(tmp_path.iterdir())  # nothing written
+    (tmp_path / "r.json").mkdir()
+    assert fp8.main(["--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.strip() == f"automp bench fp8: --out {tmp_path / 'r.json'} is a directory"
 
 
 def _counting_loop(calls):

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from automp.bench.harness import device_name
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import fuse_adam, time_limit
-from automp.files import atomic_output, check_outputs, write_json_and_markdown
+from automp.files import atomic_output, check_writable, write_json_and_markdown
 
 MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
 ANCHOR = "bf16-reduce-overhead"
@@ -250,6 +250,8 @@ class Run:
                     self.row["first_run_s"] = round(time.perf_counter() - t0, 2)
             if self.mode.startswith("automp"):
                 self.row["settled"] = bool(automp.settled())
+            if self.device == "cuda":  # its own peak: above what the resident modes held when it started
+                self.row["peak_gib"] = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
         self.guarded(go)
 
     def block(self, steps: int, timed: bool = True) -> None:
@@ -258,10 +260,6 @@ class Run:
             if timed:
                 self.means.append(ms)
         self.guarded(go)
-
-    def note_peak(self) -> None:
-        if self.live and self.device == "cuda":
-            self.row["peak_gib"] = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
 
     def note_report(self, report: dict[str, Any] | None) -> None:
         report = report or {}
@@ -296,7 +294,7 @@ def _enable(run: Run) -> bool:
 
 def _disable(run: Run) -> None:
     import automp
-    if automp.is_enabled():
+    if run.mode.startswith("automp") and automp.is_enabled():
         run.note_report(automp.disable())
     if run.cache is not None:
         run.cache.cleanup()
@@ -316,30 +314,29 @@ def cold_cache() -> tempfile.TemporaryDirectory:
     return tmp
 
 
-def run_alternating(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
-    """Every hand-written mode resident; each automp mode's phase alternates with them inside its session (one
-    phase without a session where no automp mode runs)."""
-    runs = {m: Run(name, m, opts, "alternating") for m in modes}
-    plain = [m for m in modes if not m.startswith("automp")]
-    for m in plain:
-        runs[m].build(opts.quick, opts.layers)
-        runs[m].note_peak()
+def run_model(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
+    """A model under RESIDENT_MAX_PARAMS: the hand-written modes resident, then one phase per automp mode, in which
+    it alternates with them inside its session. A larger one: each mode its own phase, freed before the next."""
+    resident = parameters(name, opts) < RESIDENT_MAX_PARAMS
+    runs = {m: Run(name, m, opts, "alternating" if resident else "sequential") for m in modes}
+    plain = [runs[m] for m in modes if resident and not m.startswith("automp")]
+    for run in plain:
+        run.build(opts.quick, opts.layers)
     timed = False
-    for phase in [m for m in modes if m.startswith("automp")]:
-        if _enable(runs[phase]):
+    for run in (r for r in runs.values() if r not in plain):
+        if not run.mode.startswith("automp") or _enable(run):
             try:
-                runs[phase].build(opts.quick, opts.layers)
-                runs[phase].note_peak()
-                _alternate([runs[m] for m in plain + [phase]], opts.steps)
+                run.build(opts.quick, opts.layers)
+                _alternate(plain + [run], opts.steps)
                 timed = True
             finally:
-                _disable(runs[phase])
-        emit(runs[phase].finish())
-        gc.collect()
-    if not timed:
-        _alternate([runs[m] for m in plain], opts.steps)
-    for m in plain:
-        emit(runs[m].finish())
+                _disable(run)
+        emit(run.finish())
+        free(opts.device, dynamo=not resident)
+    if plain and not timed:  # no automp phase ran: the hand-written modes alternate on their own
+        _alternate(plain, opts.steps)
+    for run in plain:
+        emit(run.finish())
 
 
 def _alternate(runs: list[Run], steps: int) -> None:
@@ -350,27 +347,11 @@ def _alternate(runs: list[Run], steps: int) -> None:
             run.block(steps)
 
 
-def run_sequential(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
-    """One mode at a time, freed before the next: the large models, whose modes do not fit the GPU together."""
-    for m in modes:
-        run = Run(name, m, opts, "sequential")
-        automp_mode = m.startswith("automp")
-        if not automp_mode or _enable(run):
-            try:
-                run.build(opts.quick, opts.layers)
-                for _ in range(ROUNDS):
-                    run.block(opts.steps)
-                run.note_peak()
-            finally:
-                if automp_mode:
-                    _disable(run)
-        emit(run.finish())
-        free(opts.device)
-
-
-def free(device: str) -> None:
+def free(device: str, dynamo: bool = True) -> None:
+    """Drop what a finished mode left: its tensors, its cached blocks and (dynamo) every compiled graph."""
     gc.collect()
-    torch._dynamo.reset()
+    if dynamo:
+        torch._dynamo.reset()
     if device == "cuda":
         torch.cuda.empty_cache()
 
@@ -476,12 +457,18 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         if unknown:
             return f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--layers", args.layers, 1),
-                             ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0)):
+                             ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
+                             ("--mode-timeout", args.mode_timeout, 0)):
         if value < low:
-            return f"{flag} must be at least {low}, got {value}"
+            return f"{flag} must be at least {low}, got {value:g}"
+    folder = os.path.dirname(os.path.abspath(args.out))
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        check_outputs({f"--out {args.out}{ext}": args.out + ext for ext in (".json", ".md", ".png")}, {})
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"--out {args.out}: cannot create the directory {folder} ({e.strerror})"
+    try:
+        for ext in (".json", ".md", ".png"):
+            check_writable(args.out + ext, "--out")
     except (OSError, ValueError) as e:
         return str(e)
     return None
@@ -525,8 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     modes.append(m)
             if modes:
-                resident = parameters(name, args) < RESIDENT_MAX_PARAMS
-                (run_alternating if resident else run_sequential)(name, modes, args, emit)
+                run_model(name, modes, args, emit)
                 free(args.device)
             plot(rows, args.out + ".png")
     print(markdown(rows))
