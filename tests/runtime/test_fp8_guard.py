@@ -25,6 +25,13 @@ def _steady(n):
     return [3.0 - 0.01 * i + 0.05 * math.sin(i) for i in range(n)]
 
 
+def test_one_spiking_batch_that_recovers_does_not_fire():
+    """patience=2: a single hard batch is not a divergence; it is not added to the median either."""
+    watch, seen = _watch(window=32, history=16)
+    _feed(watch, _steady(20) + [6.0, 2.8, 6.0, 2.8, 2.8])
+    assert seen == [] and not watch.fired
+
+
 def test_a_steady_decreasing_loss_never_fires():
     watch, seen = _watch()
     _feed(watch, _steady(200))
@@ -35,10 +42,10 @@ def test_a_spike_to_twice_the_median_fires_with_its_step_and_median():
     watch, seen = _watch(window=32, history=16)
     losses = _steady(20)
     median = sorted(losses)[len(losses) // 2 - 1: len(losses) // 2 + 1]
-    _feed(watch, losses + [2 * 3.0, 2.9, 2.9])
+    _feed(watch, losses + [2 * 3.0, 6.5, 2.9])
     assert len(seen) == 1
     d = seen[0]
-    assert d.rule == SPIKE and d.step == 20 and d.loss == 6.0
+    assert d.rule == SPIKE and d.step == 21 and d.loss == 6.5
     assert d.median == pytest.approx(sum(median) / 2)
     assert watch.fired
 
@@ -309,7 +316,7 @@ def test_on_cuda_a_steady_step_never_waits_for_the_device_and_a_nan_step_is_skip
 @cuda
 def test_on_cuda_a_spike_is_reported_once_its_copy_has_landed():
     watch, seen = _watch(history=4)
-    for v in [3.0] * 8 + [9.0]:
+    for v in [3.0] * 8 + [9.0, 9.0]:  # patience 2: the second loss in a row above the bound is reported
         watch.observe(torch.tensor(v, device="cuda", requires_grad=True) * 1.0)
     watch.flush()
-    assert [(d.rule, d.step, d.median) for d in seen] == [(SPIKE, 8, 3.0)]
+    assert [(d.rule, d.step, d.median) for d in seen] == [(SPIKE, 9, 3.0)]

@@ -78,10 +78,10 @@ def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[t
     amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
     scale = _MAX[dtype] / amax.float().clamp(min=_EPS)
     t8 = (t.float() * scale).clamp(-_MAX[dtype], _MAX[dtype]).to(dtype)
-    return t8, scale.reciprocal()
+    return t8, scale.reciprocal().contiguous()
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
+def col_major(t: torch.Tensor) -> torch.Tensor:
     """The same (rows, cols) matrix stored column-major: _scaled_mm's second operand must be."""
     return t.t().contiguous().t()
 
@@ -91,7 +91,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.
     """a @ b on FP8 operands, dequantized by the inverse scales into `out_dtype`. Per-row scales (2-D) produce bf16,
     the one output cuBLAS gives row-wise scaling on Hopper, converted after."""
     rowwise = scale_a.dim() == 2
-    y = torch._scaled_mm(a.contiguous(), _col_major(b) if b.stride(0) != 1 else b, scale_a=scale_a,
+    y = torch._scaled_mm(a.contiguous(), col_major(b) if b.stride(0) != 1 else b, scale_a=scale_a,
                          scale_b=scale_b.contiguous(), out_dtype=torch.bfloat16 if rowwise else out_dtype)
     return y.to(out_dtype)
 

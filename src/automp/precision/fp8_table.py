@@ -23,10 +23,9 @@ import torch
 
 from automp.files import atomic_output
 from automp.precision.calibrate import device_name
+from automp.precision.fp8 import ALIGN, E4M3, E5M2, RECIPES, cast, col_major
 
 SCHEMA = 1  # bump when the file layout, the bucketing or the way of measuring changes: older files are re-measured
-RECIPES = ("tensorwise", "rowwise")
-ALIGN = 16  # torch._scaled_mm needs every GEMM dimension a multiple of 16
 REPEATS = 5  # timed samples per measurement; the median is the measurement
 WARMUP = 3  # untimed calls first: cuBLAS heuristics, workspace allocation, the caching allocator
 GRAPH_CALLS = 10  # calls captured in one CUDA graph: its own launch is amortized over them
@@ -34,7 +33,6 @@ TARGET_MS = 2.0  # a sample replays the graph until it takes about this long, so
 MAX_REPLAYS = 100
 SPREAD_LIMIT = 2.0  # median over fastest sample: above it most samples were disturbed and the median is noise
 COPY_BYTES = 1 << 28  # bandwidth copy: 256 MB, far beyond any L2
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 @dataclass(frozen=True)
@@ -147,19 +145,6 @@ Measure = Callable[[GemmShape, str], tuple[Sequence[float], Sequence[float]]]
 Bandwidth = Callable[[], Sequence[float]]
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t in `dtype`, fp32 inverse scale): the amax of the whole tensor, or along `dim` (kept), maps to the format's
-    largest value; _scaled_mm multiplies by the inverse scale to dequantize."""
-    top = torch.finfo(dtype).max
-    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
-    scale = top / amax.float().clamp(min=1e-12)
-    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal().contiguous()
-
-
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()
-
-
 def bf16_operands(shape: GemmShape, device: torch.device | str, dtype: torch.dtype = torch.bfloat16
                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """(a, b) of the forward x @ w.t(), grad-input g @ w and grad-weight g.t() @ x, as autograd runs F.linear: the
@@ -181,19 +166,19 @@ def fp8_operands(shape: GemmShape, recipe: str, device: torch.device | str
     _check_recipe(recipe)
     (x, _), (g, w), _ = bf16_operands(shape, device, torch.float32)
     if recipe == "tensorwise":
-        (x8, sx), (w8, sw), (g8, sg) = _cast(x, E4M3), _cast(w, E4M3), _cast(g, E5M2)
+        (x8, sx), (w8, sw), (g8, sg) = cast(x, E4M3), cast(w, E4M3), cast(g, E5M2)
         return ((x8, w8.t(), sx, sw),
-                (g8, _col_major(w8), sg, sw),
-                (g8.t().contiguous(), _col_major(x8), sg, sx))
-    x8r, sxr = _cast(x, E4M3, dim=1)  # per row of x: (m, 1)
-    w8r, swr = _cast(w, E4M3, dim=1)  # per output channel: (n, 1)
-    g8r, sgr = _cast(g, E4M3, dim=1)  # per row of g: (m, 1)
-    w8c, swc = _cast(w, E4M3, dim=0)  # per column of w: (1, k)
-    gt8, sgt = _cast(g.t().contiguous(), E4M3, dim=1)  # per row of g.t(), an output channel: (n, 1)
-    x8c, sxc = _cast(x, E4M3, dim=0)  # per column of x: (1, k)
+                (g8, col_major(w8), sg, sw),
+                (g8.t().contiguous(), col_major(x8), sg, sx))
+    x8r, sxr = cast(x, E4M3, dim=1)  # per row of x: (m, 1)
+    w8r, swr = cast(w, E4M3, dim=1)  # per output channel: (n, 1)
+    g8r, sgr = cast(g, E4M3, dim=1)  # per row of g: (m, 1)
+    w8c, swc = cast(w, E4M3, dim=0)  # per column of w: (1, k)
+    gt8, sgt = cast(g.t().contiguous(), E4M3, dim=1)  # per row of g.t(), an output channel: (n, 1)
+    x8c, sxc = cast(x, E4M3, dim=0)  # per column of x: (1, k)
     return ((x8r, w8r.t(), sxr, swr.reshape(1, -1).contiguous()),
-            (g8r, _col_major(w8c), sgr, swc),
-            (gt8, _col_major(x8c), sgt, sxc))
+            (g8r, col_major(w8c), sgr, swc),
+            (gt8, col_major(x8c), sgt, sxc))
 
 
 def run_fp8(operands: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -7,9 +7,11 @@ model back to bf16 for the rest of the run. Then the watch stops: one report per
 
 The rules, in the order they are checked, on each loss in the order the backward calls came:
 - NONFINITE: the loss is nan or inf, at any time;
-- SPIKE: a finite loss above `factor` times the median of the last `window` finite losses, once `history` of them
-  exist and that median is positive (a relative bound says nothing about a loss that hovers at or below zero: such a
-  loss is watched for non-finite values only).
+- SPIKE: `patience` finite losses in a row above `factor` times the median of the last `window` finite losses (the
+  spiking ones are not added to it), once `history` of them exist and that median is positive. One batch's loss can
+  jump in a healthy run (a hard batch, in bf16 as well), while a divergence stays up: the defaults (1.5x the median of
+  32, twice in a row) report the second. A relative bound says nothing about a loss that hovers at or below zero:
+  such a loss is watched for non-finite values only.
 
 What is and is not lost:
 - A step whose loss is non-finite never updates the weights while the watch is installed, before and after its report:
@@ -69,7 +71,7 @@ class LossWatch:
     """Watches training losses for divergence and keeps non-finite steps off the weights (see the module docstring)."""
 
     def __init__(self, on_divergence: Callable[[Divergence], None], *, window: int = 32, history: int = 16,
-                 factor: float = 1.5, skip_nonfinite: bool = True):
+                 factor: float = 1.5, patience: int = 2, skip_nonfinite: bool = True):
         if not callable(on_divergence):
             raise TypeError(f"on_divergence must be callable, got {type(on_divergence).__name__}")
         if not (isinstance(window, int) and window >= 1):
@@ -78,7 +80,10 @@ class LossWatch:
             raise ValueError(f"history must be an int between 1 and window ({window}), got {history!r}")
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
             raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+        if not (isinstance(patience, int) and patience >= 1):
+            raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         self._on_divergence = on_divergence
+        self.patience, self._over = patience, 0  # losses in a row above the bound so far
         self.window, self.history, self.factor = window, history, float(factor)
         self.skip_nonfinite = skip_nonfinite
         self.steps_seen = 0  # backward calls observed
@@ -203,8 +208,11 @@ class LossWatch:
         if len(self._recent) >= self.history:
             median = statistics.median(self._recent)
             if median > 0 and value > self.factor * median:
-                self._fire(Divergence(step, value, median, SPIKE))
+                self._over += 1
+                if self._over >= self.patience:
+                    self._fire(Divergence(step, value, median, SPIKE))
                 return
+        self._over = 0
         self._recent.append(value)
 
     def _fire(self, divergence: Divergence) -> None:
