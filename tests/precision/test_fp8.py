@@ -125,3 +125,28 @@ def test_transformers_conv1d_runs_fp8_with_its_transposed_weight() -> None:
         y = layer(x)
     assert y.shape == want.shape and rel(y, want) < FWD_TOL
     assert fp8.relative_error(layer, x, "tensorwise") < FWD_TOL
+
+
+@needs_scaled_mm
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_compiled_gradients_match_float64(recipe: str) -> None:
+    """The FP8 layer compiled by Inductor, forward and backward, against float64: an operand layout decided at trace
+    time (a stride test) gave all-zero gradients in the compiled backward on an H100 while eager was right."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+    layer = nn.Linear(64, 48, bias=False)
+    fp8.install(layer, recipe)
+    x = torch.randn(32, 64, generator=gen, requires_grad=True)
+    g = torch.randn(32, 48, generator=gen) * 1e-3
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(t.device.type, dtype=torch.bfloat16):
+            return layer(t)
+
+    with fp8.active():
+        y = torch.compile(f)(x)
+    y.backward(g.to(y.dtype))
+    w = layer.weight.detach().double()
+    assert rel(y, x.detach().double() @ w.t()) < FWD_TOL + 0.02  # bf16 output rounding on top of FP8's
+    assert rel(x.grad, g.double() @ w) < GRAD_TOL
+    assert rel(layer.weight.grad, g.double().t() @ x.detach().double()) < GRAD_TOL

@@ -89,10 +89,14 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
 def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
     """a @ b on FP8 operands, dequantized by the inverse scales into `out_dtype`. Per-row scales (2-D) produce bf16,
-    the one output cuBLAS gives row-wise scaling on Hopper, converted after."""
+    the one output cuBLAS gives row-wise scaling on Hopper, converted after.
+
+    b is always laid out column-major by an explicit copy, never by testing its strides first: under torch.compile a
+    stride test is decided on the traced tensor, whose layout Inductor may change for the real one. On an H100 (torch
+    2.11) such a test skipped the copy of a saved FP8 weight in the compiled backward, and every gradient came out 0."""
     rowwise = scale_a.dim() == 2
-    y = torch._scaled_mm(a.contiguous(), col_major(b) if b.stride(0) != 1 else b, scale_a=scale_a,
-                         scale_b=scale_b.contiguous(), out_dtype=torch.bfloat16 if rowwise else out_dtype)
+    y = torch._scaled_mm(a.contiguous(), col_major(b), scale_a=scale_a, scale_b=scale_b.contiguous(),
+                         out_dtype=torch.bfloat16 if rowwise else out_dtype)
     return y.to(out_dtype)
 
 

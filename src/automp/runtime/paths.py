@@ -142,7 +142,10 @@ class RootPaths:
         # under DDP every rank must run the same path: a rank's own compile times are not a shared verdict
         root.watch = None if root.lockstep else watch_for(verdict, self.trial_config.churn)
         # the compiled paths that lost: their graphs (and whatever device memory they hold) go with them
-        left = [built(root, p) for p in GRAPHED_PATHS if p is not root.path and built(root, p) is not None]
+        # (not when the winner is graphed too: the graphed paths of a root share one pool, which torch gives back
+        # only by resetting every tree, the winner's included)
+        left = [] if root.path in GRAPHED_PATHS else [built(root, p) for p in GRAPHED_PATHS
+                                                       if built(root, p) is not None]
         if root.path in GRAPHED_PATHS and built(root, root.path) is not None:  # won a trial it ran in
             compiled_paths.release_cached(root.device)
         for path, attribute in BUILT.items():
@@ -165,7 +168,7 @@ class RootPaths:
         memory = compiled_paths.device_memory(root.device)
         why = None if memory is None else compiled_paths.graphs_fit(*memory)
         if why is not None:
-            root.trial.exclude(GRAPHED_PATHS, why)
+            self._without_graphs(root.trial, why)
         else:
             compiled_paths.release_cached(root.device)
 
@@ -183,9 +186,18 @@ class RootPaths:
                f"automp together: CUDA graph memory of one module is reused when another's backward runs")
         for root in roots:  # a re-measurement of a graphed verdict ends with leave_graphs
             if root.trial is not None and root.trial.verdict is None and GRAPHED_PATHS & set(root.trial.alive):
-                root.trial.exclude(GRAPHED_PATHS, why)
+                self._without_graphs(root.trial, why)
             if root.path in GRAPHED_PATHS and self.config.forced_path is None:
                 self.leave_graphs(root, why)
+
+    @staticmethod
+    def _without_graphs(trial: Trial, why: str) -> None:
+        """Out of a trial go its CUDA graphs; where they are all it has (the FP8 step against its bf16 twin), the
+        same graphs without them take their place."""
+        if set(trial.alive) <= GRAPHED_PATHS:
+            trial.substitute(WITHOUT_GRAPHS, why)
+        else:
+            trial.exclude(GRAPHED_PATHS, why)
 
     def leave_graphs(self, root: Root, why: str | None = None) -> None:
         """A training call on CUDA graphs compiled a new graph after the verdict: the module meets new input shapes

@@ -214,7 +214,8 @@ class Session:
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
             current = root.trial.current if root.trial.verdict is None else None
-            if current in GRAPHED_PATHS and built(root, current) is None:
+            # once per trial: the graphed paths of a root share one memory pool (cudagraph trees keep one per device)
+            if current in GRAPHED_PATHS and not any(built(root, p) is not None for p in GRAPHED_PATHS):
                 self.paths.check_graphs_fit(root)
             if root.trial.verdict is not None:
                 self.paths.settle(root.trial)

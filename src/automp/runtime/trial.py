@@ -213,6 +213,24 @@ class Trial:
         if not self._queue:
             self._refill()
 
+    def substitute(self, mapping: Mapping[Path, Path], why: str) -> None:
+        """Run mapping's values in place of its keys, none of which has been timed yet: where CUDA graphs do not fit,
+        a trial of graphed paths only (the FP8 step against its bf16 twin) goes on with the same graphs without them
+        rather than with nothing."""
+        if self.verdict is not None or not any(p in mapping for p in self.alive):
+            return
+        if any(self.samples.get(p) for p in mapping):
+            raise ValueError("a trial cannot substitute a path it has already timed")
+        swap: Callable[[Path], Path] = lambda p: mapping.get(p, p)
+        if self._queue and self._queue[0][0] in mapping:
+            self._start, self._done = None, 0  # the interval restarts at the next call, on the path that replaces it
+        self.candidates, self.alive, self._later = ([swap(p) for p in ps] for ps in
+                                                    (self.candidates, self.alive, self._later))
+        self.samples = {swap(p): s for p, s in self.samples.items()}
+        self._queue = [(swap(p), timed, n if timed or p not in mapping else self._warmup.get(swap(p), n))
+                       for p, timed, n in self._queue]
+        self.note = f"{self.note}; {why}" if self.note else why
+
     def _refill(self) -> None:
         """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
         if self._queue:

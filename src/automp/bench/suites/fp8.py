@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import gc
 import importlib.util
+import itertools
 import math
 import os
 import shutil
@@ -63,10 +64,13 @@ ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "loss", "first_run
             "automp_paths", "fp8_layers", "blocks")
 
 
+POOL = 8  # distinct batches, cycled: the loss falls as on data, not to zero as on one memorized batch
+
+
 @dataclass
 class Workload:
     model: nn.Module
-    batch: Any
+    batches: list[Any]  # POOL batches, taken in turn
     loss: Callable[[Callable[..., Any], Any], torch.Tensor]
 
 
@@ -74,10 +78,11 @@ def _lm_loss(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch
     return model(**batch).loss
 
 
-def _batch(vocab: int, b: int, t: int, device: str) -> dict[str, torch.Tensor]:
+def _batches(vocab: int, b: int, t: int, device: str) -> list[dict[str, torch.Tensor]]:
     """Tokens from a fixed CPU generator, then moved: the same data in every mode and on every device."""
-    ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(1234)).to(device)
-    return {"input_ids": ids, "labels": ids}
+    gen = torch.Generator().manual_seed(1234)
+    ids = [torch.randint(0, vocab, (b, t), generator=gen).to(device) for _ in range(POOL)]
+    return [{"input_ids": i, "labels": i} for i in ids]
 
 
 def _llama(quick: bool, device: str, hidden: int, ff: int, layers: int, tied: bool) -> Workload:
@@ -87,7 +92,7 @@ def _llama(quick: bool, device: str, hidden: int, ff: int, layers: int, tied: bo
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=t,
                       tie_word_embeddings=tied, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
-    return Workload(LlamaForCausalLM(cfg).to(device), _batch(vocab, b, t, device), _lm_loss)
+    return Workload(LlamaForCausalLM(cfg).to(device), _batches(vocab, b, t, device), _lm_loss)
 
 
 def llama_d2048(quick: bool, device: str, layers: int) -> Workload:
@@ -107,7 +112,7 @@ def gpt2(quick: bool, device: str, layers: int) -> Workload:
     vocab, d, n, heads, b, t = (512, 64, 2, 4, 2, 32) if quick else (50257, 768, 12, 12, 8, 1024)
     cfg = GPT2Config(vocab_size=vocab, n_positions=t, n_embd=d, n_layer=n, n_head=heads, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return Workload(GPT2LMHeadModel(cfg).to(device), _batch(vocab, b, t, device), _lm_loss)
+    return Workload(GPT2LMHeadModel(cfg).to(device), _batches(vocab, b, t, device), _lm_loss)
 
 
 def vit_l16(quick: bool, device: str, layers: int) -> Workload:
@@ -117,8 +122,9 @@ def vit_l16(quick: bool, device: str, layers: int) -> Workload:
     b, res = (2, 32) if quick else (32, 224)
     model = timm.create_model("vit_large_patch16_224", pretrained=False, num_classes=1000, **tiny).to(device)
     gen = torch.Generator().manual_seed(1234)
-    batch = (torch.randn(b, 3, res, res, generator=gen).to(device), torch.randint(0, 1000, (b,), generator=gen).to(device))
-    return Workload(model, batch, lambda net, xy: F.cross_entropy(net(xy[0]), xy[1]))
+    batches = [(torch.randn(b, 3, res, res, generator=gen).to(device),
+                torch.randint(0, 1000, (b,), generator=gen).to(device)) for _ in range(POOL)]
+    return Workload(model, batches, lambda net, xy: F.cross_entropy(net(xy[0]), xy[1]))
 
 
 # name -> (builder, the library it needs); a mode -> the library it needs
@@ -130,13 +136,16 @@ MODE_LIBS = {"torchao-tensorwise": "torchao", "torchao-rowwise": "torchao"}
 
 def _step_fn(work: Workload, net: Callable[..., Any], opt: torch.optim.Optimizer, autocast: str | None
              ) -> Callable[[], torch.Tensor]:
+    turn = itertools.count()
+
     def step() -> torch.Tensor:
+        batch = work.batches[next(turn) % len(work.batches)]
         with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss = work.loss(net, work.batch)
+            loss = work.loss(net, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return loss.detach()
+        return loss.detach().clone()  # a copy: CUDA graphs' next replay overwrites the loss they returned
     return step
 
 

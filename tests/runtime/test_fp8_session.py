@@ -1,0 +1,102 @@
+"""dtype="fp8" through automp.enable() on the CPU, with the device's FP8 check and GEMM table injected (the CPU runs
+torch._scaled_mm, so the FP8 layers really compute in FP8 here): the layers chosen and reported, the path compiled
+with them, the clear error where FP8 is missing, and the loss guard taking the run back to bf16 without a bad update."""
+import pytest
+import torch
+import torch.nn as nn
+
+import automp
+from automp.precision import fp8, fp8_choice
+from automp.precision.fp8_table import Fp8Table, Fp8Timing, bucket
+from automp.runtime import session as sessions
+from automp.runtime.fp8_guard import NONFINITE
+from automp.runtime.fp8_layers import Fp8Layers
+from automp.runtime.trial import Path
+from tests.precision.test_fp8 import needs_scaled_mm
+
+
+def fake_table(device, shapes, recipe, cache_dir):
+    """Layers with 64+ inputs gain 2x in FP8, narrower ones lose."""
+    return Fp8Table("fake", torch.__version__, 1000.0, {
+        (recipe, bucket(s)): Fp8Timing(2.0, 0.8, 0.2) if s.k >= 64 else Fp8Timing(1.0, 1.0, 0.5) for s in shapes})
+
+
+@pytest.fixture
+def fp8_device(monkeypatch):
+    monkeypatch.setattr(sessions, "open_session", lambda config, recorder: sessions.Session(
+        config, recorder, fp8=Fp8Layers(config, recorder, check=lambda device: None, table=fake_table)))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 16))
+
+
+def test_fp8_without_an_fp8_gpu_is_one_clear_error(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="dtype fp8 is not available: .*compute capability 8.9"):
+        automp.enable(dtype="fp8", cache_dir=str(tmp_path))
+    model = net()
+    assert all(type(m) in (nn.Linear, nn.GELU, nn.Sequential) for m in model.modules())  # nothing was installed
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path), path="eager")  # and nothing is left half-enabled
+    automp.disable()
+
+
+@needs_scaled_mm
+def test_forced_fp8_path_runs_the_chosen_layers_in_fp8_and_reports_each(fp8_device, tmp_path) -> None:
+    model, x = net(), torch.randn(48, 32)
+    keys = sorted(model.state_dict())
+    with torch.no_grad():
+        bf16 = nn.Sequential(*model)(x)  # the same layers, as written (FP32)
+    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path))
+    try:
+        out = model(x)
+        assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Fp8Linear", "GELU", "Fp8Linear"]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp8.active():
+            eager_fp8 = nn.Sequential.forward(model, x)  # the same FP8 layers, run eagerly
+    finally:
+        report = automp.disable()
+    assert torch.allclose(out.float(), eager_fp8.float(), rtol=0.05, atol=0.02)  # compiled FP8 == eager FP8
+    assert (out - bf16).norm() / bf16.norm() > 1e-3  # and not FP32: the FP8 layers did run
+    layers = report["fp8"]["Sequential"]["layers"]
+    assert {n: c["rule"] for n, c in layers.items()} == {"0": fp8_choice.NO_GAIN, "2": fp8_choice.FP8,
+                                                         "4": fp8_choice.FP8}
+    assert layers["2"]["shape"] == [48, 64, 128] and 0 < layers["2"]["measured_error"] < fp8_choice.MAX_ERROR
+    assert report["choices"][0]["path"] == Path.FP8_COMPILED.value
+    assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Linear", "GELU", "Linear"]
+    assert sorted(model.state_dict()) == keys
+
+
+@needs_scaled_mm
+def test_a_trial_times_the_fp8_step_against_its_bf16_twin(fp8_device, tmp_path) -> None:
+    model, x = net(), torch.randn(48, 32)
+    automp.enable(dtype="fp8", cache_dir=str(tmp_path), cuda_graphs=False)
+    try:
+        model(x).sum().backward()
+        trial = next(iter(automp._session.roots.values())).trial
+        assert trial.candidates == [Path.COMPILED_AUTOCAST, Path.FP8_COMPILED]
+        assert "2 linear layer(s) predicted faster in FP8" in trial.note
+    finally:
+        automp.disable()
+
+
+@needs_scaled_mm
+def test_a_nan_loss_is_skipped_and_the_run_goes_back_to_bf16(fp8_device, tmp_path) -> None:
+    model, x, y = net(), torch.randn(48, 32), torch.randn(48, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path))
+    try:
+        for step in range(3):
+            loss = ((model(x) - y) ** 2).mean()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            (loss * float("nan") if step == 1 else loss).backward()
+            opt.step()
+            changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+            assert all(changed) if step != 1 else not any(changed)  # the NaN step left the weights as they were
+        root = next(iter(automp._session.roots.values()))
+        assert root.path is Path.COMPILED_AUTOCAST  # the bf16 twin from the step after the NaN
+    finally:
+        report = automp.disable()
+    assert report["fp8_fallback"]["rule"] == NONFINITE and report["fp8_fallback"]["step"] == 1
+    assert any("left FP8 at backward 1" in f["reason"] for f in report["fallbacks"])
+    assert any("1 optimizer step(s) skipped" in f["reason"] for f in report["fallbacks"])
