@@ -91,13 +91,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.
     """a @ b on FP8 operands, dequantized by the inverse scales into `out_dtype`. Per-row scales (2-D) produce bf16,
     the one output cuBLAS gives row-wise scaling on Hopper, converted after.
 
-    b is always laid out column-major by an explicit copy, never by testing its strides first: under torch.compile a
-    stride test is decided on the traced tensor, whose layout Inductor may change for the real one. On an H100 (torch
-    2.11) such a test skipped the copy of a saved FP8 weight in the compiled backward, and every gradient came out 0."""
+    b is always laid out column-major by an explicit copy (a no-op on one that already is), never by testing its
+    strides first: under torch.compile such a test is decided on the traced tensor, whose layout Inductor may change."""
     rowwise = scale_a.dim() == 2
     y = torch._scaled_mm(a.contiguous(), col_major(b), scale_a=scale_a, scale_b=scale_b.contiguous(),
                          out_dtype=torch.bfloat16 if rowwise else out_dtype)
-    return y.to(out_dtype)
+    # no `.to()` to the dtype it already has: that returns y itself, and a Function output aliasing its own
+    # intermediate was given all-zero gradients by torch 2.11's compiled backward (eager and 2.13 were right)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -119,6 +120,13 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # autocast off here too, as in forward (fp8_linear): the casts and GEMMs choose their dtypes themselves,
+        # whatever autocast the backward is traced or run under
+        with torch.autocast(g.device.type, enabled=False):
+            return _Fp8Matmul._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_dtype = g.dtype if g.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         if ctx.recipe == "tensorwise":
             x8, sx, w8, sw = ctx.saved_tensors
@@ -133,7 +141,7 @@ class _Fp8Matmul(torch.autograd.Function):
             gt8, sgt = cast(g.t(), E4M3, dim=1)  # rows of g.T (output channels): (n, 1)
             x8c, sxc = cast(x, E4M3, dim=0)  # columns of x: (1, k)
             grad_w = _mm(gt8, x8c, sgt, sxc, torch.float32)
-        return grad_x, grad_w.to(ctx.w_dtype), None, None
+        return grad_x, grad_w if grad_w.dtype == ctx.w_dtype else grad_w.to(ctx.w_dtype), None, None
 
 
 def _out(dtype: torch.dtype, fallback: torch.dtype) -> torch.dtype:
