@@ -162,3 +162,14 @@ def test_sigterm_still_writes_the_report_and_exits_143(tmp_path, automp_run):
     code, err = automp_run("--report", str(report), str(script))
     assert code == 143 and report.exists() and err[-1].startswith("automp: Linear")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_summary_line_says_how_many_layers_ran_fp8_and_when_the_run_left_fp8() -> None:
+    from automp.config import AutoMPConfig
+    from automp.launcher import summary
+    report = {"dtype": "bfloat16", "choices": [{"module": "Llama", "path": "fp8-graphed", "reason": "x"}],
+              "fp8": {"Llama": {"fp8_layers": 49, "layers_seen": 113}}, "fp8_fallback": None}
+    config = AutoMPConfig(dtype="fp8", cache_dir=".")
+    assert "Llama fp8-graphed (bf16, 49 of 113 linear layers FP8)" in summary(report, config)
+    report["fp8_fallback"] = {"step": 40, "rule": "loss-spike", "loss": 9.0, "median": 3.0}
+    assert summary(report, config).endswith("left FP8 for bf16 at backward 40 (loss-spike)")

@@ -84,8 +84,13 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
         elif path == "unsettled":
             parts.append(f"{module} trial unfinished")
         else:
-            parts.append(f"{module} {path}" + ("" if path == "fp32-eager" else f" ({low})"))
+            fp8 = report.get("fp8", {}).get(module) if path.startswith("fp8-") else None
+            layers = f", {fp8['fp8_layers']} of {fp8['layers_seen']} linear layers FP8" if fp8 else ""
+            parts.append(f"{module} {path}" + ("" if path == "fp32-eager" else f" ({low}{layers})"))
     line = "; ".join(parts) or "no module ran under automp (none was called as model(x) while it was on)"
+    left = report.get("fp8_fallback")
+    if left:
+        line += f"; left FP8 for bf16 at backward {left['step']} ({left['rule']})"
     if config.report_path:
         line += f"; report in {config.report_path} (`automp report {config.report_path}`)"
     who = "automp" if config.world_size == 1 else f"automp (rank {config.rank})"
