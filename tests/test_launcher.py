@@ -173,3 +173,19 @@ def test_the_summary_line_says_how_many_layers_ran_fp8_and_when_the_run_left_fp8
     assert "Llama fp8-graphed (bf16, 49 of 113 linear layers FP8)" in summary(report, config)
     report["fp8_fallback"] = {"step": 40, "rule": "loss-spike", "loss": 9.0, "median": 3.0}
     assert summary(report, config).endswith("left FP8 for bf16 at backward 40 (loss-spike)")
+
+
+def test_fp8_on_a_machine_without_it_is_one_line_and_exit_code_2(tmp_path, capsys) -> None:
+    import torch
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has FP8 tensor cores")
+    from automp.config import AutoMPConfig
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    assert run_script(str(script), [], AutoMPConfig(dtype="fp8", cache_dir=str(tmp_path))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("automp run: dtype fp8 is not available") and "8.9" in err[0]
+    assert not marker.exists()  # the script did not run in bf16 behind the user's back
+    import automp
+    assert not automp.is_enabled()

@@ -36,8 +36,13 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
     unreadable = _compile_error(script)
     if unreadable is not None:
         return unreadable
+    from automp.runtime.fp8_layers import Fp8Unavailable
     # the session writes no report of its own: the launcher writes the command line's once, at the end
-    automp.enable(dataclasses.replace(config, report=None))
+    try:
+        automp.enable(dataclasses.replace(config, report=None))
+    except Fp8Unavailable as e:  # asked for on a machine without FP8: nothing was installed, the script not run
+        print(f"automp run: {e}", file=sys.stderr)
+        return 2
     recorder = automp.recorder()
     argv, path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [script, *args]

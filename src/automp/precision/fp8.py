@@ -58,8 +58,8 @@ def unavailable(device: torch.device) -> str | None:
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return f"this torch ({torch.__version__}) has no FP8 GEMM (torch._scaled_mm)"
     if device.type != "cuda":
-        return (f"FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
-                f"the model is on {device.type}")
+        where = f"the model is on {device.type}" if torch.cuda.is_available() else "this machine has no CUDA GPU"
+        return f"FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper); {where}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         return (f"FP8 training needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "

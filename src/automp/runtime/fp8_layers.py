@@ -24,6 +24,10 @@ from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict
 Table = Callable[..., fp8_table.Fp8Table]  # fp8_table.load_or_measure's signature
 
 
+class Fp8Unavailable(RuntimeError):
+    """dtype="fp8" on a machine that cannot run FP8 GEMMs (`automp run` prints it in one line, exit code 2)."""
+
+
 class Fp8Layers:
     """check: why FP8 cannot run on a device, or None (automp.precision.fp8.unavailable); table: the timing table's
     loader; both injectable, so a CPU test runs the whole decision with an emulated device and a made-up table."""
@@ -43,7 +47,7 @@ class Fp8Layers:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         why = self.check(device)
         if why is not None:
-            raise RuntimeError(f"dtype fp8 is not available: {why}. Use --dtype bf16 (or auto).")
+            raise Fp8Unavailable(f"dtype fp8 is not available: {why}. Use --dtype bf16 (or auto).")
 
     def prepare(self, module: nn.Module, label: str, device: torch.device, run: Callable[[], Any]) -> tuple[str, ...]:
         """Choose and install the FP8 layers of a new root; `run()` calls it once on the script's first batch, as
