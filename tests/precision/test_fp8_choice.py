@@ -1,4 +1,5 @@
 """The per-layer FP8 decision from an injected timing table and injected errors: which layers, and by which rule."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -71,3 +72,12 @@ def test_probe_measures_real_inputs_and_leaves_no_trace() -> None:
     with torch.no_grad():
         net.up.weight[:, 3] = 0
     assert fc.probe(net, lambda: net(outlier), "tensorwise").errors["up"] > fc.MAX_ERROR
+
+
+def test_probe_reads_transformers_conv1d_with_its_transposed_weight() -> None:
+    """GPT-2's linear layers (transformers' Conv1D, weight stored (in, out)) are probed before any FP8 install."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    net = nn.Sequential(conv1d(48, 32), nn.GELU(), conv1d(16, 48))  # Conv1D(nf=out, nx=in)
+    probe = fc.probe(net, lambda: net(torch.randn(2, 16, 32)), "tensorwise")
+    assert probe.shapes == {"0": GemmShape(32, 32, 48), "2": GemmShape(32, 48, 16)}
+    assert all(0 < e < fc.MAX_ERROR for e in probe.errors.values())

@@ -168,7 +168,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, reci
 def weight_nk(module: nn.Module) -> torch.Tensor:
     """The layer's weight as (out_features, in_features): nn.Linear's own; transformers' Conv1D (GPT-2) stores it
     transposed."""
-    return module.weight.t() if getattr(module, "_automp_fp8_transposed", False) else module.weight
+    transposed = getattr(module, "_automp_fp8_transposed", None)  # set at install; before it, the class says
+    return module.weight.t() if (_is_conv1d(module) if transposed is None else transposed) else module.weight
 
 
 def linear_like(module: nn.Module) -> bool:
