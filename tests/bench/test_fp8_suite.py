@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import automp
+from automp.bench import fp8_workloads as wl
 from automp.bench.suites import fp8
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -71,13 +72,13 @@ def _counting_loop(calls):
 
 
 def _tiny(quick, device, layers):
-    return fp8.Workload(torch.nn.Linear(4, 4).to(device), None, None)
+    return wl.Workload(torch.nn.Linear(4, 4).to(device), None, None)
 
 
 @pytest.fixture
 def fake_models(monkeypatch):
-    monkeypatch.setitem(fp8.MODELS, "gpt2", (_tiny, "torch"))
-    monkeypatch.setitem(fp8.MODELS, "llama-d2048", (_tiny, "torch"))
+    monkeypatch.setitem(wl.MODELS, "gpt2", (_tiny, "torch"))
+    monkeypatch.setitem(wl.MODELS, "llama-d2048", (_tiny, "torch"))
     monkeypatch.setattr(fp8, "_missing", lambda lib: False)  # the fake loops need no torchao
 
 
@@ -85,8 +86,8 @@ def test_a_failing_mode_is_a_skipped_row_and_the_rest_run(tmp_path, cache, fake_
     def broken(work, device):
         raise RuntimeError("compile failed\nsecond line")
 
-    monkeypatch.setitem(fp8.LOOPS, "bf16-reduce-overhead", broken)
-    monkeypatch.setitem(fp8.LOOPS, "torchao-tensorwise", _counting_loop([]))
+    monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", broken)
+    monkeypatch.setitem(wl.LOOPS, "torchao-tensorwise", _counting_loop([]))
     out = tmp_path / "r"
     assert fp8.main(["--models", "gpt2,llama-d2048", "--modes", "bf16-reduce-overhead,torchao-tensorwise",
                      "--out", str(out), *QUICK]) == 0
@@ -101,7 +102,7 @@ def test_a_failing_mode_is_a_skipped_row_and_the_rest_run(tmp_path, cache, fake_
 def test_every_mode_reads_its_loss_after_the_same_number_of_steps(tmp_path, cache, fake_models, monkeypatch):
     """automp warms up until settled (longer than the others); the loss still compares step for step."""
     for mode in ("bf16-reduce-overhead", "torchao-rowwise", "automp-bf16"):
-        monkeypatch.setitem(fp8.LOOPS, mode, _counting_loop([]))
+        monkeypatch.setitem(wl.LOOPS, mode, _counting_loop([]))
     for blocks, limit in (("alternating", fp8.RESIDENT_MAX_PARAMS), ("sequential", 0)):
         settles = iter([False] * 7 + [True] * 1000)
         monkeypatch.setattr(automp, "settled", lambda: next(settles))
@@ -126,7 +127,7 @@ def test_a_mode_past_its_timeout_is_skipped(tmp_path, cache, fake_models, monkey
             return torch.tensor(1.0)
         return step
 
-    monkeypatch.setitem(fp8.LOOPS, "bf16-reduce-overhead", slow)
+    monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", slow)
     out = tmp_path / "t"
     assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead", "--out", str(out), "--steps", "20",
                      "--warmup", "1", "--first-steps", "1", "--mode-timeout", "0.3"]) == 0
@@ -140,9 +141,9 @@ def test_block_schedule_alternates():
 
 def test_torchao_filter_keeps_the_head_and_odd_dims_in_bf16():
     lin = torch.nn.Linear(64, 32)
-    assert fp8.torchao_filter(lin, "model.layers.0.mlp.up_proj")
-    assert not fp8.torchao_filter(lin, "lm_head") and not fp8.torchao_filter(lin, "head")
-    assert not fp8.torchao_filter(torch.nn.Linear(64, 10), "blocks.0.fc")
+    assert wl.torchao_filter(lin, "model.layers.0.mlp.up_proj")
+    assert not wl.torchao_filter(lin, "lm_head") and not wl.torchao_filter(lin, "head")
+    assert not wl.torchao_filter(torch.nn.Linear(64, 10), "blocks.0.fc")
 
 
 def test_gpu_slug():
@@ -152,7 +153,7 @@ def test_gpu_slug():
 
 
 def test_a_missing_library_skips_its_rows_only(tmp_path, cache, fake_models, monkeypatch):
-    monkeypatch.setitem(fp8.LOOPS, "bf16-reduce-overhead", _counting_loop([]))
+    monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", _counting_loop([]))
     monkeypatch.setattr(fp8, "_missing", lambda lib: lib == "torchao")
     out = tmp_path / "m"
     assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,torchao-tensorwise,torchao-rowwise",
@@ -171,7 +172,7 @@ def test_automp_modes_run_their_trial_cold_with_the_machines_measurements(tmp_pa
     (env / "verdicts.json").write_text("{}")
     (env / "calibration-dev.json").write_text("{\"x\": 1}")
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(env))
-    monkeypatch.setitem(fp8.LOOPS, "automp-bf16", _counting_loop([]))
+    monkeypatch.setitem(wl.LOOPS, "automp-bf16", _counting_loop([]))
     seen = []
     real_enable = automp.enable
 

@@ -32,10 +32,8 @@ runs its trial, so first_run_s compares like with like.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.util
-import itertools
 import math
 import os
 import shutil
@@ -43,143 +41,22 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from automp.bench.harness import device_name
 from automp.bench.suites.zoo_interleave import block_ms
-from automp.bench.zoo_modes import fuse_adam, time_limit
+from automp.bench.fp8_workloads import LOOPS, MODE_LIBS, MODELS
+from automp.bench.zoo_modes import time_limit
 from automp.files import atomic_output, check_writable, write_json_and_markdown
 
 MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
 ANCHOR = "bf16-reduce-overhead"
 ROUNDS = 6  # even: every mode leads as often as it trails
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
-LR = 1e-4
 ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "loss", "first_run_s", "ratio_vs_bf16",
             "automp_paths", "fp8_layers", "blocks")
-
-
-POOL = 8  # distinct batches, cycled: the loss falls as on data, not to zero as on one memorized batch
-
-
-@dataclass
-class Workload:
-    model: nn.Module
-    batches: list[Any]  # POOL batches, taken in turn
-    loss: Callable[[Callable[..., Any], Any], torch.Tensor]
-
-
-def _lm_loss(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
-
-
-def _batches(vocab: int, b: int, t: int, device: str) -> list[dict[str, torch.Tensor]]:
-    """Tokens from a fixed CPU generator, then moved: the same data in every mode and on every device."""
-    gen = torch.Generator().manual_seed(1234)
-    ids = [torch.randint(0, vocab, (b, t), generator=gen).to(device) for _ in range(POOL)]
-    return [{"input_ids": i, "labels": i} for i in ids]
-
-
-def _llama(quick: bool, device: str, hidden: int, ff: int, layers: int, tied: bool) -> Workload:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    vocab, heads, kv, b, t = (512, 4, 2, 2, 32) if quick else (128256, 32, 8, 4, 2048)
-    hidden, ff, layers = (64, 256, 2) if quick else (hidden, ff, layers)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=t,
-                      tie_word_embeddings=tied, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
-    return Workload(LlamaForCausalLM(cfg).to(device), _batches(vocab, b, t, device), _lm_loss)
-
-
-def llama_d2048(quick: bool, device: str, layers: int) -> Workload:
-    """Llama-3.2-1B dims: hidden 2048, FFN 8192, 16 layers, 32 heads, 8 KV heads, vocab 128256, tied (B4, T2048)."""
-    return _llama(quick, device, 2048, 8192, 16, True)
-
-
-def llama_d4096(quick: bool, device: str, layers: int) -> Workload:
-    """Llama-3-8B dims: hidden 4096, FFN 14336, 32 heads, 8 KV heads, vocab 128256, untied (B4, T2048); --layers
-    layers (default 4), as many as fit one 80 GB GPU with FP32 weights and AdamW state."""
-    return _llama(quick, device, 4096, 14336, layers, False)
-
-
-def gpt2(quick: bool, device: str, layers: int) -> Workload:
-    """transformers GPT-2 124M (B8, T1024, vocab 50257), dropout 0."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    vocab, d, n, heads, b, t = (512, 64, 2, 4, 2, 32) if quick else (50257, 768, 12, 12, 8, 1024)
-    cfg = GPT2Config(vocab_size=vocab, n_positions=t, n_embd=d, n_layer=n, n_head=heads, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return Workload(GPT2LMHeadModel(cfg).to(device), _batches(vocab, b, t, device), _lm_loss)
-
-
-def vit_l16(quick: bool, device: str, layers: int) -> Workload:
-    """timm ViT-L/16 at 224 (B32, 1000 classes), random images, cross-entropy."""
-    import timm
-    tiny = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4) if quick else {}
-    b, res = (2, 32) if quick else (32, 224)
-    model = timm.create_model("vit_large_patch16_224", pretrained=False, num_classes=1000, **tiny).to(device)
-    gen = torch.Generator().manual_seed(1234)
-    batches = [(torch.randn(b, 3, res, res, generator=gen).to(device),
-                torch.randint(0, 1000, (b,), generator=gen).to(device)) for _ in range(POOL)]
-    return Workload(model, batches, lambda net, xy: F.cross_entropy(net(xy[0]), xy[1]))
-
-
-# name -> (builder, the library it needs); a mode -> the library it needs
-MODELS: dict[str, tuple[Callable[[bool, str, int], Workload], str]] = {
-    "llama-d2048": (llama_d2048, "transformers"), "llama-d4096": (llama_d4096, "transformers"),
-    "gpt2": (gpt2, "transformers"), "vit-l16": (vit_l16, "timm")}
-MODE_LIBS = {"torchao-tensorwise": "torchao", "torchao-rowwise": "torchao"}
-
-
-def _step_fn(work: Workload, net: Callable[..., Any], opt: torch.optim.Optimizer, autocast: str | None
-             ) -> Callable[[], torch.Tensor]:
-    turn = itertools.count()
-
-    def step() -> torch.Tensor:
-        batch = work.batches[next(turn) % len(work.batches)]
-        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss = work.loss(net, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach().clone()  # a copy: CUDA graphs' next replay overwrites the loss they returned
-    return step
-
-
-def compiled_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
-    """autocast bf16 + torch.compile(mode="reduce-overhead") + fused AdamW: the strongest bf16 loop by hand."""
-    opt = torch.optim.AdamW(work.model.parameters(), lr=LR)
-    fuse_adam([opt])
-    return _step_fn(work, torch.compile(work.model, mode="reduce-overhead"), opt, device)
-
-
-def torchao_filter(module: nn.Module, fqn: str) -> bool:
-    """torchao README's filter: not the final projection (LM head, classifier head), not dims off multiples of 16."""
-    if fqn.split(".")[-1] in ("lm_head", "head"):
-        return False
-    return not isinstance(module, nn.Linear) or (module.in_features % 16 == 0 and module.out_features % 16 == 0)
-
-
-def torchao_loop(recipe: str) -> Callable[[Workload, str], Callable[[], torch.Tensor]]:
-    def build(work: Workload, device: str) -> Callable[[], torch.Tensor]:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        convert_to_float8_training(work.model, config=Float8LinearConfig.from_recipe_name(recipe),
-                                   module_filter_fn=torchao_filter)
-        return compiled_loop(work, device)
-    return build
-
-
-def fp32_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
-    """The plain FP32 loop automp runs under: what the user wrote, unchanged."""
-    return _step_fn(work, work.model, torch.optim.AdamW(work.model.parameters(), lr=LR), None)
-
-
-LOOPS: dict[str, Callable[[Workload, str], Callable[[], torch.Tensor]]] = {
-    "bf16-reduce-overhead": compiled_loop, "torchao-tensorwise": torchao_loop("tensorwise"),
-    "torchao-rowwise": torchao_loop("rowwise"), "automp-bf16": fp32_loop, "automp-fp8": fp32_loop}
 
 
 def block_order(modes: list[Any], rounds: int) -> list[list[Any]]:
