@@ -14,6 +14,11 @@ capture stream with CUDA's sync debugging on, so a step that would synchronise (
 without breaking anything; step 3 is captured and every later step is one replay. Anything that fails falls back to
 eager decoding, and `decode_info(model)` says which mode ran and why.
 
+Prompts of different lengths come left-padded with an attention mask (transformers' convention). Every row then
+shares the cache slot of each step (a column of the padded batch) but has its own position, counted from its first
+real token; the 2-D mask [batch, max_len] hides each row's pads from attention. Both live in preallocated buffers
+that each step updates in place, so one captured graph serves every step of a masked batch too.
+
 Version differences (transformers 4.x vs 5.x) are found by feature checks: StaticCache's constructor arguments, whether
 forward takes `cache_position`, whether the model supports a static cache at all (else the model's own dynamic
 cache, eager).
@@ -80,13 +85,13 @@ class _Unpicklable:
 class Decoder(_Unpicklable):
     """A KV cache for `batch` sequences of up to `max_len` tokens plus the one-token decode step over it."""
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, mode: str = "auto"):
+    def __init__(self, model: nn.Module, batch: int, max_len: int, mode: str = "auto", masked: bool = False):
         if mode not in MODES:
             raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
         self.model, self.batch, self.max_len = model, batch, max_len
         fuse_projections(model)  # a model moved since quantize() lost its fused groups; before the fingerprint
         self.device, self.dtype, _, _ = input_embedding(model)
-        self.key = (batch, max_len, mode, _fingerprint(model))
+        self.key = (batch, max_len, mode, masked, _fingerprint(model))
         fwd = inspect.signature(model.forward).parameters
         self.cache_position = "cache_position" in fwd
         self.logits_to_keep = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in fwd), None)
@@ -101,6 +106,13 @@ class Decoder(_Unpicklable):
             self.reason = f"no CUDA graph on {self.device.type}: steps run one by one"
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.masked = masked
+        self.args = (self.tok, self.pos)  # what every decode step reads: the graph's inputs, fixed addresses
+        if masked:
+            self.pads = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # left pads of each row
+            self.row_pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # position of the new token
+            self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)  # 1 = a real cached token
+            self.args = (self.tok, self.pos, self.row_pos, self.mask)
         self.fn = self._forward
         if self.mode == "compile":
             self.fn = torch.compile(self._forward, dynamic=False)
@@ -108,9 +120,16 @@ class Decoder(_Unpicklable):
         self.steps = 0
         self.next_pos = 0
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        kw = {"input_ids": ids, "position_ids": pos[None].expand(ids.shape[0], -1), "use_cache": True,
-              "past_key_values": self.cache}
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, row_pos: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of the last position. pos: cache slots of ids; row_pos [B, len(pos)]: each row's positions
+        where they differ from the slots (left padding), with mask [B, max_len] over the whole static cache."""
+        positions = pos[None].expand(ids.shape[0], -1) if row_pos is None else row_pos
+        kw = {"input_ids": ids, "position_ids": positions, "use_cache": True, "past_key_values": self.cache}
+        if mask is not None:
+            # A static cache's mask covers all max_len slots; the model's own dynamic cache holds only the tokens
+            # seen so far, and transformers 4.x sizes the causal mask from the 2-D mask's length there.
+            kw["attention_mask"] = mask if self.static else mask[:, :int(pos[-1]) + 1]
         if self.cache_position:
             kw["cache_position"] = pos
         if self.logits_to_keep:
@@ -127,31 +146,44 @@ class Decoder(_Unpicklable):
             self.cache = None
         self.next_pos = 0
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] after the prompt (eager: prompts vary in length)."""
-        logits = self._forward(ids, torch.arange(ids.shape[1], device=self.device))
-        self.next_pos = ids.shape[1]
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] after the prompt (eager: prompts vary in length). mask [B, P]: a checked left-padding mask,
+        given exactly when this decoder is a masked one."""
+        prompt = ids.shape[1]
+        slots = torch.arange(prompt, device=self.device)
+        if not self.masked:
+            logits = self._forward(ids, slots)
+        else:
+            self.mask.zero_()
+            self.mask[:, :prompt].copy_(mask)
+            self.pads.copy_(prompt - self.mask.sum(dim=1, keepdim=True))
+            positions = (slots[None] - self.pads).clamp_(min=0)  # = cumsum(mask) - 1, pads at 0
+            logits = self._forward(ids, slots, positions, self.mask)
+        self.next_pos = prompt
         return logits
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] after appending tok [B]; valid until the next step (a graph's output buffer)."""
         self.tok.copy_(tok[:, None])
         self.pos.fill_(self.next_pos)
+        if self.masked:
+            torch.sub(self.pos, self.pads, out=self.row_pos)
+            self.mask[:, self.next_pos].fill_(1)
         self.next_pos += 1
         if self.graph is not None:
             self.graph.replay()
             return self.logits
         self.steps += 1
         if self.device.type != "cuda" or self.mode == "eager":
-            return self.fn(self.tok, self.pos)
+            return self.fn(*self.args)
         if self.steps == 1:
             try:
-                return self.fn(self.tok, self.pos)
+                return self.fn(*self.args)
             except Exception as e:  # a compile failure: keep going uncompiled
                 if self.mode != "compile":
                     raise
                 self.fn, self.mode, self.reason = self._forward, "graph", f"torch.compile failed: {e!r:.200}"
-                return self.fn(self.tok, self.pos)
+                return self.fn(*self.args)
         if self.steps == 2:
             return self._checked_step()
         return self._capture()
@@ -165,7 +197,7 @@ class Decoder(_Unpicklable):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                logits = self.fn(self.tok, self.pos)
+                logits = self.fn(*self.args)
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -178,11 +210,11 @@ class Decoder(_Unpicklable):
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=self.stream):
-                logits = self.fn(self.tok, self.pos)
+                logits = self.fn(*self.args)
         except Exception as e:  # capture records, it does not run: the cache is as before, run the step eagerly
             self.mode, self.reason = "eager", f"CUDA graph capture failed: {e!r:.200}"
             torch.cuda.synchronize()
-            return self.fn(self.tok, self.pos)
+            return self.fn(*self.args)
         self.graph, self.logits = graph, logits
         graph.replay()
         return logits
@@ -195,8 +227,9 @@ def sync_warnings(messages) -> list[str]:
     return [m for m in messages if "called a synchronizing cuda operation" in m.lower()]
 
 
-def _decoder(model: nn.Module, batch: int, length: int, mode: str) -> Decoder:
-    """The decoder kept on the model (reused while batch, rounded length, mode and weights are the same)."""
+def _decoder(model: nn.Module, batch: int, length: int, mode: str, masked: bool = False) -> Decoder:
+    """The decoder kept on the model (reused while batch, rounded length, mode, masking and weights are the same:
+    a masked step takes two more inputs, so its compiled and captured step is not an unmasked one's)."""
     max_len = -(-length // _LEN_STEP) * _LEN_STEP
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:
@@ -205,9 +238,9 @@ def _decoder(model: nn.Module, batch: int, length: int, mode: str) -> Decoder:
                              f"max_position_embeddings {limit}")
         max_len = min(max_len, limit)
     dec = model.__dict__.get(_ATTR)
-    if dec is None or dec.key != (batch, max_len, mode, _fingerprint(model)):
+    if dec is None or dec.key != (batch, max_len, mode, masked, _fingerprint(model)):
         model.__dict__.pop(_ATTR, None)
-        dec = Decoder(model, batch, max_len, mode)
+        dec = Decoder(model, batch, max_len, mode, masked)
         model.__dict__[_ATTR] = dec
     return dec
 
@@ -233,15 +266,40 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = Non
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]
 
 
+def _left_padding(mask, shape: tuple) -> torch.Tensor | None:
+    """The checked attention mask as int64 on its device, or None where it declares no padding (all ones: the
+    unmasked decoder gives the same tokens without a mask's extra work)."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != shape:
+        raise ValueError(f"automp.llm.generate: attention_mask must be a tensor of input_ids' shape {shape}, got "
+                         f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if mask.is_floating_point() or mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("automp.llm.generate: attention_mask must hold only 0 (pad) and 1 (token) as integers "
+                         "or booleans")
+    mask = mask.long()
+    if not bool(mask[:, -1].all()):  # with the check below: a row of zeros, or a row that ends in padding
+        rows = (mask[:, -1] == 0).nonzero()[:, 0].tolist()
+        raise ValueError(f"automp.llm.generate: attention_mask rows {rows} end in padding (or are all padding): "
+                         "only left padding is supported, each row's last token must be real")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        rows = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero()[:, 0].tolist()
+        raise ValueError(f"automp.llm.generate: attention_mask rows {rows} have padding after a token: only left "
+                         "padding is supported (each row's zeros first, then its ones)")
+    return None if bool(mask.all()) else mask
+
+
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-             mode: str = "auto") -> torch.Tensor:
+             mode: str = "auto", attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt + up to max_new_tokens generated ids, [B, P + n] (like transformers' generate).
 
     Greedy at temperature 0; otherwise samples (optionally from the top_k tokens) with `generator`. Stops early
     once every sequence has produced eos_token_id (finished ones are padded with it). mode: "auto" (compiled and
     CUDA-graph-captured decode step on CUDA, eager elsewhere), "compile", "graph" (captured, not compiled), "eager".
+
+    Prompts of different lengths: left-pad them into input_ids and pass attention_mask [B, P] (1 = token, 0 = pad,
+    each row's zeros first), as with transformers; each row then gets the tokens it gets alone. The mask is the only
+    way padding is declared: pad ids are ordinary ids, so a padded batch without a mask decodes the pads as prompt.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long \
             or input_ids.shape[1] == 0:
@@ -257,9 +315,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     for m in model.modules():
         if isinstance(m, QuantLinear):
             check_backend(m.bits, device)
+    mask = None if attention_mask is None else _left_padding(attention_mask, tuple(input_ids.shape))
     ids = input_ids.to(device)
+    mask = None if mask is None else mask.to(device)
     batch, prompt = ids.shape
-    dec = _decoder(model, batch, prompt + max_new_tokens, mode)
+    dec = _decoder(model, batch, prompt + max_new_tokens, mode, masked=mask is not None)
     dec.reset()
     was_training = model.training
     model.eval()
@@ -267,7 +327,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
         out = torch.empty(batch, prompt + max_new_tokens, dtype=torch.long, device=device)
         out[:, :prompt] = ids
         done = torch.zeros(batch, dtype=torch.bool, device=device)
-        logits = dec.prefill(ids)
+        logits = dec.prefill(ids, mask)
         n = 0
         while True:
             tok = pick(logits, temperature, top_k, generator)
