@@ -139,3 +139,37 @@ def test_eos_in_a_padded_batch_pads_finished_rows():
 def test_bad_masks(mask, match):
     with pytest.raises(ValueError, match=match):
         generate(build("tiny-llama"), torch.ones(2, 3, dtype=torch.long), 2, attention_mask=mask)
+
+
+def test_masked_step_inputs_keep_their_addresses(monkeypatch):
+    """A captured graph replays reads of fixed addresses: the mask, the row positions, the token and the cache slot
+    must be updated in place on every step, never replaced."""
+    model = build("tiny-llama", seed=2)
+    ids, mask = left_padded(prompts())
+    generate(model, ids, 2, attention_mask=mask)
+    dec = model.__dict__[_ATTR]
+    inputs = dec.args
+    ptrs = [t.data_ptr() for t in inputs]
+    seen = []
+    pick = GEN.pick
+    monkeypatch.setattr(GEN, "pick", lambda logits, *a, **k: (seen.append([t.data_ptr() for t in dec.args]),
+                                                                pick(logits, *a, **k))[1])
+    generate(model, ids, NEW, attention_mask=mask)
+    assert model.__dict__[_ATTR] is dec and len(inputs) == 4 and len(seen) == NEW
+    assert all(s == ptrs for s in seen)
+    assert dec.mask[:, ids.shape[1] + NEW - 1:].sum() == 0  # the slot of the last token picked is never read
+
+
+def test_dynamic_cache_fallback_with_a_mask(monkeypatch):
+    """A model without a static cache decodes with its own growing cache: the mask is cut to the tokens seen."""
+    monkeypatch.setattr(GEN, "_static_cache", lambda *args: None)
+    model = build("tiny-gpt2", seed=2)
+    check_rows_match_solo(model, prompts(), "eager", monkeypatch)
+    assert GEN.decode_info(model)["cache"] == "dynamic"
+
+
+def test_cache_passed_under_the_name_forward_takes(recwarn):
+    """transformers 5.x renamed forward's past_key_values to cache (the old name warns, then goes away)."""
+    ids, mask = left_padded(prompts((2, 3)))
+    generate(build("tiny-llama"), ids, 3, attention_mask=mask)
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]

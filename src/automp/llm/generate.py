@@ -20,7 +20,7 @@ real token; the 2-D mask [batch, max_len] hides each row's pads from attention. 
 that each step updates in place, so one captured graph serves every step of a masked batch too.
 
 Version differences (transformers 4.x vs 5.x) are found by feature checks: StaticCache's constructor arguments, whether
-forward takes `cache_position`, whether the model supports a static cache at all (else the model's own dynamic
+forward takes `cache_position`, what forward calls the cache (`past_key_values`, renamed `cache` in 5.x), whether the model supports a static cache at all (else the model's own dynamic
 cache, eager).
 """
 from __future__ import annotations
@@ -94,6 +94,7 @@ class Decoder(_Unpicklable):
         self.key = (batch, max_len, mode, masked, _fingerprint(model))
         fwd = inspect.signature(model.forward).parameters
         self.cache_position = "cache_position" in fwd
+        self.cache_arg = "cache" if "cache" in fwd else "past_key_values"
         self.logits_to_keep = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in fwd), None)
         self.cache = _static_cache(model, batch, max_len, self.device, self.dtype)
         self.static = self.cache is not None
@@ -125,7 +126,7 @@ class Decoder(_Unpicklable):
         """Logits [B, V] of the last position. pos: cache slots of ids; row_pos [B, len(pos)]: each row's positions
         where they differ from the slots (left padding), with mask [B, max_len] over the whole static cache."""
         positions = pos[None].expand(ids.shape[0], -1) if row_pos is None else row_pos
-        kw = {"input_ids": ids, "position_ids": positions, "use_cache": True, "past_key_values": self.cache}
+        kw = {"input_ids": ids, "position_ids": positions, "use_cache": True, self.cache_arg: self.cache}
         if mask is not None:
             # A static cache's mask covers all max_len slots; the model's own dynamic cache holds only the tokens
             # seen so far, and transformers 4.x sizes the causal mask from the 2-D mask's length there.
@@ -136,7 +137,7 @@ class Decoder(_Unpicklable):
             kw[self.logits_to_keep] = 1
         out = self.model(**kw)
         if not self.static:
-            self.cache = out.past_key_values
+            self.cache = out[self.cache_arg]
         return out.logits[:, -1]
 
     def reset(self) -> None:
