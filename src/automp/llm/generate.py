@@ -20,8 +20,8 @@ real token; the 2-D mask [batch, max_len] hides each row's pads from attention. 
 that each step updates in place, so one captured graph serves every step of a masked batch too.
 
 Version differences (transformers 4.x vs 5.x) are found by feature checks: StaticCache's constructor arguments, whether
-forward takes `cache_position`, what forward calls the cache (`past_key_values`, renamed `cache` in 5.x), whether the model supports a static cache at all (else the model's own dynamic
-cache, eager).
+forward takes `cache_position`, what forward calls the cache (`past_key_values`, renamed `cache` in 5.x), whether the
+model supports a static cache at all (else the model's own dynamic cache, eager).
 """
 from __future__ import annotations
 
