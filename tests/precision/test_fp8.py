@@ -134,24 +134,30 @@ def test_transformers_conv1d_runs_fp8_with_its_transposed_weight() -> None:
     assert fp8.relative_error(layer, x, "tensorwise") < FWD_TOL
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and fp8.unavailable(torch.device("cuda")) is None else [])
+
+
 @needs_scaled_mm
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("autocast_outside", [True, False])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_compiled_gradients_match_float64(recipe: str) -> None:
-    """The FP8 layer compiled by Inductor, forward and backward, against float64. Under torch 2.11 a Function output
-    that aliased its own intermediate (a `.to()` to the dtype it had) got all-zero gradients in the compiled backward,
-    on the CPU and on an H100, while eager was right: run this file under every torch the project supports."""
+def test_compiled_gradients_match_float64(recipe: str, autocast_outside: bool, device: str) -> None:
+    """The FP8 layer compiled by Inductor, forward and backward, against float64, with autocast entered around the
+    compiled call (as automp's paths and a user's loop do) or inside it. Under torch 2.11 a Function output that
+    aliased its own intermediate (a `.to()` to the dtype it had) got all-zero gradients in the compiled backward, on
+    the CPU and on an H100, while eager was right: run this file under every torch the project supports."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(11)
-    layer = nn.Linear(64, 48, bias=False)
+    layer = nn.Linear(64, 48, bias=False).to(device)
     fp8.install(layer, recipe)
-    x = torch.randn(32, 64, generator=gen, requires_grad=True)
-    g = torch.randn(32, 48, generator=gen) * 1e-3
+    x = torch.randn(32, 64, generator=gen).to(device).requires_grad_()
+    g = (torch.randn(32, 48, generator=gen) * 1e-3).to(device)
 
     def f(t: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(t.device.type, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=not autocast_outside):
             return layer(t)
 
-    with fp8.active():
+    with fp8.active(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast_outside):
         y = torch.compile(f)(x)
     y.backward(g.to(y.dtype))
     w = layer.weight.detach().double()
