@@ -71,3 +71,29 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
         notes = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
         lines.append(f"| {r.name} | {r.ms:.4f} | {r.anchor or ''} | {am} | {sp} | {notes} |")
     return "\n".join(lines) + "\n"
+
+
+def ratio_bars(rows: list[dict[str, Any]], ratio_key: str, modes: tuple[str, ...] | list[str], anchor: str,
+               title: str, path: str) -> None:
+    """Grouped bars of each row's `ratio_key` (speed against `anchor`), one group per model, one bar per mode; the
+    anchor is the line at 1. Written atomically: a failed save leaves the previous PNG in place."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from automp.files import atomic_output
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    ratio = {(r["model"], r["mode"]): r.get(ratio_key) for r in rows}
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(models)), 5))
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(models))]
+        ax.bar(xs, [ratio.get((m, mode)) or 0 for m in models], width, label=mode)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks(range(len(models)), models)
+    ax.set(ylabel=f"speed vs {anchor} (> 1 faster)", title=f"{title} — {rows[0].get('device', '')}")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)

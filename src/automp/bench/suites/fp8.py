@@ -45,11 +45,11 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.harness import device_name
+from automp.bench.harness import device_name, ratio_bars
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.fp8_workloads import LOOPS, MODE_LIBS, MODELS
 from automp.bench.zoo_modes import time_limit
-from automp.files import atomic_output, check_writable, write_json_and_markdown
+from automp.files import check_writable, write_json_and_markdown
 
 MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
 ANCHOR = "bf16-reduce-overhead"
@@ -291,25 +291,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Grouped bars of ratio_vs_bf16, one group per model, one bar per mode; the anchor is the line at 1."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    ratio = {(r["model"], r["mode"]): r.get("ratio_vs_bf16") for r in rows}
-    width = 0.8 / len(MODES)
-    fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(models)), 5))
-    for i, mode in enumerate(MODES):
-        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(models))]
-        ax.bar(xs, [ratio.get((m, mode)) or 0 for m in models], width, label=mode)
-    ax.axhline(1.0, color="k", lw=1)
-    ax.set_xticks(range(len(models)), models)
-    ax.set(ylabel=f"speed vs {ANCHOR} (> 1 faster)", title=f"automp bench fp8 — {rows[0].get('device', '')}")
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    fig.tight_layout()
-    with atomic_output(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    """Grouped bars of ratio_vs_bf16, one group per model, one bar per mode (harness.ratio_bars)."""
+    ratio_bars(rows, "ratio_vs_bf16", MODES, ANCHOR, "automp bench fp8", path)
 
 
 def gpu_slug(name: str) -> str:

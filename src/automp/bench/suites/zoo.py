@@ -13,25 +13,21 @@ Results go to <out>/zoo-<gpu>.json (rows merged by model, so runs of model subse
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import importlib.util
 import json
 import math
 import os
 import re
-import signal
 import statistics
-import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
-from automp.bench.harness import device_name
+from automp.bench.harness import device_name, ratio_bars
 from automp.bench.suites.train import _time_steps
 from automp.files import write_json_and_markdown
 
@@ -253,24 +249,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Grouped bars: speed vs the anchor, one group per model, one bar per mode; the anchor is the line at 1."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    ratio = {(r["model"], r["mode"]): r.get("ratio_vs_anchor") for r in rows}
-    width = 0.8 / len(MODES)
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(models)), 5))
-    for i, mode in enumerate(MODES):
-        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(models))]
-        ax.bar(xs, [ratio.get((m, mode)) or 0 for m in models], width, label=mode)
-    ax.axhline(1.0, color="k", lw=1)
-    ax.set_xticks(range(len(models)), models)
-    ax.set(ylabel=f"speed vs {ANCHOR} (> 1 faster)", title=f"automp bench zoo — {rows[0].get('device', '')}")
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Grouped bars of ratio_vs_anchor, one group per model, one bar per mode (harness.ratio_bars)."""
+    ratio_bars(rows, "ratio_vs_anchor", MODES, ANCHOR, "automp bench zoo", path)
 
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: str, stem: str) -> tuple[list[dict[str, Any]], str]:
