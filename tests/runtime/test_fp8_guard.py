@@ -1,5 +1,6 @@
 """The loss guard of FP8 runs (automp.runtime.fp8_guard): the divergence rules on a loss series, the install and its
 undo, and, end to end on CPU, a non-finite step that leaves the weights and the optimizer state as they were."""
+import contextlib
 import math
 
 import pytest
@@ -8,6 +9,16 @@ import torch.nn as nn
 from torch.optim import optimizer as optim_module
 
 from automp.runtime.fp8_guard import NONFINITE, SPIKE, LossWatch
+
+
+@contextlib.contextmanager
+def installed(watch):
+    """The watch installed for the block, undone after it whatever happens."""
+    undo = watch.install()
+    try:
+        yield watch
+    finally:
+        undo()
 
 
 def _watch(**kw):
@@ -108,16 +119,13 @@ def test_install_and_undo_restore_backward_exactly_and_remove_the_hooks():
 
 def test_a_non_scalar_backward_passes_through_unobserved():
     watch, _ = _watch()
-    undo = watch.install()
-    try:
+    with installed(watch):
         x = torch.ones(3, requires_grad=True)
         y = x * 2
         y.backward(torch.ones_like(y))
         assert torch.equal(x.grad, torch.full((3,), 2.0))
         (x * 3).sum().backward(retain_graph=False)  # a scalar: observed, its arguments passed on
         assert torch.equal(x.grad, torch.full((3,), 5.0))
-    finally:
-        undo()
     assert watch.steps_seen == 1
 
 
@@ -163,8 +171,7 @@ def test_a_nan_step_leaves_weights_and_state_unchanged_and_the_next_step_updates
     model, opt = _model_and(opt_cls, **kw)
     handed = []  # what the step itself was given: the fused ones decide the skip on the device, through found_inf
     opt.register_step_pre_hook(lambda o, args, kwargs: handed.append(getattr(o, "found_inf", None)))
-    undo = watch.install()
-    try:
+    with installed(watch):
         for _ in range(3):
             _step(model, opt)
         before = [p.detach().clone() for p in model.parameters()]
@@ -186,8 +193,6 @@ def test_a_nan_step_leaves_weights_and_state_unchanged_and_the_next_step_updates
             assert handed[0] is None and [float(f) for f in handed[1:]] == [0.0, 0.0, 1.0, 0.0, 1.0]
         else:
             assert handed == [None] * 6
-    finally:
-        undo()
 
 
 @pytest.mark.skipif(not _fused_supported(torch.optim.SGD, lr=0.1, momentum=0.9),
@@ -197,14 +202,11 @@ def test_a_nan_first_step_of_fused_sgd_leaves_no_uninitialised_momentum_buffer()
     would keep garbage in them for every later step, so the first step is decided on the host."""
     watch, _ = _watch()
     model, opt = _model_and(torch.optim.SGD, lr=0.1, momentum=0.9, fused=True)
-    undo = watch.install()
-    try:
+    with installed(watch):
         _step(model, opt, nan=True)
         assert "momentum_buffer" not in opt.state[model.weight] and watch.skipped_steps == 1
         _step(model, opt)  # the first real step: the buffer starts as the gradient
         assert torch.equal(opt.state[model.weight]["momentum_buffer"], model.weight.grad)
-    finally:
-        undo()
 
 
 def test_a_found_inf_set_by_someone_else_is_left_to_them():
@@ -212,22 +214,18 @@ def test_a_found_inf_set_by_someone_else_is_left_to_them():
         pytest.skip("this torch build has no fused AdamW on CPU")
     watch, _ = _watch()
     model, opt = _model_and(torch.optim.AdamW, lr=0.01, fused=True)
-    undo = watch.install()
-    try:
+    with installed(watch):
         _step(model, opt)
         theirs = torch.tensor(0.0)
         opt.found_inf = theirs
         _step(model, opt, nan=True)
         assert opt.found_inf is theirs  # not replaced, not deleted
-    finally:
-        undo()
 
 
 def test_accumulated_micro_batches_skip_the_step_if_any_loss_was_nonfinite():
     watch, _ = _watch()
     model, opt = _model_and(torch.optim.SGD, lr=0.1)
-    undo = watch.install()
-    try:
+    with installed(watch):
         _step(model, opt)
         before = model.weight.detach().clone()
         opt.zero_grad()
@@ -236,18 +234,13 @@ def test_accumulated_micro_batches_skip_the_step_if_any_loss_was_nonfinite():
             (loss * float("nan") if i == 0 else loss).backward()
         opt.step()
         assert torch.equal(model.weight, before) and watch.skipped_steps == 1
-    finally:
-        undo()
 
 
 def test_a_watch_with_the_skip_off_reports_but_lets_the_step_through():
     watch, seen = _watch(skip_nonfinite=False)
     model, opt = _model_and(torch.optim.SGD, lr=0.1)
-    undo = watch.install()
-    try:
+    with installed(watch):
         _step(model, opt, nan=True)
-    finally:
-        undo()
     assert [d.rule for d in seen] == [NONFINITE] and watch.skipped_steps == 0
     assert not torch.isfinite(model.weight).all()
 
@@ -255,8 +248,7 @@ def test_a_watch_with_the_skip_off_reports_but_lets_the_step_through():
 def test_a_loss_computed_in_a_step_closure_belongs_to_that_step_not_the_next():
     watch, _ = _watch()
     model, opt = _model_and(torch.optim.SGD, lr=0.1)
-    undo = watch.install()
-    try:
+    with installed(watch):
         _step(model, opt)
 
         def closure():
@@ -271,8 +263,6 @@ def test_a_loss_computed_in_a_step_closure_belongs_to_that_step_not_the_next():
                 p.copy_(torch.ones_like(p))
         _step(model, opt)
         assert not torch.equal(model.weight, torch.ones_like(model.weight)) and watch.skipped_steps == 0
-    finally:
-        undo()
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -292,8 +282,7 @@ def test_on_cuda_a_steady_step_never_waits_for_the_device_and_a_nan_step_is_skip
         (loss * float("nan") if nan else loss).backward()
         opt.step()
 
-    undo = watch.install()
-    try:
+    with installed(watch):
         step()  # the first step of a fused optimizer is decided on the host
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -309,8 +298,6 @@ def test_on_cuda_a_steady_step_never_waits_for_the_device_and_a_nan_step_is_skip
         assert [(d.rule, d.step) for d in seen] == [(NONFINITE, 21)] and watch.skipped_steps == 1
         step()
         assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    finally:
-        undo()
 
 
 @cuda
