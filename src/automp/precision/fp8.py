@@ -24,7 +24,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -65,6 +64,11 @@ def unavailable(device: torch.device) -> str | None:
         return (f"FP8 training needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
                 f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
     return None
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}: expected one of {RECIPES}")
 
 
 def fits(m: int, k: int, n: int) -> bool:
@@ -152,8 +156,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, reci
                ) -> torch.Tensor:
     """F.linear(x, w, bias) with FP8 GEMMs. The output has the dtype F.linear would give: autocast's where autocast
     is on (bf16 under automp), else x's."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown FP8 recipe {recipe!r}: expected one of {RECIPES}")
+    check_recipe(recipe)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     lead = x.shape[:-1]
@@ -206,8 +209,7 @@ def _fp8_class(cls: type) -> type:
 
 def install(module: nn.Module, recipe: str) -> None:
     """Make one linear layer FP8-capable (FP8 inside `active()`); `uninstall` undoes it exactly."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown FP8 recipe {recipe!r}: expected one of {RECIPES}")
+    check_recipe(recipe)
     if not linear_like(module):
         raise TypeError(f"FP8 layers replace nn.Linear or transformers' Conv1D, not {type(module).__name__}")
     module._automp_fp8_recipe = recipe

@@ -23,7 +23,7 @@ import torch
 
 from automp.files import atomic_output
 from automp.precision.calibrate import device_name
-from automp.precision.fp8 import ALIGN, E4M3, E5M2, RECIPES, cast, col_major
+from automp.precision.fp8 import ALIGN, E4M3, E5M2, RECIPES, cast, check_recipe, col_major, fits
 
 SCHEMA = 1  # bump when the file layout, the bucketing or the way of measuring changes: older files are re-measured
 REPEATS = 5  # timed samples per measurement; the median is the measurement
@@ -68,13 +68,10 @@ def bucket(shape: GemmShape) -> GemmShape:
 
 def unsupported(shape: GemmShape) -> str | None:
     """Why torch._scaled_mm cannot run this shape's GEMMs (one line), or None where it can."""
+    if fits(shape.m, shape.k, shape.n):
+        return None
     bad = [f"{name}={getattr(shape, name)}" for name in ("m", "k", "n") if getattr(shape, name) % ALIGN]
-    return f"FP8 GEMMs need m, k and n multiples of {ALIGN}; {', '.join(bad)} is not" if bad else None
-
-
-def _check_recipe(recipe: str) -> None:
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown FP8 recipe {recipe!r}: expected one of {RECIPES}")
+    return f"FP8 GEMMs need m, k and n multiples of {ALIGN}; {', '.join(bad)} is not"
 
 
 def extra_bytes(shape: GemmShape, recipe: str) -> float:
@@ -94,7 +91,7 @@ def extra_bytes(shape: GemmShape, recipe: str) -> float:
     and would overstate what compiled code pays. The whole-model trial that follows the per-layer choice measures
     the truth, casts included.
     """
-    _check_recipe(recipe)
+    check_recipe(recipe)
     mk, nk, mn = shape.m * shape.k, shape.n * shape.k, shape.m * shape.n
     if recipe == "tensorwise":
         return float(mk * (2 + 2 + 1 + 2) + nk * ((4 + 4 + 1 + 2) - 6) + mn * (2 + 2 + 1 + 2))
@@ -132,7 +129,7 @@ class Fp8Table:
     def get(self, shape: GemmShape, recipe: str) -> Fp8Timing | None:
         """The timing of `shape`'s bucket under `recipe`; None when not measured, or when the shape itself cannot
         run FP8 GEMMs (unsupported): a timing of its padded bucket would promise a speed-up that shape cannot have."""
-        _check_recipe(recipe)
+        check_recipe(recipe)
         if unsupported(shape) is not None:
             return None
         return self.entries.get((recipe, bucket(shape)))
@@ -163,7 +160,7 @@ def fp8_operands(shape: GemmShape, recipe: str, device: torch.device | str
     b column-major, fp32 inverse scales. Tensorwise: e4m3 x and w, e5m2 g, scalar scales, and the backward's operands
     are transposed FP8 copies of the forward's. Rowwise: e4m3 everywhere, scale_a (rows, 1) and scale_b (1, cols),
     each tensor cast along the axis the GEMM reduces over. The same random tensors as bf16_operands'."""
-    _check_recipe(recipe)
+    check_recipe(recipe)
     (x, _), (g, w), _ = bf16_operands(shape, device, torch.float32)
     if recipe == "tensorwise":
         (x8, sx), (w8, sw), (g8, sg) = cast(x, E4M3), cast(w, E4M3), cast(g, E5M2)
@@ -331,7 +328,7 @@ def load_or_measure(device: torch.device | str, shapes: Iterable[GemmShape], rec
     at once may each write only their own: the other's are measured again later, nothing worse.
     `measure` and `bandwidth` default to measure_cuda and bandwidth_cuda on `device`.
     """
-    _check_recipe(recipe)
+    check_recipe(recipe)
     dev = torch.device(device)
     if measure is None or bandwidth is None:
         _cuda(dev)
