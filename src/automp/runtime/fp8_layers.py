@@ -92,10 +92,9 @@ class Fp8Layers:
         self.diverged = divergence  # acted on between steps: this backward still runs the FP8 graph it recorded
         self.recorder.fp8_fallback = divergence.as_dict()
 
-    def leave(self, roots: Iterable[Any], decide: Callable[[Any, Verdict], None],
-              remember: Callable[[dict[str, Verdict]], None]) -> None:
+    def leave(self, roots: Iterable[Any], move: Callable[[Any, Verdict], None]) -> None:
         """After a divergence, at the next module call (between steps): every root on an FP8 path moves to its bf16
-        twin for the rest of the run, and the verdict cache keeps that for the next run of the script."""
+        twin for the rest of the run (`move`: RootPaths.move, which also caches it for the next run of the script)."""
         divergence, self.diverged = self.diverged, None
         for root in list(roots):
             if root.path not in FP8_PATHS:
@@ -104,9 +103,7 @@ class Fp8Layers:
                                                     f"(loss {divergence.loss:.4g}, recent median {divergence.median});"
                                                     f" bf16 from the next step",
                               dict(root.verdict.timings_ms) if root.verdict else {})
-            root.confirm = None
-            decide(root, verdict)
-            remember({root.key: verdict})
+            move(root, verdict)
             self.recorder.add_fallback(root.label, verdict.reason)
 
     def uninstall(self) -> None:

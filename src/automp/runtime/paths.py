@@ -206,8 +206,11 @@ class RootPaths:
         old = root.verdict
         why = why or (f"{Path.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
                       f"recorded again for every shape, so it runs without them")
-        verdict = Verdict(WITHOUT_GRAPHS.get(root.path, Path.COMPILED_AUTOCAST), f"{why} ({old.reason})",
-                          dict(old.timings_ms))
+        self.move(root, Verdict(WITHOUT_GRAPHS.get(root.path, Path.COMPILED_AUTOCAST), f"{why} ({old.reason})",
+                                dict(old.timings_ms)))
+
+    def move(self, root: Root, verdict: Verdict) -> None:
+        """Off its path after the verdict, for good: `verdict` from now on, no re-measurement, and in the cache."""
         root.confirm = None
         self.decide(root, verdict)
         self._remember([root], verdict)

@@ -344,7 +344,7 @@ class Session:
         if root.path in FP8_PATHS:
             self.fp8.watch_loss()
         if self.fp8.diverged is not None:
-            self.fp8.leave(self.roots.values(), self.paths.decide, self.cache.put)
+            self.fp8.leave(self.roots.values(), self.paths.move)
 
     def script_failed(self, error: BaseException) -> str | None:
         """The script ended with `error`. A double backward through a compiled graph (automp.runtime.input_grads) is
