@@ -6,7 +6,6 @@ each module a code object of its own.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import types
 import weakref
@@ -86,7 +85,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False)
     fp8=True (Path.FP8_COMPILED, Path.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
     (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
-    switch = functools.partial(fp8_active, fp8)
+    switch = fp8_active if fp8 else contextlib.nullcontext  # FP8 layers are off outside fp8.active()
 
     def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return restore_outside_graph(entry(mod, *args, **kwargs))
