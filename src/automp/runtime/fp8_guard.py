@@ -31,8 +31,14 @@ garbage in them.
 
 Not watched: backward calls on non-scalar tensors, losses that are tensor subclasses (a DTensor, a fake tensor), losses
 given to `torch.autograd.backward` directly, and anything during CUDA graph capture. A loss computed inside a step's
-closure (LBFGS) is checked for divergence but cannot skip the step that computes it. Under data parallelism each rank
-judges its own loss.
+closure (LBFGS) is checked for divergence but cannot skip the step that computes it.
+
+Under torch.distributed (`ranks=True`) every rank must decide alike: a rank that skipped a step the others took would
+hold other weights, and a rank that left FP8 alone would run other graphs around the same collectives. So each loss
+is summed over the ranks on the device (one scalar all-reduce per backward, queued without a wait) and every rank
+judges that mean; and a CUDA loss is checked exactly `LAG` backward calls later, waiting for its copy if it has not
+landed (it almost always has: the host rarely runs that far ahead), never as soon as its copy happens to land, which
+differs between ranks. Every rank then reports the same divergence at the same call and skips the same steps.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ NONFINITE = "loss-nonfinite"  # rules: tools and reports key on these
 SPIKE = "loss-spike"
 
 _installed: LossWatch | None = None  # the one watch patching Tensor.backward, if any
+LAG = 2  # under torch.distributed: backward calls between a CUDA loss and its check (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class LossWatch:
     """Watches training losses for divergence and keeps non-finite steps off the weights (see the module docstring)."""
 
     def __init__(self, on_divergence: Callable[[Divergence], None], *, window: int = 32, history: int = 16,
-                 factor: float = 1.5, patience: int = 2, skip_nonfinite: bool = True):
+                 factor: float = 1.5, patience: int = 2, skip_nonfinite: bool = True, ranks: bool = False):
         if not callable(on_divergence):
             raise TypeError(f"on_divergence must be callable, got {type(on_divergence).__name__}")
         if not (isinstance(window, int) and window >= 1):
@@ -86,6 +93,7 @@ class LossWatch:
         self.patience, self._over = patience, 0  # losses in a row above the bound so far
         self.window, self.history, self.factor = window, history, float(factor)
         self.skip_nonfinite = skip_nonfinite
+        self.ranks = ranks and _world() > 1  # judge the mean loss of every rank, at calls every rank agrees on
         self.steps_seen = 0  # backward calls observed
         self._recent: deque[float] = deque(maxlen=window)  # the last finite losses, oldest first
         self._pending: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()  # CUDA losses on their way
@@ -118,6 +126,10 @@ class LossWatch:
         step = self.steps_seen
         self.steps_seen += 1
         loss = loss.detach()
+        if self.ranks:
+            loss = loss.to(torch.float32, copy=True)
+            torch.distributed.all_reduce(loss)
+            loss /= _world()
         if self.skip_nonfinite:
             bad = (~torch.isfinite(loss)).to(torch.int32)
             total = self._bad_total
@@ -130,7 +142,7 @@ class LossWatch:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(loss.device))
             self._pending.append((step, buf, event))
-            self._drain(wait=False)
+            self._drain_ready()
         else:
             self._drain(wait=True)
             self._check(step, float(loss))
@@ -183,10 +195,20 @@ class LossWatch:
 
     # -- the divergence rules ---------------------------------------------------------------------------------------
 
-    def _drain(self, wait: bool) -> None:
-        """Check the CUDA losses whose copies have landed, in order; with wait, all of them."""
+    def _drain_ready(self) -> None:
+        """Check the CUDA losses due now: those whose copies have landed; under `ranks`, those LAG calls old."""
+        if self.ranks:
+            self._drain(wait=True, before=self.steps_seen - LAG)
+        else:
+            self._drain(wait=False)
+
+    def _drain(self, wait: bool, before: int | None = None) -> None:
+        """Check the CUDA losses whose copies have landed, in order; with wait, all of them (those of backward calls
+        before `before`, if given)."""
         while self._pending and not self._fired:
             step, buf, event = self._pending[0]
+            if before is not None and step >= before:
+                break
             if wait:
                 event.synchronize()
             elif not event.query():
@@ -256,7 +278,7 @@ class LossWatch:
             _drop_found_inf(opt, flag)
         if self._bad_total is not None and not _capturing():
             self._bad_at_step[opt] = self._bad_total  # a closure's losses belong to this step, not the next
-        self._drain(wait=False)
+        self._drain_ready()
 
 
 def _is_loss(t: torch.Tensor) -> bool:
@@ -276,3 +298,8 @@ def _drop_found_inf(opt: torch.optim.Optimizer, flag: torch.Tensor) -> None:
 
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -19,7 +19,7 @@ from automp.config import AutoMPConfig
 from automp.precision import fp8, fp8_choice, fp8_table
 from automp.runtime.fp8_guard import Divergence, LossWatch
 from automp.runtime.report import Recorder
-from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict
+from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict, distributed
 
 Table = Callable[..., fp8_table.Fp8Table]  # fp8_table.load_or_measure's signature
 
@@ -49,9 +49,14 @@ class Fp8Layers:
         if why is not None:
             raise Fp8Unavailable(f"dtype fp8 is not available: {why}. Use --dtype bf16 (or auto).")
 
-    def prepare(self, module: nn.Module, label: str, device: torch.device, run: Callable[[], Any]) -> tuple[str, ...]:
+    def prepare(self, module: nn.Module, label: str, device: torch.device, run: Callable[[], Any],
+                shared: bool = False) -> tuple[str, ...]:
         """Choose and install the FP8 layers of a new root; `run()` calls it once on the script's first batch, as
-        written. Returns the chosen layers' names (empty: the root runs bf16, and the report says why)."""
+        written. Returns the chosen layers' names (empty: the root runs bf16, and the report says why).
+
+        shared: a root every rank calls in lockstep (DDP, FSDP): every rank installs rank 0's choice. Each rank
+        measures its own batch and (without a cached table) its own GEMM times; ranks that chose apart would run
+        different graphs around the same collectives, and their verdict keys would differ."""
         recipe = self.config.fp8_recipe
         why = self.check(device)
         if why is not None:
@@ -68,6 +73,8 @@ class Fp8Layers:
         layers = fp8_choice.linear_layers(module)
         choices = fp8_choice.choose(probe, list(layers),
                                     lambda s: table.get(s, recipe) if table is not None else None)
+        if shared:
+            choices = _rank0(choices)
         chosen = tuple(name for name, c in choices.items() if c.dtype == "fp8")
         for name in chosen:
             fp8.install(layers[name], recipe)
@@ -82,10 +89,11 @@ class Fp8Layers:
         """The verdict cache's extra key: another set of FP8 layers is another trial."""
         return f"fp8:{recipe}:" + hashlib.sha256("|".join(chosen).encode()).hexdigest()[:12]
 
-    def watch_loss(self) -> None:
-        """Once a root runs FP8: watch the loss for the rest of the run (automp.runtime.fp8_guard)."""
+    def watch_loss(self, lockstep: bool = False) -> None:
+        """Once a root runs FP8: watch the loss for the rest of the run (automp.runtime.fp8_guard); a root every rank
+        calls in lockstep has every rank judge the same losses at the same calls."""
         if self.watch is None:
-            self.watch = LossWatch(self._diverged)
+            self.watch = LossWatch(self._diverged, ranks=lockstep)
             self._unwatch = self.watch.install()
 
     def _diverged(self, divergence: Divergence) -> None:
@@ -117,3 +125,12 @@ class Fp8Layers:
         for module in self.installed:
             fp8.uninstall(module)
         self.installed.clear()
+
+
+def _rank0(choices: dict[str, fp8_choice.LayerChoice]) -> dict[str, fp8_choice.LayerChoice]:
+    """Rank 0's per-layer choices, on every rank (one broadcast at a root's first call)."""
+    if not distributed():
+        return choices
+    box = [choices]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -46,9 +46,20 @@ from automp.runtime.verdicts import VerdictCache, module_key
 from automp.scaling import Scaling
 
 ORIG_CALL = compiled_paths.ORIG_CALL
-# Modules every rank calls at the same point of every iteration: their forward runs collectives of its own. A root
-# called on some ranks only (an evaluation on rank 0) must not wait for the others at automp's broadcasts.
+# Modules every rank calls at the same point of every iteration: their forward runs collectives of its own (DDP,
+# FSDP1 by class; FSDP2 by its FSDPModule mixin, on the root or any submodule). A root called on some ranks only (an
+# evaluation on rank 0) must not wait for the others at automp's broadcasts.
 _LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
+def _lockstep(module: nn.Module) -> bool:
+    if type(module).__name__ in _LOCKSTEP:
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
 
@@ -290,6 +301,7 @@ class Session:
     def _new_root(self, module: nn.Module, args: tuple, kwargs: dict) -> Root:
         device = device_of(module)
         root = self.roots[module] = Root(self._label(module), device, self.config.low_dtype(device))
+        root.lockstep = distributed() and _lockstep(module)
         label, recorder = root.label, self.recorder  # not root: see compiled_paths.entry_point
         root.fields.on_reattach = lambda why: recorder.unread_outputs.setdefault(
             label, {"detached": []}).update(detached=[], reattached=why)
@@ -305,7 +317,8 @@ class Session:
         extra = f"{self.config.inner}:{spec}" + ("" if self.config.cuda_graphs else ":no-graphs")
         if self.fp8 is not None:  # before the key: the FP8 layers' classes are part of it
             root.fp8_layers = self.fp8.prepare(module, root.label, device,
-                                               lambda: self._run(module, root, Path.FP32, args, kwargs))
+                                               lambda: self._run(module, root, Path.FP32, args, kwargs),
+                                               shared=root.lockstep)
             extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
         root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}", extra=extra)
         forced = self.config.forced_path
@@ -330,7 +343,6 @@ class Session:
             candidates, why = self.candidates(device, root.low)
         if root.eager_only and candidates:
             candidates = [c for c in candidates if c not in COMPILED_PATHS] or [Path.EAGER_LOW]
-        root.lockstep = distributed() and type(module).__name__ in _LOCKSTEP
         # under DDP, CUDA graphs' memory check and moves would be a rank's own: every rank must run rank 0's path
         if root.lockstep or not self.config.cuda_graphs:
             candidates = list(dict.fromkeys(WITHOUT_GRAPHS.get(c, c) for c in candidates))
@@ -342,7 +354,7 @@ class Session:
     def _fp8_guard(self, root: Root) -> None:
         """Between steps: a root on FP8 has its loss watched; after a divergence every root on FP8 goes bf16."""
         if root.path in FP8_PATHS:
-            self.fp8.watch_loss()
+            self.fp8.watch_loss(root.lockstep)
         if self.fp8.diverged is not None:
             self.fp8.leave(self.roots.values(), self.paths.move)
 

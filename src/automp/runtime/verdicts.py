@@ -4,8 +4,10 @@ The key is what decides a trial's outcome (module structure, code and shapes, dt
 parameter values: a script run again, or a checkpoint reloaded, finds its verdict; another model that happens to
 share a class name and shapes does not.
 
-Several processes may write at once (two scripts on one machine, the ranks of a job): each write reads, updates and
-replaces the file under an exclusive lock on a sibling lock file, so none drops another's verdicts. Where fcntl is
+Under torch.distributed only rank 0 writes: the ranks of a job run rank 0's verdicts (automp.runtime.trial.agreed), and
+one writer per job keeps N ranks from queueing on the lock with the same verdicts. Several processes may still write at
+once (two scripts on one machine): each write reads, updates and replaces the file under an exclusive lock on a
+sibling lock file, so none drops another's verdicts. Where fcntl is
 missing (Windows) there is no lock: every write is still atomic, so the file is never torn, but concurrent writers
 may each keep only their own new verdicts.
 """
@@ -24,7 +26,7 @@ from types import CodeType
 from typing import Any, Iterable, Iterator, Mapping
 
 from automp.files import atomic_output
-from automp.runtime.trial import Path, Verdict
+from automp.runtime.trial import Path, Verdict, distributed
 
 try:
     import fcntl
@@ -61,7 +63,10 @@ class VerdictCache:
             return None
 
     def put(self, verdicts: Mapping[str, Verdict]) -> None:
-        """One locked read-modify-write for all the modules a trial settles (key -> its verdict)."""
+        """One locked read-modify-write for all the modules a trial settles (key -> its verdict); rank 0's alone under
+        torch.distributed."""
+        if distributed() and _rank() != 0:
+            return
         when = time.strftime("%Y-%m-%dT%H:%M:%S")
         new = {key: {**v.as_dict(), "detach": list(v.detach), "eager_only": v.eager_only, "when": when}
                for key, v in verdicts.items()}
@@ -88,6 +93,12 @@ class VerdictCache:
                 yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank()
 
 
 def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra: str = "") -> str:

@@ -1,0 +1,60 @@
+"""The FP8 loss guard under torch.distributed (gloo, 2 processes): a non-finite or spiking loss on one rank makes
+every rank skip the same step and report the same divergence, so the ranks keep equal weights and leave FP8 together."""
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from automp.runtime.fp8_guard import NONFINITE, SPIKE, LossWatch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        results = {}
+        for case, bad_step, rule in (("nan", 20, NONFINITE), ("spike", 24, SPIKE)):
+            torch.manual_seed(0)
+            net = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            seen = []
+            watch = LossWatch(seen.append, ranks=True)
+            undo = watch.install()
+            gen = torch.Generator().manual_seed(100 + rank)
+            for step in range(30):
+                x = torch.randn(16, 8, generator=gen)
+                loss = (net(x) - 1).pow(2).mean() + 1
+                if rank == 1 and step in (bad_step, bad_step + 1):  # this rank's loss only
+                    loss = loss * (float("nan") if case == "nan" else 40.0)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            undo()
+            results[case] = {"fired": [(d.step, d.rule) for d in seen], "skipped": watch.skipped_steps,
+                             "weight": net.module.weight.detach().clone(), "rule": rule, "bad_step": bad_step}
+        torch.save(results, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_skips_and_reports_alike(tmp_path):
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    for case in ("nan", "spike"):
+        a, b = r0[case], r1[case]
+        assert a["fired"] == b["fired"] == [(a["bad_step"] + (1 if case == "spike" else 0), a["rule"])]
+        assert torch.isfinite(a["weight"]).all() and torch.equal(a["weight"], b["weight"])
+    # the non-finite losses' two steps were skipped on both ranks (a rank stepping on all-reduced NaN gradients
+    # would hold NaN weights; a rank skipping alone would hold other weights than its peer)
+    assert r0["nan"]["skipped"] == r1["nan"]["skipped"] == 2
+    assert r0["spike"]["skipped"] == r1["spike"]["skipped"] == 0
