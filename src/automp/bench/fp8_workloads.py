@@ -30,32 +30,34 @@ def _lm_loss(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch
     return model(**batch).loss
 
 
-def _batches(vocab: int, b: int, t: int, device: str) -> list[dict[str, torch.Tensor]]:
-    """Tokens from a fixed CPU generator, then moved: the same data in every mode and on every device."""
-    gen = torch.Generator().manual_seed(1234)
+def _batches(vocab: int, b: int, t: int, device: str, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+    """Tokens from a fixed CPU generator, then moved: the same data in every mode and on every device (a data-parallel
+    rank passes a seed of its own: its shard)."""
+    gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, vocab, (b, t), generator=gen).to(device) for _ in range(POOL)]
     return [{"input_ids": i, "labels": i} for i in ids]
 
 
-def _llama(quick: bool, device: str, hidden: int, ff: int, layers: int, tied: bool) -> Workload:
+def _llama(quick: bool, device: str, hidden: int, ff: int, layers: int, tied: bool, seed: int = 1234) -> Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
     vocab, heads, kv, b, t = (512, 4, 2, 2, 32) if quick else (128256, 32, 8, 4, 2048)
     hidden, ff, layers = (64, 256, 2) if quick else (hidden, ff, layers)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=t,
                       tie_word_embeddings=tied, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
-    return Workload(LlamaForCausalLM(cfg).to(device), _batches(vocab, b, t, device), _lm_loss)
+    return Workload(LlamaForCausalLM(cfg).to(device), _batches(vocab, b, t, device, seed), _lm_loss)
 
 
-def llama_d2048(quick: bool, device: str, layers: int) -> Workload:
-    """Llama-3.2-1B dims: hidden 2048, FFN 8192, 16 layers, 32 heads, 8 KV heads, vocab 128256, tied (B4, T2048)."""
-    return _llama(quick, device, 2048, 8192, 16, True)
+def llama_d2048(quick: bool, device: str, layers: int, seed: int = 1234, depth: int = 16) -> Workload:
+    """Llama-3.2-1B dims: hidden 2048, FFN 8192, 32 heads, 8 KV heads, vocab 128256, tied (B4, T2048); `depth`
+    layers (16 as in Llama-3.2-1B; `layers` is llama-d4096's, which the fp8 suite passes to every builder)."""
+    return _llama(quick, device, 2048, 8192, depth, True, seed)
 
 
-def llama_d4096(quick: bool, device: str, layers: int) -> Workload:
+def llama_d4096(quick: bool, device: str, layers: int, seed: int = 1234) -> Workload:
     """Llama-3-8B dims: hidden 4096, FFN 14336, 32 heads, 8 KV heads, vocab 128256, untied (B4, T2048); --layers
     layers (default 4), as many as fit one 80 GB GPU with FP32 weights and AdamW state."""
-    return _llama(quick, device, 4096, 14336, layers, False)
+    return _llama(quick, device, 4096, 14336, layers, False, seed)
 
 
 def gpt2(quick: bool, device: str, layers: int) -> Workload:
