@@ -127,7 +127,7 @@ class Mode:
         self.row: dict[str, Any] = {k: None for k in ROW_KEYS}
         self.row.update(model=model, mode=mode, gpus=rank.world)
         self.common = max(opts.warmup, opts.first_steps) + opts.blocks * opts.steps  # where every mode reads its loss
-        self.n = 0
+        self.n, self.tokens = 0, 0  # steps taken; tokens per step on this rank
         self.loss: torch.Tensor | None = None
         self.step_fn: Callable[[], torch.Tensor] | None = None
 

@@ -1,0 +1,124 @@
+"""`automp bench dist`: a CPU run under torchrun (gloo) at 1 and 2 ranks with every key in every row, the ratios
+and scaling efficiency, usage errors before any launch, and the rows of a worker that died."""
+import importlib.util
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+
+from automp.bench.suites import dist
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+QUICK = ["--quick", "--steps", "1", "--blocks", "2", "--warmup", "1", "--first-steps", "1", "--max-warmup", "30",
+         "--mode-timeout", "0"]
+KEYS = set(dist.ROW_KEYS) | {"device", "torch", "date"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_quick_run_on_one_and_two_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOMP_INNER", "eager")  # automp's compiled path without Inductor: the suite, not compile time
+    out = tmp_path / "dist-cpu"
+    assert dist.main(["--gpus", "1,2", "--models", "llama-d2048-ddp,llama-d4096-fsdp2",
+                      "--modes", "automp-bf16,automp-fp8", "--out", str(out), *QUICK]) == 0
+    rows = {(r["model"], r["mode"], r["gpus"]): r for r in json.loads((tmp_path / "dist-cpu.json").read_text())}
+    assert set(rows) == {(m, mode, g) for m in dist.MODELS for mode in ("automp-bf16", "automp-fp8") for g in (1, 2)}
+    for (model, mode, gpus), row in rows.items():
+        assert KEYS <= set(row), (model, mode, gpus)
+        if mode == "automp-fp8":  # no FP8 on a CPU: enable raises on every rank, the row says why
+            assert "FP8" in row["skipped"] and row["step_ms"] is None
+            continue
+        assert "skipped" not in row
+        assert row["step_ms"] > 0 and row["spread"][0] <= row["step_ms"] <= row["spread"][1]
+        assert math.isfinite(row["loss"]) and row["loss"] != 0 and row["first_run_s"] > 0
+        assert row["peak_gib"] is None and row["ratio_vs_bf16"] is None  # CPU; no bf16-compile in this run
+        assert row["automp_paths"] and row["settled"] is True
+        one = rows[(model, mode, 1)]
+        assert row["scaling_eff"] == pytest.approx(row["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"],
+                                                   abs=1e-3)
+    for model in dist.MODELS:  # two ranks, two data shards: the averaged loss is not one rank's
+        assert rows[(model, "automp-bf16", 2)]["loss"] != rows[(model, "automp-bf16", 1)]["loss"]
+    md = (tmp_path / "dist-cpu.md").read_text()
+    assert "## llama-d2048-ddp" in md and "## llama-d4096-fsdp2" in md and "| 2 | automp-bf16 |" in md
+    assert (tmp_path / "dist-cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _row(model, mode, gpus, step_ms, tokens):
+    return {**{k: None for k in dist.ROW_KEYS}, "model": model, "mode": mode, "gpus": gpus, "step_ms": step_ms,
+            "tokens_per_s_per_gpu": tokens}
+
+
+def test_ratios_and_scaling_efficiency():
+    rows = [_row("m", "bf16-compile", 1, 100.0, 800.0), _row("m", "automp-bf16", 1, 80.0, 1000.0),
+            _row("m", "bf16-compile", 2, 110.0, 720.0), _row("m", "automp-bf16", 2, 100.0, 800.0),
+            _row("m", "automp-fp8", 2, 50.0, 1600.0), _row("n", "automp-bf16", 2, 10.0, 5.0),
+            {**_row("m", "torchao-float8", 2, None, None), "skipped": "pip install torchao"}]
+    dist.add_ratios(rows)
+    got = {(r["model"], r["mode"], r["gpus"]): (r["ratio_vs_bf16"], r["scaling_eff"]) for r in rows}
+    assert got[("m", "bf16-compile", 1)] == (1.0, 1.0)
+    assert got[("m", "automp-bf16", 1)] == (1.25, 1.0)
+    assert got[("m", "bf16-compile", 2)] == (1.0, 0.9)
+    assert got[("m", "automp-bf16", 2)] == (1.1, 0.8)
+    assert got[("m", "automp-fp8", 2)] == (2.2, None)  # no 1-GPU row of its own
+    assert got[("n", "automp-bf16", 2)] == (None, None)  # no anchor, no 1-GPU row
+    assert got[("m", "torchao-float8", 2)] == (None, None)
+    md = dist.markdown(rows)
+    assert "| 2 | automp-bf16 | 100.00 |" in md and "skipped: pip install torchao" in md
+
+
+def test_usage_errors_exit_2_before_any_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    for args, says in ((["--modes", "automp-int4"], "--modes: unknown 'automp-int4'"),
+                       (["--models", "llama-d2048"], "--models: unknown 'llama-d2048'"),
+                       (["--gpus", "0"], "--gpus"), (["--gpus", "1,x"], "--gpus"), (["--gpus", ""], "--gpus"),
+                       (["--blocks", "0"], "--blocks must be at least 1"),
+                       (["--layers-d4096", "0"], "--layers-d4096 must be at least 1")):
+        assert dist.main([*args, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("automp bench dist: ") and says in err and "\n" not in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
+    (tmp_path / "r.json").mkdir()
+    assert dist.main(["--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.strip() == f"automp bench dist: --out {tmp_path / 'r.json'} is a directory"
+
+
+def test_more_ranks_than_visible_gpus_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    assert dist.main(["--gpus", "1,2", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip() == "automp bench dist: --gpus 2: only 1 CUDA device(s) visible"
+
+
+class _DyingWorker:
+    """A torchrun launch that finished the first model x mode, then died (or hung: hang=True)."""
+
+    def __init__(self, cmd, hang=False, **kwargs):
+        result = cmd[cmd.index("--result") + 1]
+        self.pid, self.hang = 4321, hang
+        with open(result, "w") as f:
+            json.dump([{**_row("llama-d2048-ddp", "automp-bf16", 2, 10.0, 100.0), "loss": 6.0}], f)
+
+    def wait(self, timeout=None):
+        if self.hang and timeout is not None:
+            raise subprocess.TimeoutExpired("torchrun", timeout)
+        return -9 if self.hang else 1
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_a_dead_worker_keeps_its_rows_and_skips_the_rest(tmp_path, monkeypatch, hang):
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **k: _DyingWorker(cmd, hang))
+    killed = []
+    monkeypatch.setattr(dist.os, "killpg", lambda pid, sig: killed.append(pid))
+    out = tmp_path / "d"
+    assert dist.main(["--gpus", "2", "--models", "llama-d2048-ddp", "--modes", "automp-bf16,automp-fp8",
+                      "--mode-timeout", "1", "--out", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "d.json").read_text())}
+    assert rows["automp-bf16"]["step_ms"] == 10.0 and "skipped" not in rows["automp-bf16"]
+    why = rows["automp-fp8"]["skipped"]
+    assert ("ran past" in why and killed == [4321]) if hang else "exited with code 1" in why
+    assert KEYS <= set(rows["automp-fp8"])
