@@ -100,3 +100,21 @@ def test_a_nan_loss_is_skipped_and_the_run_goes_back_to_bf16(fp8_device, tmp_pat
     assert report["fp8_fallback"]["rule"] == NONFINITE and report["fp8_fallback"]["step"] == 1
     assert any("left FP8 at backward 1" in f["reason"] for f in report["fallbacks"])
     assert any("1 optimizer step(s) skipped" in f["reason"] for f in report["fallbacks"])
+
+
+@needs_scaled_mm
+def test_a_model_under_the_scripts_own_autocast_is_not_probed_for_fp8(fp8_device, tmp_path) -> None:
+    """automp steps aside for a model the script runs under its own autocast: no FP8 probe runs it first (the probe
+    would run the script's own, maybe compiled, model an extra time), no layer is swapped, no FP8 entry reported."""
+    model, x = net(), torch.randn(48, 32)
+    calls = []
+    model.register_forward_hook(lambda m, a, out: calls.append(1))
+    automp.enable(dtype="fp8", cache_dir=str(tmp_path))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+    finally:
+        report = automp.disable()
+    assert len(calls) == 1  # the script's call alone
+    assert all(type(m) in (nn.Linear, nn.GELU, nn.Sequential) for m in model.modules())
+    assert not report.get("fp8") and report["choices"][0]["path"] == "as-written"

@@ -315,7 +315,9 @@ class Session:
         self.recorder.device = _spec(self.config, device).name if device.type == "cuda" else "cpu"
         spec = self.config.spec or ("h100" if device.type == "cuda" else "cpu")
         extra = f"{self.config.inner}:{spec}" + ("" if self.config.cuda_graphs else ":no-graphs")
-        if self.fp8 is not None:  # before the key: the FP8 layers' classes are part of it
+        # before the key: the FP8 layers' classes are part of it. Not for a root the script calls under its own
+        # autocast: automp steps aside there (call), and the probe would run the script's own (maybe compiled) model
+        if self.fp8 is not None and not torch.is_autocast_enabled(device.type):
             root.fp8_layers = self.fp8.prepare(module, root.label, device,
                                                lambda: self._run(module, root, Path.FP32, args, kwargs),
                                                shared=root.lockstep)
