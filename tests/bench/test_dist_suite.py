@@ -104,6 +104,8 @@ class _DyingWorker:
             json.dump([{**_row("llama-d2048-ddp", "automp-bf16", 2, 10.0, 100.0), "loss": 6.0}], f)
 
     def wait(self, timeout=None):
+        if self.hang == "stop" and timeout is not None:
+            raise dist.Stopped()  # what SIGTERM raises in the parent while it waits
         if self.hang and timeout is not None:
             raise subprocess.TimeoutExpired("torchrun", timeout)
         return -9 if self.hang else 1
@@ -122,3 +124,21 @@ def test_a_dead_worker_keeps_its_rows_and_skips_the_rest(tmp_path, monkeypatch, 
     why = rows["automp-fp8"]["skipped"]
     assert ("ran past" in why and killed == [4321]) if hang else "exited with code 1" in why
     assert KEYS <= set(rows["automp-fp8"])
+
+
+def test_a_stopped_suite_writes_the_rows_finished_so_far(tmp_path, monkeypatch):
+    """`timeout 600 automp bench dist ...` ending the suite mid-launch: the ranks are killed, the modes they finished
+    are written, the rest are skipped as stopped, and no further world size is launched."""
+    launched = []
+
+    def popen(cmd, **k):
+        launched.append(cmd[cmd.index("--nproc_per_node") + 1])
+        return _DyingWorker(cmd, "stop")
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(dist.os, "killpg", lambda pid, sig: None)
+    out = tmp_path / "d"
+    assert dist.main(["--gpus", "2,4", "--models", "llama-d2048-ddp", "--modes", "automp-bf16,automp-fp8",
+                      "--mode-timeout", "1", "--out", str(out)]) == 143
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "d.json").read_text())}
+    assert rows["automp-bf16"]["step_ms"] == 10.0 and "stopped" in rows["automp-fp8"]["skipped"]
+    assert launched == ["2"]

@@ -156,9 +156,19 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def launch(world: int, models: list[str], modes: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+class Stopped(Exception):
+    """The suite itself was stopped (SIGTERM from `timeout` or a scheduler, Ctrl-C) while a launch ran."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped()
+
+
+def launch(world: int, models: list[str], modes: list[str], args: argparse.Namespace
+           ) -> tuple[list[dict[str, Any]], bool]:
     """One torchrun launch of the worker at `world` ranks; its rows (rank 0's file), and a skipped row for every
-    model x mode it did not finish (it died, or ran past the launch's time limit)."""
+    model x mode it did not finish (it died, ran past the launch's time limit, or the suite was stopped: then the
+    second value is True, and the rows finished so far are still returned to be written)."""
     flags = ["--layers-d2048", args.layers_d2048, "--layers-d4096", args.layers_d4096, "--steps", args.steps,
              "--blocks", args.blocks, "--warmup", args.warmup, "--max-warmup", args.max_warmup,
              "--first-steps", args.first_steps, "--mode-timeout", args.mode_timeout]
@@ -177,9 +187,10 @@ def launch(world: int, models: list[str], modes: list[str], args: argparse.Names
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = f"ran past {limit:g} s ((--mode-timeout + {LAUNCH_SLACK_S}) per mode)"
-        except BaseException:  # Ctrl-C: the ranks go with the parent
+        except (Stopped, KeyboardInterrupt):  # the ranks go with the parent, and the rows they finished stay
             os.killpg(proc.pid, signal.SIGKILL)
-            raise
+            proc.wait()
+            code = "was stopped with the suite"
         rows = []
         if os.path.exists(result):
             with open(result, encoding="utf-8") as f:
@@ -187,7 +198,8 @@ def launch(world: int, models: list[str], modes: list[str], args: argparse.Names
     done = {(r["model"], r["mode"]) for r in rows}
     why = f"the worker exited with code {code} before this mode finished" if isinstance(code, int) else \
         f"the worker {code} and was ended before this mode finished"
-    return rows + [_skipped(m, mode, world, why) for m in models for mode in modes if (m, mode) not in done]
+    stopped = code == "was stopped with the suite"
+    return rows + [_skipped(m, mode, world, why) for m in models for mode in modes if (m, mode) not in done], stopped
 
 
 def _skipped(model: str, mode: str, world: int, why: str) -> dict[str, Any]:
@@ -206,17 +218,32 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     models, rows = args.models.split(","), []
     print(f"automp bench dist: {device}, torch {torch.__version__}, world sizes {args.gpus}", flush=True)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _run(args, models, rows, meta, out_dir, stem)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, models: list[str], rows: list[dict[str, Any]], meta: dict[str, Any],
+         out_dir: str, stem: str) -> int:
     for world in _world_sizes(args.gpus):
         modes, missing = [], []
         for m in args.modes.split(","):  # a missing library skips its rows, not the run
             lib = "transformers" if _missing("transformers") else MODE_LIBS.get(m)
             (missing if lib and _missing(lib) else modes).append((m, lib))
         found = [_skipped(model, m, world, f"pip install {lib}") for model in models for m, lib in missing]
+        stopped = False
         if modes:
-            found += launch(world, models, [m for m, _ in modes], args)
+            done, stopped = launch(world, models, [m for m, _ in modes], args)
+            found += done
         rows = sorted(rows + [dict(r, **meta) for r in found], key=_order)
         add_ratios(rows)  # rewritten after every world size: a run cut off keeps the rows it finished
         write_json_and_markdown(out_dir, stem, rows, markdown(rows))
+        if stopped:
+            print(f"automp bench dist: stopped; wrote the rows finished so far to {args.out}.json, .md",
+                  file=sys.stderr)
+            return 143
         plot(rows, args.out + ".png")
     print(markdown(rows))
     print(f"wrote {args.out}.json, .md, .png", flush=True)
