@@ -25,7 +25,10 @@ first_run_s: wall time from building the loop (model, optimizer, conversion) to 
 steps: torch.compile's compilation and automp's trial of its paths included, the cost a user pays before the steady
 state. loss: read after the same number of optimizer steps in every mode (warm-up plus timed steps, automp's longer
 warm-up notwithstanding), so a lower loss is progress, not more steps. peak_gib: the mode's own peak, what
-torch.cuda.max_memory_allocated reached above what was allocated when it started (the other resident modes).
+torch.cuda.max_memory_allocated reached above what was allocated when it started (the other resident modes), from its
+build to the end of its warm-up (compilation and automp's trial included); steady_peak_gib: the same over its timed
+blocks only, where its modes run one at a time (sequential blocks), so a trial's peak and the steady state's are told
+apart.
 Inductor's and AOTAutograd's caches are off and automp's verdicts start empty: every mode compiles cold and automp
 runs its trial, so first_run_s compares like with like.
 """
@@ -55,8 +58,8 @@ MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "autom
 ANCHOR = "bf16-reduce-overhead"
 ROUNDS = 6  # even: every mode leads as often as it trails
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
-ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "loss", "first_run_s", "ratio_vs_bf16",
-            "automp_paths", "fp8_layers", "blocks")
+ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "steady_peak_gib", "loss", "first_run_s",
+            "ratio_vs_bf16", "automp_paths", "fp8_layers", "blocks")
 
 
 def block_order(modes: list[Any], rounds: int) -> list[list[Any]]:
@@ -141,10 +144,17 @@ class Run:
         self.guarded(go)
 
     def block(self, steps: int, timed: bool = True) -> None:
+        steady = timed and self.device == "cuda" and self.row["blocks"] == "sequential"
+
         def go() -> None:
+            if steady:
+                torch.cuda.reset_peak_memory_stats()
             ms = block_ms(self.step, steps, self.device)
             if timed:
                 self.means.append(ms)
+            if steady:
+                peak = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
+                self.row["steady_peak_gib"] = max(peak, self.row["steady_peak_gib"] or 0.0)
         self.guarded(go)
 
     def note_report(self, report: dict[str, Any] | None) -> None:
@@ -274,8 +284,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         lines += ["", f"## {model} ({mine[0].get('blocks')} blocks)", "",
-                  "| mode | step ms | spread | ratio | peak GiB | loss | first run s | notes |",
-                  "|---|---:|---|---:|---:|---:|---:|---|"]
+                  "| mode | step ms | spread | ratio | peak GiB | steady peak GiB | loss | first run s | notes |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---|"]
         for r in mine:
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
             notes = [f"skipped: {r['skipped']}" if "skipped" in r else ""]
@@ -285,6 +295,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 notes.append("automp not settled")
             lines.append(f"| {r['mode']} | {_fmt(r['step_ms'], '.2f')} | {spread} | "
                          f"{_fmt(r['ratio_vs_bf16'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | "
+                         f"{_fmt(r.get('steady_peak_gib'), '.2f')} | "
                          f"{_fmt(r['loss'], '.4f')} | {_fmt(r['first_run_s'], '.1f')} | "
                          f"{'; '.join(n for n in notes if n)} |")
     return "\n".join(lines) + "\n"
