@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from automp.kernels import crossover  # noqa: F401 - the rows-kernel / GEMM choice (automp.quant.weight_only)
 from automp.kernels import ops  # noqa: F401 - registers the torch.library ops
 from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quantize_weight_int4,
                                   quantize_weight_int8)
 
-__all__ = ["gemv", "gemm", "quant_gemv", "quant_gemm", "int8_gemm", "unscale_and_check_", "cast",
+__all__ = ["gemv", "gemm", "quant_gemv", "quant_gemv_rows", "quant_gemm", "int8_gemm", "unscale_and_check_", "cast",
            "quantize_weight_int8", "quantize_weight_int4", "quantize_rowwise_int8", "dequantize_weight"]
 
 
@@ -28,6 +29,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y [N] = dequant(qw, scales) @ x [K]; qw from quantize_weight_int8 (int8) or _int4 (packed uint8)."""
     return torch.ops.automp.quant_gemv(qw, scales, x)
+
+
+def quant_gemv_rows(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = a [M, K] @ dequant(qw, scales)^T for 1 <= M <= 16: the GEMV's single pass over the packed weights
+    shared by a few rows (decoding a small batch), in a's dtype."""
+    return torch.ops.automp.quant_gemv_rows(qw, scales, a)
 
 
 def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch.library import custom_op
 from automp.kernels import gemm as _gemm
 from automp.kernels import gemv as _gemv
 from automp.kernels import quant as _quant
+from automp.kernels import quant_batched as _quant_batched
 from automp.kernels import reduce as _reduce
 from automp.kernels.gemv import INTERPRET
 
@@ -138,6 +139,27 @@ def quant_gemm_op(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> to
 def _(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     _require(a.dim() == 2, "quant_gemm", f"a must be [M, K], got shape {tuple(a.shape)}")
     _check_quant("quant_gemm", qw, scales, a, a.shape[1])
+    return a.new_empty((a.shape[0], qw.shape[0]))
+
+
+def _check_rows(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> None:
+    op = "quant_gemv_rows"
+    _require(a.dim() == 2 and 1 <= a.shape[0] <= _quant_batched.MAX_ROWS, op,
+             f"a must be [M, K] with M in 1..{_quant_batched.MAX_ROWS} (quant_gemm beyond), got {tuple(a.shape)}")
+    _check_quant(op, qw, scales, a, a.shape[1])
+
+
+@custom_op("automp::quant_gemv_rows", mutates_args=())
+def quant_gemv_rows_op(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    _check_rows(qw, scales, a)
+    if use_triton(a):
+        return _quant_batched.quant_gemv_rows(qw, scales.contiguous(), a)
+    return (a.float() @ _quant.dequantize_weight(qw, scales, a.shape[1]).T).to(a.dtype)
+
+
+@quant_gemv_rows_op.register_fake
+def _(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    _check_rows(qw, scales, a)
     return a.new_empty((a.shape[0], qw.shape[0]))
 
 
