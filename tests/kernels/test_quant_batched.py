@@ -9,7 +9,7 @@ import torch
 
 import automp.kernels as K
 from automp.kernels import quant
-from automp.kernels.quant_batched import quant_gemv_rows
+from automp.kernels.quant_batched import _PRODUCT_PER_THREAD, _rows_configs, _rows_prune, quant_gemv_rows
 from kernel_testutil import DEVICE, TOL, rel_err
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -60,6 +60,25 @@ def test_opcheck():
     qw, s, a = _operands(4, 20, 63, 32, 3, BF16)
     torch.library.opcheck(torch.ops.automp.quant_gemv_rows, (qw, s, a),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("m_p2", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("k,group,span", [(4096, 32, 4096), (4096, 32, 512), (4096, 128, 256), (5632, 128, 1408),
+                                          (3000, 4096, 3000), (8192, 8192, 1024)])
+def test_gpu_configs_are_pruned_to_valid_tiles(m_p2, k, group, span):
+    """The compiled path tunes several configs, which the interpreter never prunes (it has one): a tile deeper than
+    a group would apply one scale across two groups, and one not dividing a split's K range would overlap the next
+    program's."""
+    configs = _rows_configs(interpret=False)
+    kept = _rows_prune(configs, {"N": 2048, "K": k, "K_SPAN": span, "GROUP": group, "BITS": 4, "M_P2": m_p2})
+    assert kept
+    for c in kept:
+        assert c.kwargs["BLOCK_K"] <= group and (span == k or span % c.kwargs["BLOCK_K"] == 0)
+    if len(kept) > 1:
+        assert all(m_p2 * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= _PRODUCT_PER_THREAD * 32 * c.num_warps
+                   for c in kept)
+    if m_p2 <= 2 and group >= 128:  # few rows keep the deep tiles a weight stream wants
+        assert max(c.kwargs["BLOCK_K"] for c in kept) >= 128
 
 
 def test_rows_reject_bad_inputs():

@@ -29,8 +29,8 @@ MAX_ROWS = 16
 _PRODUCT_PER_THREAD = 128
 
 
-def _rows_configs() -> list[triton.Config]:
-    if INTERPRET:  # BLOCK_K 32: every group size (>= 32) has several tiles per group or several groups per row
+def _rows_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
+    if interpret:  # BLOCK_K 32: every group size (>= 32) has several tiles per group or several groups per row
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
             for bn, bk, w in [(16, 32, 2), (32, 32, 4), (64, 32, 4), (128, 32, 4), (16, 64, 2), (16, 64, 4),
