@@ -178,6 +178,7 @@ class Decoder(_Unpicklable):
         if self.device.type != "cuda" or self.mode == "eager":
             return self.fn(*self.args)
         if self.steps == 1:
+            self._measure_kernels()
             try:
                 return self.fn(*self.args)
             except Exception as e:  # a compile failure: keep going uncompiled
@@ -188,6 +189,16 @@ class Decoder(_Unpicklable):
         if self.steps == 2:
             return self._checked_step()
         return self._capture()
+
+    def _measure_kernels(self) -> None:
+        """Before torch.compile traces the decode step: the same step once, eagerly, so that each weight-only layer
+        measures which kernel serves this batch's rows (automp.kernels.crossover: measured outside tracing only; a
+        shape first met while tracing keeps quant_gemm). The step writes the same keys and values into the same
+        cache slots as the compiled step after it, so running it twice changes nothing."""
+        from automp.kernels.quant_batched import MAX_ROWS  # here: importing automp.llm imports no Triton
+        if self.mode == "compile" and 2 <= self.batch <= MAX_ROWS and any(
+                isinstance(m, QuantLinear) for m in self.model.modules()):
+            self._forward(*self.args)
 
     def _checked_step(self) -> torch.Tensor:
         """A real step on the capture stream with sync debugging: a synchronising op means no capture."""
