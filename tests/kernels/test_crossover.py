@@ -27,11 +27,24 @@ class FakeClock:
 def clean(monkeypatch):
     """No decisions before or after, and kernels that only record that they ran."""
     ran: list[str] = []
-    monkeypatch.setitem(crossover.KERNELS, "rows", lambda a, qw, s: ran.append("rows"))
-    monkeypatch.setitem(crossover.KERNELS, "gemm", lambda a, qw, s: ran.append("gemm"))
+    monkeypatch.setitem(crossover.KERNELS, "rows", lambda a, qw, s: ran.append("rows") or _result(a, qw))
+    monkeypatch.setitem(crossover.KERNELS, "gemm", lambda a, qw, s: ran.append("gemm") or _result(a, qw))
     crossover.reset()
     yield ran
     crossover.reset()
+
+
+def _result(a, qw):
+    return torch.linspace(1, 2, a.shape[0] * qw.shape[0]).reshape(a.shape[0], qw.shape[0])
+
+
+def test_a_rows_kernel_that_disagrees_with_the_gemm_is_not_used(monkeypatch, clean):
+    """A rows kernel that compiles but computes something else (a GPU-only miscompile) must lose however fast."""
+    monkeypatch.setitem(crossover.KERNELS, "rows", lambda a, qw, s: _result(a, qw) * 1.1)
+    monkeypatch.setattr(crossover, "TIMER", FakeClock(0.1, 2.0))
+    assert crossover.rows_kernel_wins(*_shape(4)) is False
+    (decision,) = crossover.decisions().values()
+    assert decision["kernel"] == "gemm" and "differs from quant_gemm's" in decision["error"]
 
 
 def _shape(m, n=24, k=64, bits=4, group=32):

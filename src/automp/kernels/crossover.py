@@ -4,7 +4,8 @@ The rows kernel reads the packed weights once for all rows but multiplies on the
 to a tensor-core tile. Which wins depends on M, the shape, the bits and the GPU, so the first call of each
 (device, N, K, bits, group, M, dtype) outside CUDA graph capture and torch.compile tracing times both (CUDA events,
 a few warm-up and timed calls, median) and keeps the faster for the life of the process. A rows kernel that raises
-(e.g. fails to compile) loses, with the error kept in its decision. While capturing or tracing with no decision yet,
+(e.g. fails to compile), or whose result disagrees with the GEMM's on the measured input, loses, with the error kept
+in its decision. While capturing or tracing with no decision yet,
 the GEMM serves, as it did before the rows kernel existed; nothing is recorded, so the next eager call measures.
 
 `TIMER` is the clock: timer(label, fn) -> milliseconds per call of fn. Tests replace it with a fake; None is the
@@ -72,9 +73,18 @@ def shape_key(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> tuple:
     return str(a.device), qw.shape[0], k, bits, group, a.shape[0], str(a.dtype).removeprefix("torch.")
 
 
+AGREE = 1e-2  # ‖rows − gemm‖ / ‖gemm‖ above this: the rows kernel computed something else, and is not used
+
+
 def _measure(timer: Timer, a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> dict:
+    """Both kernels timed, and their results compared once on the real input: the rows kernel must agree with the
+    GEMM (both accumulate in fp32 from the same dequantized weights) before it may serve."""
     try:
         rows_ms = timer("rows", lambda: KERNELS["rows"](a, qw, scales))
+        got, ref = KERNELS["rows"](a, qw, scales).float(), KERNELS["gemm"](a, qw, scales).float()
+        error = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        if not error <= AGREE:  # nan included
+            raise ArithmeticError(f"its result differs from quant_gemm's by {error:.3g} (relative), above {AGREE}")
     except Exception as exc:  # noqa: BLE001 - any failure of the new kernel leaves the GEMM in charge
         return {"kernel": "gemm", "rows_ms": None, "gemm_ms": None, "error": f"{type(exc).__name__}: {exc}"}
     gemm_ms = timer("gemm", lambda: KERNELS["gemm"](a, qw, scales))
