@@ -37,6 +37,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
     if unreadable is not None:
         return unreadable
     from automp.runtime.fp8_layers import Fp8Unavailable
+    from automp.runtime.rank_watch import RankWatch
     # the session writes no report of its own: the launcher writes the command line's once, at the end
     try:
         automp.enable(dataclasses.replace(config, report=None))
@@ -48,6 +49,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     previous = _exit_on_sigterm()
+    watch = RankWatch(config.rank).start() if config.world_size > 1 else None
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -55,16 +57,22 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
+        if code and watch is not None:
+            watch.failed(f"the script exited with code {code}")
     except BaseException as e:  # noqa: BLE001 - mirror Python's own top-level handler
         tb = e.__traceback__
         while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != os.path.abspath(script):
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb or e.__traceback__)
+        if watch is not None:
+            watch.failed(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
         hint = automp.script_failed(e)
         if hint:
             print(hint, file=sys.stderr)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
+        if watch is not None:
+            watch.stop()
         automp.disable()  # writes the report the script asked for itself, if it did (enable(report=...))
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
