@@ -265,7 +265,7 @@ def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     inject(monkeypatch, candidates=lambda device, low: (
         [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
     monkeypatch.setattr(session, "distributed", lambda: True)
-    monkeypatch.setattr(session, "_LOCKSTEP", ("Sequential",))
+    monkeypatch.setattr(session, "lockstep", lambda module: type(module) is nn.Sequential)
     monkeypatch.setattr(session, "rank0_start", lambda cached, candidates, why: (cached, candidates, why))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -19,7 +19,8 @@ from automp.config import AutoMPConfig
 from automp.precision import fp8, fp8_choice, fp8_table
 from automp.runtime.fp8_guard import Divergence, LossWatch
 from automp.runtime.report import Recorder
-from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict, distributed
+from automp.runtime.ranks import distributed
+from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict
 
 Table = Callable[..., fp8_table.Fp8Table]  # fp8_table.load_or_measure's signature
 

@@ -19,7 +19,8 @@ from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool, input_grads
 from automp.runtime.report import Recorder
 from automp.runtime.trial import (COMPILED_PATHS, GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Path, Trial,
-                                  TrialConfig, Verdict, agreed, candidate_paths, confirmation, for_ranks)
+                                  TrialConfig, Verdict, candidate_paths, confirmation)
+from automp.runtime.ranks import agreed, for_ranks
 from automp.runtime.recompile_watch import CompileWatch, watch_for
 from automp.runtime.unread_outputs import FieldReads
 from automp.runtime.verdicts import VerdictCache
@@ -48,7 +49,7 @@ class Root:
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
     params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
-    lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (trial.agreed)
+    lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (ranks.agreed)
     eager_only: bool = False  # the script takes gradients with respect to its input (automp.runtime.input_grads)
     watch: CompileWatch | None = None  # its compiled path's recompiles since the verdict (runtime.recompile_watch)
 

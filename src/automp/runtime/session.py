@@ -35,7 +35,8 @@ from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUT
                                   Candidates, Root, RootPaths, as_written, built)
 from automp.runtime.report import Recorder, dtype_name
 from automp.runtime.trial import (BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS, GRAPHED_PATHS, WITHOUT_GRAPHS,
-                                  Path, TrialConfig, Verdict, distributed, rank0_start)
+                                  Path, TrialConfig, Verdict)
+from automp.runtime.ranks import distributed, lockstep, rank0_start
 from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
@@ -46,20 +47,6 @@ from automp.runtime.verdicts import VerdictCache, module_key
 from automp.scaling import Scaling
 
 ORIG_CALL = compiled_paths.ORIG_CALL
-# Modules every rank calls at the same point of every iteration: their forward runs collectives of its own (DDP,
-# FSDP1 by class; FSDP2 by its FSDPModule mixin, on the root or any submodule). A root called on some ranks only (an
-# evaluation on rank 0) must not wait for the others at automp's broadcasts.
-_LOCKSTEP = ("DistributedDataParallel", "FullyShardedDataParallel")
-
-
-def _lockstep(module: nn.Module) -> bool:
-    if type(module).__name__ in _LOCKSTEP:
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in module.modules())
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
              "precision: automp works through nn.Module calls (a script calling `model.forward(x)` runs as written)")
 
@@ -301,7 +288,7 @@ class Session:
     def _new_root(self, module: nn.Module, args: tuple, kwargs: dict) -> Root:
         device = device_of(module)
         root = self.roots[module] = Root(self._label(module), device, self.config.low_dtype(device))
-        root.lockstep = distributed() and _lockstep(module)
+        root.lockstep = distributed() and lockstep(module)
         label, recorder = root.label, self.recorder  # not root: see compiled_paths.entry_point
         root.fields.on_reattach = lambda why: recorder.unread_outputs.setdefault(
             label, {"detached": []}).update(detached=[], reattached=why)

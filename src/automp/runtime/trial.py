@@ -14,9 +14,8 @@ script starts on the winner and pays nothing.
 from __future__ import annotations
 
 import enum
-import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 
@@ -346,51 +345,3 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
     return Trial([verdict.path, *rivals], config, clock, sync, note=note, incumbent=verdict.path,
                  warmup={verdict.path: config.confirm_after, **{p: 1 for p in rivals}},
                  clock_member=after._clock_member if after is not None else None)
-
-
-def distributed() -> bool:
-    import torch
-
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def for_ranks(config: TrialConfig) -> TrialConfig:
-    """The trial's settings under torch.distributed: no candidate is dropped early. Rank 0's verdict is broadcast at
-    the iteration the trial ends (`agreed`), so every rank must end it at the same iteration; a drop depends on a
-    rank's own timings, and a rank whose trial ran longer would meet that broadcast with its gradient all-reduce."""
-    if not distributed():
-        return config
-    return replace(config, give_up=math.inf, give_up_first=math.inf)
-
-
-def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
-                ) -> tuple[Verdict | None, list[Path], str]:
-    """Under torch.distributed every rank starts a new module it calls in lockstep (a DDP module) as rank 0 does: from
-    rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one
-    per node) and measure their devices slightly apart; a rank that ran a trial the others skipped would wait at its
-    verdict's broadcast."""
-    import torch
-
-    if not distributed():
-        return cached, candidates, why
-    box = [cached, [p.value for p in candidates], why]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0], [Path(v) for v in box[1]], box[2]
-
-
-def agreed(verdict: Verdict) -> Verdict:
-    """Under torch.distributed every rank runs rank 0's verdict for a module it calls in lockstep (a DDP module): ranks
-    timing slightly differently must not end up running different paths (different graphs around DDP's all-reduce
-    hooks). Rank 0's timings come with it, so the re-measurement that follows (`confirmation`) is started, or not,
-    on every rank alike."""
-    import torch
-
-    if not distributed():
-        return verdict
-    chosen = [verdict.path.value, verdict.timings_ms]
-    torch.distributed.broadcast_object_list(chosen, src=0)
-    if chosen[0] == verdict.path.value:
-        return replace(verdict, timings_ms=chosen[1])
-    return replace(verdict, path=Path(chosen[0]), timings_ms=chosen[1],
-                   reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")

@@ -4,7 +4,7 @@ The key is what decides a trial's outcome (module structure, code and shapes, dt
 parameter values: a script run again, or a checkpoint reloaded, finds its verdict; another model that happens to
 share a class name and shapes does not.
 
-Under torch.distributed only rank 0 writes: the ranks of a job run rank 0's verdicts (automp.runtime.trial.agreed), and
+Under torch.distributed only rank 0 writes: the ranks of a job run rank 0's verdicts (automp.runtime.ranks.agreed), and
 one writer per job keeps N ranks from queueing on the lock with the same verdicts. Several processes may still write at
 once (two scripts on one machine): each write reads, updates and replaces the file under an exclusive lock on a
 sibling lock file, so none drops another's verdicts. Where fcntl is
@@ -26,7 +26,8 @@ from types import CodeType
 from typing import Any, Iterable, Iterator, Mapping
 
 from automp.files import atomic_output
-from automp.runtime.trial import Path, Verdict, distributed
+from automp.runtime.ranks import distributed
+from automp.runtime.trial import Path, Verdict
 
 try:
     import fcntl
