@@ -26,6 +26,13 @@ _ASIDE = {"script-autocast": "the script's own autocast", "half-model": "already
           "compile-failed": "compilation failed"}
 
 
+# What the script left in its globals, kept until the interpreter exits, as `python SCRIPT` keeps them. runpy returns
+# a copy and frees the script's own module; dropping the copy too would free the script's objects inside this call,
+# and a torch.distributed job's DDP module freed there (its process group already destroyed) waited for ever in the
+# gloo process group's destructor.
+_SCRIPT_GLOBALS: list[dict[str, Any]] = []
+
+
 def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = None) -> int:
     """Run `script` with `args` under automp configured by `config` (default: the environment's); the exit code."""
     config = config or AutoMPConfig.from_env()
@@ -52,7 +59,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
     watch = RankWatch(config.rank).start() if config.world_size > 1 else None
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        _SCRIPT_GLOBALS.append(runpy.run_path(script, run_name="__main__"))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
