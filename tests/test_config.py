@@ -73,6 +73,18 @@ def test_the_command_line_wins_over_the_environment_where_given():
     assert AutoMPConfig.from_cli(args, env).path == "auto"
 
 
+def test_fp8_keep_is_parsed_once_from_every_source():
+    assert AutoMPConfig(fp8_keep="lm_head, *.self_attn.*").fp8_keep == ("lm_head", "*.self_attn.*")
+    assert AutoMPConfig(fp8_keep=["lm_head"]).fp8_keep == ("lm_head",) and AutoMPConfig(fp8_keep="").fp8_keep == ()
+    assert AutoMPConfig.from_env({"AUTOMP_FP8_KEEP": "lm_head"}).fp8_keep == ("lm_head",)
+    args = argparse.Namespace(dtype="fp8", fp8_keep="head", script="s.py", args=[])
+    assert AutoMPConfig.from_cli(args, {"AUTOMP_FP8_KEEP": "lm_head"}).fp8_keep == ("head",)
+    with pytest.raises(ValueError, match="AUTOMP_FP8_KEEP=.*empty pattern"):
+        AutoMPConfig.from_env({"AUTOMP_FP8_KEEP": "lm_head,,q"})
+    with pytest.raises(TypeError, match="fp8_keep must be"):
+        AutoMPConfig(fp8_keep=[3])
+
+
 def test_each_rank_has_its_own_report_path(tmp_path):
     report = str(tmp_path / "r.json")
     assert AutoMPConfig(report=report).report_path == report

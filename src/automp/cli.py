@@ -19,6 +19,10 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                         "layers where measured to pay and accurate (needs compute capability 8.9+: Ada, Hopper)")
     p.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise"],
                    help="FP8 scaling under --dtype fp8: one scale per tensor (default, fastest) or per row")
+    p.add_argument("--fp8-keep", default=None, metavar="PATTERNS",
+                   help="under --dtype fp8, linear layers kept bf16 whatever their measurements: comma-separated "
+                        "glob patterns over layer names, such as lm_head or '*.self_attn.*' (default: "
+                        "$AUTOMP_FP8_KEEP, else none)")
     p.add_argument("--loss-scale", default="dynamic",
                    help="dynamic | off | a constant such as 1024 (only matters for fp16)")
     p.add_argument("--report", default=None,

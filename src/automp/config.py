@@ -26,7 +26,7 @@ INNERS = ("inductor", "eager")
 PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs", "fp8-compile", "fp8-graphs")
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
-               "AUTOMP_DEBUG": "debug", "RANK": "rank", "WORLD_SIZE": "world_size"}
+               "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep", "RANK": "rank", "WORLD_SIZE": "world_size"}
 _FLAGS = ("fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
 
 
@@ -38,6 +38,10 @@ class AutoMPConfig:
     step (automp.precision.fp8_choice); it needs FP8 tensor cores (compute capability 8.9+).
     fp8_recipe: "tensorwise" (one scale per tensor; the fastest) or "rowwise" (a scale per row; more accurate with
     outliers), as torchao names them (automp.precision.fp8).
+    fp8_keep: linear layers that stay bf16 under dtype="fp8" whatever their measurements, as glob patterns over
+    their names in the model ("lm_head", "*.self_attn.*"; a pattern also matches below a wrapper: "lm_head" is DDP's
+    "module.lm_head"); a comma-separated string is split. For the layers a user knows to be sensitive, or whose FP8
+    casts cost memory that matters more than their speed (the LM head's logits gradient).
     loss_scale: "dynamic", "off" (or None/0) or a positive constant (a number or a numeric string such as "1024");
     stored as "dynamic", None (off) or a float. Only fp16 uses it.
     report: path of the JSON precision report (made absolute now: the script may chdir). Under torchrun each rank
@@ -62,6 +66,7 @@ class AutoMPConfig:
 
     dtype: str = "auto"
     fp8_recipe: str = "tensorwise"
+    fp8_keep: Any = ()
     loss_scale: Any = "dynamic"
     report: str | None = None
     inner: str = "inductor"
@@ -82,6 +87,7 @@ class AutoMPConfig:
         self._set("dtype", DTYPES[self.dtype])
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"unknown fp8_recipe {self.fp8_recipe!r}: expected one of {FP8_RECIPES}")
+        self._set("fp8_keep", parse_patterns(self.fp8_keep, "fp8_keep"))
         if self.path.startswith("fp8-") and self.dtype != "fp8":
             raise ValueError(f"path {self.path!r} runs FP8 layers: it needs dtype='fp8', not {self.dtype!r}")
         self._set("loss_scale", parse_loss_scale(self.loss_scale))
@@ -214,3 +220,20 @@ def parse_loss_scale(spec: Any) -> str | float | None:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"loss_scale must be a positive finite number, got {spec!r}")
     return value
+
+
+def parse_patterns(value: Any, name: str) -> tuple[str, ...]:
+    """A tuple of non-empty glob patterns from a comma-separated string ("" is none) or an iterable of strings."""
+    if isinstance(value, str):
+        items = [p.strip() for p in value.split(",")] if value.strip() else []
+    else:
+        try:
+            items = list(value)
+        except TypeError:
+            raise TypeError(f"{name} must be a comma-separated string or a list of strings, got {value!r}") from None
+        if not all(isinstance(p, str) for p in items):
+            raise TypeError(f"{name} must be a comma-separated string or a list of strings, got {value!r}")
+        items = [p.strip() for p in items]
+    if not all(items):
+        raise ValueError(f"{name} has an empty pattern: {value!r}")
+    return tuple(items)

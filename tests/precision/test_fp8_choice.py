@@ -33,6 +33,20 @@ def test_each_rule_from_injected_times_and_errors() -> None:
     assert choices["big"].as_dict()["rule"] == fc.FP8
 
 
+def test_layers_named_by_fp8_keep_stay_bf16_with_their_measurements_reported() -> None:
+    probe = fc.Probe(shapes={n: GemmShape(4096, 2048, 8192) for n in
+                             ("module.lm_head", "module.layers.0.mlp.up", "module.layers.0.attn.q")},
+                     errors={"module.lm_head": 0.04, "module.layers.0.mlp.up": 0.04, "module.layers.0.attn.q": 0.04})
+    layers = list(probe.shapes) + ["lm_head_unused"]
+    choices = fc.choose(probe, layers, table({(2048, 8192): 1.6}), keep=("lm_head", "*.attn.*", "lm_head_unused"))
+    assert {n: c.rule for n, c in choices.items()} == {
+        "module.lm_head": fc.KEPT, "module.layers.0.mlp.up": fc.FP8, "module.layers.0.attn.q": fc.KEPT,
+        "lm_head_unused": fc.KEPT}
+    kept = choices["module.lm_head"]  # "lm_head" matches below DDP's "module." prefix; measurements still shown
+    assert kept.dtype == "bf16" and kept.predicted_gain == 1.6 and kept.measured_error == 0.04
+    assert not fc.kept("module.lm_head_norm", ("lm_head",))  # a whole name, not a prefix
+
+
 def test_thresholds_are_the_stated_ones() -> None:
     probe = fc.Probe({"a": GemmShape(64, 64, 64)}, {"a": fc.MAX_ERROR * 0.99})
     at = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN}))

@@ -118,3 +118,16 @@ def test_a_model_under_the_scripts_own_autocast_is_not_probed_for_fp8(fp8_device
     assert len(calls) == 1  # the script's call alone
     assert all(type(m) in (nn.Linear, nn.GELU, nn.Sequential) for m in model.modules())
     assert not report.get("fp8") and report["choices"][0]["path"] == "as-written"
+
+
+@needs_scaled_mm
+def test_layers_named_by_fp8_keep_stay_bf16(fp8_device, tmp_path) -> None:
+    model, x = net(), torch.randn(48, 32)
+    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path), fp8_keep="4")
+    try:
+        model(x).sum().backward()
+        assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Fp8Linear", "GELU", "Linear"]
+    finally:
+        report = automp.disable()
+    rules = {n: c["rule"] for n, c in report["fp8"]["Sequential"]["layers"].items()}
+    assert rules == {"0": fp8_choice.NO_GAIN, "2": fp8_choice.FP8, "4": fp8_choice.KEPT}

@@ -16,6 +16,7 @@ A choice is data (`LayerChoice`) keyed by rule, for reports and tests.
 """
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ SHAPE = "bf16-shape-unsupported"  # a dimension not a multiple of 16: torch._sca
 ACCURACY = "bf16-accuracy-guard"
 NOT_CALLED = "bf16-not-called"  # the layer did not run on the first batch: nothing to measure it on
 NOT_MEASURED = "bf16-not-measured"  # the device table has no time for its shape
+KEPT = "bf16-kept"  # named by the configuration's fp8_keep: bf16 whatever its measurements
 
 
 @dataclass(frozen=True)
@@ -97,17 +99,29 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
     return Probe(shapes, errors)
 
 
+def kept(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a layer name matches one of fp8_keep's patterns, at its full name or below a wrapper's prefix."""
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
+
+
 def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None],
-           min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR) -> dict[str, LayerChoice]:
-    """Each layer's choice, in the order given. `timing`: the device table's entry for a shape (None: unmeasured)."""
+           min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR, keep: tuple[str, ...] = ()
+           ) -> dict[str, LayerChoice]:
+    """Each layer's choice, in the order given. `timing`: the device table's entry for a shape (None: unmeasured);
+    `keep`: patterns of layers kept bf16 (their measurements still reported)."""
     choices: dict[str, LayerChoice] = {}
     for name in layers:
         shape = probe.shapes.get(name)
         if shape is None:
-            choices[name] = LayerChoice("bf16", None, None, NOT_CALLED)
+            choices[name] = LayerChoice("bf16", None, None, KEPT if kept(name, keep) else NOT_CALLED)
             continue
         dims = (shape.m, shape.k, shape.n)
         error = probe.errors.get(name)
+        if kept(name, keep):
+            entry = timing(shape) if fp8.fits(*dims) else None
+            gain = round(entry.predicted_gain, 3) if entry is not None else None
+            choices[name] = LayerChoice("bf16", gain, error, KEPT, dims)
+            continue
         if not fp8.fits(*dims):
             choices[name] = LayerChoice("bf16", None, error, SHAPE, dims)
             continue

@@ -73,7 +73,8 @@ class Fp8Layers:
                 self.recorder.add_fallback(label, f"FP8 GEMM times could not be measured ({e}): runs bf16")
         layers = fp8_choice.linear_layers(module)
         choices = fp8_choice.choose(probe, list(layers),
-                                    lambda s: table.get(s, recipe) if table is not None else None)
+                                    lambda s: table.get(s, recipe) if table is not None else None,
+                                    keep=self.config.fp8_keep)
         if shared:
             choices = _rank0(choices)
         chosen = tuple(name for name, c in choices.items() if c.dtype == "fp8")
