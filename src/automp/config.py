@@ -119,7 +119,7 @@ class AutoMPConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoMPConfig":
         """The configuration the environment asks for (AUTOMP_INNER, AUTOMP_PATH, AUTOMP_CACHE_DIR, AUTOMP_DEBUG,
-        torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
+        AUTOMP_FP8_KEEP, torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
         env = os.environ if environ is None else environ
         found: dict[str, Any] = {}
         for var, name in ENVIRONMENT.items():
