@@ -13,7 +13,6 @@ CUDA-event timer on CUDA tensors and no measurement elsewhere (the CPU's only ke
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from automp.kernels import ops  # noqa: F401 - registers torch.ops.automp.*
 from automp.kernels.quant import kernel_group
 from automp.kernels.quant_batched import MAX_ROWS
+from automp.timing import time_fn
 
 WARMUP, REPS = 3, 5
 Timer = Callable[[str, Callable[[], object]], float]
@@ -35,17 +35,7 @@ _DECISIONS: dict[tuple, dict] = {}
 
 def cuda_event_timer(label: str, fn: Callable[[], object]) -> float:
     """Median milliseconds of `fn` over REPS calls after WARMUP (which also absorb autotuning and compilation)."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_fn(fn, warmup=WARMUP, iters=REPS)
 
 
 def decisions() -> dict[tuple, dict]:
