@@ -5,6 +5,7 @@ so ratios are meaningful even when clocks or neighbours change between runs.
 """
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from automp.files import write_json_and_markdown
+from automp.files import check_writable, write_json_and_markdown
 from automp.timing import time_fn
 
 
@@ -97,3 +98,28 @@ def ratio_bars(rows: list[dict[str, Any]], ratio_key: str, modes: tuple[str, ...
     with atomic_output(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
+
+
+def usage_problem(names: list[tuple[str, str, tuple[str, ...]]], bounds: list[tuple[str, float, float]],
+                  out: str, exts: tuple[str, ...] = (".json", ".md", ".png")) -> str | None:
+    """A suite's usage error in one line, or None: comma-separated names outside their known set (flag, text,
+    known), numbers below their least value (flag, value, least), an --out prefix whose folder cannot be made or
+    whose files cannot be written. Checked before anything runs, so a typo costs nothing."""
+    for flag, text, known in names:
+        unknown = [n for n in text.split(",") if n not in known]
+        if unknown:
+            return f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
+    for flag, value, low in bounds:
+        if value < low:
+            return f"{flag} must be at least {low}, got {value:g}"
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"--out {out}: cannot create the directory {folder} ({e.strerror})"
+    try:
+        for ext in exts:
+            check_writable(out + ext, "--out")
+    except (OSError, ValueError) as e:
+        return str(e)
+    return None

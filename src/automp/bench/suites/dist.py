@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from automp.bench.dist_worker import MODELS, MODES, ROW_KEYS
-from automp.bench.harness import device_name, ratio_bars
+from automp.bench.harness import device_name, ratio_bars, usage_problem
 from automp.bench.suites.fp8 import _fmt, gpu_slug
-from automp.files import check_writable, write_json_and_markdown
+from automp.files import write_json_and_markdown
 
 ANCHOR = "bf16-compile"
 MODE_LIBS = {"torchao-float8": "torchao"}
@@ -133,27 +133,11 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     visible = torch.cuda.device_count() if torch.cuda.is_available() else None
     if visible is not None and max(sizes) > visible:
         return f"--gpus {max(sizes)}: only {visible} CUDA device(s) visible"
-    for flag, names, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
-        unknown = [n for n in names.split(",") if n not in known]
-        if unknown:
-            return f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
-    for flag, value, low in (("--steps", args.steps, 1), ("--blocks", args.blocks, 1), ("--warmup", args.warmup, 0),
-                             ("--layers-d2048", args.layers_d2048, 1), ("--layers-d4096", args.layers_d4096, 1),
-                             ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
-                             ("--mode-timeout", args.mode_timeout, 0)):
-        if value < low:
-            return f"{flag} must be at least {low}, got {value:g}"
-    folder = os.path.dirname(os.path.abspath(args.out))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        return f"--out {args.out}: cannot create the directory {folder} ({e.strerror})"
-    try:
-        for ext in (".json", ".md", ".png"):
-            check_writable(args.out + ext, "--out")
-    except (OSError, ValueError) as e:
-        return str(e)
-    return None
+    return usage_problem([("--models", args.models, MODELS), ("--modes", args.modes, MODES)],
+                         [("--steps", args.steps, 1), ("--blocks", args.blocks, 1), ("--warmup", args.warmup, 0),
+                          ("--layers-d2048", args.layers_d2048, 1), ("--layers-d4096", args.layers_d4096, 1),
+                          ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
+                          ("--mode-timeout", args.mode_timeout, 0)], args.out)
 
 
 class Stopped(Exception):

@@ -48,11 +48,11 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.harness import device_name, ratio_bars
+from automp.bench.harness import device_name, ratio_bars, usage_problem
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.fp8_workloads import LOOPS, MODE_LIBS, MODELS
 from automp.bench.zoo_modes import time_limit
-from automp.files import check_writable, write_json_and_markdown
+from automp.files import write_json_and_markdown
 
 MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
 ANCHOR = "bf16-reduce-overhead"
@@ -332,26 +332,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
-    for flag, names, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
-        unknown = [n for n in names.split(",") if n not in known]
-        if unknown:
-            return f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
-    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--layers", args.layers, 1),
-                             ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
-                             ("--mode-timeout", args.mode_timeout, 0)):
-        if value < low:
-            return f"{flag} must be at least {low}, got {value:g}"
-    folder = os.path.dirname(os.path.abspath(args.out))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        return f"--out {args.out}: cannot create the directory {folder} ({e.strerror})"
-    try:
-        for ext in (".json", ".md", ".png"):
-            check_writable(args.out + ext, "--out")
-    except (OSError, ValueError) as e:
-        return str(e)
-    return None
+    return usage_problem([("--models", args.models, tuple(MODELS)), ("--modes", args.modes, MODES)],
+                         [("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--layers", args.layers, 1),
+                          ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
+                          ("--mode-timeout", args.mode_timeout, 0)], args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
