@@ -2,13 +2,11 @@
 as in test_fp8_session): every rank installs rank 0's FP8 layers although rank 1's own table would choose none, the
 step runs the FP8 path on every rank, and the losses match the same FSDP2 model in bf16 closely."""
 import os
-import socket
-import sys
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
 
+from tests import gloo
 from tests.precision.test_fp8 import needs_scaled_mm
 
 
@@ -20,10 +18,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     from automp.precision.fp8_table import Fp8Table, Fp8Timing, bucket
     from automp.runtime import session as sessions
     from automp.runtime.fp8_layers import Fp8Layers
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOMP_INNER="eager")
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    os.environ["AUTOMP_INNER"] = "eager"
+    gloo.join(rank, port)
 
     def table(device, shapes, recipe, cache_dir):  # rank 0: the wide layers gain; rank 1: nothing does
         gain = Fp8Timing(2.0, 0.8, 0.2) if rank == 0 else Fp8Timing(1.0, 1.0, 0.5)
@@ -67,12 +63,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @needs_scaled_mm
 def test_every_rank_runs_rank0s_fp8_layers_under_fsdp2(tmp_path):
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    r0, r1 = gloo.spawn(_worker, tmp_path)
     chosen = [{n for n, c in next(iter(r["report"]["fp8"].values()))["layers"].items() if c["dtype"] == "fp8"}
               for r in (r0, r1)]
     assert chosen[0] == chosen[1] == {"1.0", "2"}  # rank 0's table's choice, on rank 1 too

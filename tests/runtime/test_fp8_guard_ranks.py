@@ -1,22 +1,18 @@
 """The FP8 loss guard under torch.distributed (gloo, 2 processes): a non-finite or spiking loss on one rank makes
 every rank skip the same step and report the same divergence, so the ranks keep equal weights and leave FP8 together."""
 import os
-import socket
-import sys
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
+
+from tests import gloo
 
 
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from automp.runtime.fp8_guard import NONFINITE, SPIKE, LossWatch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    gloo.join(rank, port)
     try:
         results = {}
         for case, bad_step, rule in (("nan", 20, NONFINITE), ("spike", 24, SPIKE)):
@@ -44,12 +40,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_skips_and_reports_alike(tmp_path):
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    r0, r1 = gloo.spawn(_worker, tmp_path)
     for case in ("nan", "spike"):
         a, b = r0[case], r1[case]
         assert a["fired"] == b["fired"] == [(a["bad_step"] + (1 if case == "spike" else 0), a["rule"])]

@@ -2,7 +2,6 @@
 RANK / WORLD_SIZE set, gloo): a rank that raises stops the others within seconds, with a message naming it, even where
 they are busy outside any collective and would otherwise run on (or wait for ever)."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from automp.runtime.rank_watch import RankWatch
+from tests import gloo
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 SCRIPT = '''
@@ -27,18 +27,12 @@ print("ran to the end")
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo on the loopback interface")
 @pytest.mark.parametrize("failing", [0, 1])  # rank 0 hosts the store: its failure must still reach rank 1
 def test_a_failing_rank_stops_the_others(tmp_path, failing):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    port = _free_port()
+    port = gloo.free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), RANK=str(rank),

@@ -4,21 +4,17 @@ import torch.nn as nn
 
 from automp.runtime.ranks import lockstep
 from automp.runtime.trial import Path, Verdict
+from tests import gloo
 
 
 def _agree_worker(rank: int, port: int, out: str) -> None:
     import os
-    import sys
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     from automp.runtime.ranks import agreed
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    gloo.join(rank, port, timeout_s=30)
     try:
         mine = Path.COMPILED if rank == 0 else Path.EAGER_LOW  # the ranks measured different winners
         got = agreed(Verdict(mine, f"rank {rank} measured", {mine.value: 1.0}, confirmed=True))
@@ -29,15 +25,7 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_runs_rank_0s_verdict(tmp_path):
-    import socket
-
-    import torch
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_agree_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    r0, r1 = gloo.spawn(_agree_worker, tmp_path)
     assert r0["path"] == r1["path"] == Path.COMPILED.value
     assert r0["reason"] == "rank 0 measured" and r1["reason"].startswith("rank 0's verdict")
     assert "rank 1 measured" in r1["reason"] and r1["confirmed"]

@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests import gloo
+
 
 def _wrap(kind: str, module: nn.Module) -> nn.Module:
     if kind == "ddp":
@@ -15,18 +17,14 @@ def _wrap(kind: str, module: nn.Module) -> nn.Module:
 def _ranks_worker(rank: int, port: int, out: str, kind: str) -> None:
     import gc
     import os
-    import sys
-    from datetime import timedelta
 
     import torch.distributed as dist
 
     from automp.runtime.trial import Path
     from automp.config import AutoMPConfig
     from automp.runtime.session import Session
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOMP_CACHE_DIR=os.path.join(out, str(rank)))
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    os.environ["AUTOMP_CACHE_DIR"] = os.path.join(out, str(rank))
+    gloo.join(rank, port, timeout_s=30)
     # rank 1 measures FP32 5x slower: alone, its trial would drop FP32 after one round and end earlier than rank 0's
     cost = {Path.FP32: 0.024 if rank == 0 else 0.100, Path.EAGER_LOW: 0.020}
     now, ran = [0.0], []
@@ -66,14 +64,7 @@ def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path, kind, label)
     """Under torch.distributed the trial and its re-measurement end at the same iteration on every rank (rank 0's
     verdict is broadcast there), so no rank meets that broadcast with its gradient all-reduce; and a rank without a
     cached verdict starts from rank 0's rather than a trial only it runs."""
-    import socket
-
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks_worker, args=(port, str(tmp_path), kind), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    r0, r1 = gloo.spawn(_ranks_worker, tmp_path, kind)
     ddp0 = r0["first"]["ran"][:len(r1["first"]["ran"])]  # rank 0's evaluation module ran after these
     assert ddp0 == r1["first"]["ran"] and ddp0[-1] == "low-precision-eager"
     c0, c1 = r0["first"]["choices"][0], r1["first"]["choices"][0]

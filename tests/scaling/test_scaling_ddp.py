@@ -3,14 +3,12 @@ reaches the FP32 loss. The overflow is injected on rank 1 only, inside a no_sync
 all-reduce would carry it to rank 0: only the found-inf all-reduce can."""
 import gc
 import os
-import socket
-import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from tests import gloo
 from tests.scaling.fp16_nets import HalfMLP
 
 from automp.scaling import LossScaleConfig, LossScaler, current, install, uninstall
@@ -50,11 +48,7 @@ def _train(rank: int, half: bool, inject: bool):
 
 
 def _worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # a mismatched collective fails after 30 s instead of hanging the test run
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    gloo.join(rank, port, timeout_s=30)  # a mismatched collective fails after 30 s instead of hanging the run
     torch.set_num_threads(1)
     try:
         fp32 = _train(rank, half=False, inject=False)
@@ -70,14 +64,8 @@ def _worker(rank: int, port: int, out_dir: str):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_ranks_agree_on_skip_and_scale(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(gloo.free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     a, b = r0["fp16"], r1["fp16"]
     assert a["scales"] == b["scales"]  # the same scale at every backward on both ranks
