@@ -52,6 +52,8 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from automp.runtime.ranks import distributed
+
 NONFINITE = "loss-nonfinite"  # rules: tools and reports key on these
 SPIKE = "loss-spike"
 
@@ -93,7 +95,7 @@ class LossWatch:
         self.patience, self._over = patience, 0  # losses in a row above the bound so far
         self.window, self.history, self.factor = window, history, float(factor)
         self.skip_nonfinite = skip_nonfinite
-        self.ranks = ranks and _world() > 1  # judge the mean loss of every rank, at calls every rank agrees on
+        self.ranks = ranks and distributed()  # judge the mean loss of every rank, at calls every rank agrees on
         self.steps_seen = 0  # backward calls observed
         self._recent: deque[float] = deque(maxlen=window)  # the last finite losses, oldest first
         self._pending: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()  # CUDA losses on their way
@@ -129,7 +131,7 @@ class LossWatch:
         if self.ranks:
             loss = loss.to(torch.float32, copy=True)
             torch.distributed.all_reduce(loss)
-            loss /= _world()
+            loss /= torch.distributed.get_world_size()
         if self.skip_nonfinite:
             bad = (~torch.isfinite(loss)).to(torch.int32)
             total = self._bad_total
@@ -298,8 +300,3 @@ def _drop_found_inf(opt: torch.optim.Optimizer, flag: torch.Tensor) -> None:
 
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

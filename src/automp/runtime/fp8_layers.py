@@ -19,7 +19,7 @@ from automp.config import AutoMPConfig
 from automp.precision import fp8, fp8_choice, fp8_table
 from automp.runtime.fp8_guard import Divergence, LossWatch
 from automp.runtime.report import Recorder
-from automp.runtime.ranks import distributed
+from automp.runtime.ranks import from_rank0
 from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict
 
 Table = Callable[..., fp8_table.Fp8Table]  # fp8_table.load_or_measure's signature
@@ -75,8 +75,8 @@ class Fp8Layers:
         choices = fp8_choice.choose(probe, list(layers),
                                     lambda s: table.get(s, recipe) if table is not None else None,
                                     keep=self.config.fp8_keep)
-        if shared:
-            choices = _rank0(choices)
+        if shared:  # rank 0's choice on every rank (a no-op outside torch.distributed)
+            choices = from_rank0(choices)
         chosen = tuple(name for name, c in choices.items() if c.dtype == "fp8")
         for name in chosen:
             fp8.install(layers[name], recipe)
@@ -127,12 +127,3 @@ class Fp8Layers:
         for module in self.installed:
             fp8.uninstall(module)
         self.installed.clear()
-
-
-def _rank0(choices: dict[str, fp8_choice.LayerChoice]) -> dict[str, fp8_choice.LayerChoice]:
-    """Rank 0's per-layer choices, on every rank (one broadcast at a root's first call)."""
-    if not distributed():
-        return choices
-    box = [choices]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]

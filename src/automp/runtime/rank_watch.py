@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable, TextIO
 
+from automp.runtime.ranks import distributed
+
 FAILED = "automp/failed"
 EXIT_CODE = 1
 LINGER = 3  # polls a failing rank waits after writing FAILED, so that the store outlives the others' next check
@@ -24,8 +26,7 @@ LINGER = 3  # polls a failing rank waits after writing FAILED, so that the store
 
 def _store():
     """The default process group's store, or None outside torch.distributed (or once it is gone)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not distributed():
         return None
     from torch.distributed import distributed_c10d
     return distributed_c10d._get_default_store()

@@ -37,6 +37,25 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (one broadcast; every rank must call it at the same point); `value` itself
+    outside torch.distributed."""
+    import torch
+
+    if not distributed():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def writer() -> bool:
+    """Whether this process writes what a job writes once (the verdict cache): rank 0, or a process on its own."""
+    import torch
+
+    return not distributed() or torch.distributed.get_rank() == 0
+
+
 def for_ranks(config: TrialConfig) -> TrialConfig:
     """The trial's settings under torch.distributed: no candidate is dropped early. Rank 0's verdict is broadcast at
     the iteration the trial ends (`agreed`), so every rank must end it at the same iteration; a drop depends on a
@@ -52,13 +71,10 @@ def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
     rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one
     per node) and measure their devices slightly apart; a rank that ran a trial the others skipped would wait at its
     verdict's broadcast."""
-    import torch
-
     if not distributed():
         return cached, candidates, why
-    box = [cached, [p.value for p in candidates], why]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0], [Path(v) for v in box[1]], box[2]
+    cached, values, why = from_rank0((cached, [p.value for p in candidates], why))
+    return cached, [Path(v) for v in values], why
 
 
 def agreed(verdict: Verdict) -> Verdict:
@@ -66,13 +82,10 @@ def agreed(verdict: Verdict) -> Verdict:
     timing slightly differently must not end up running different paths (different graphs around DDP's all-reduce
     hooks). Rank 0's timings come with it, so the re-measurement that follows (`confirmation`) is started, or not,
     on every rank alike."""
-    import torch
-
     if not distributed():
         return verdict
-    chosen = [verdict.path.value, verdict.timings_ms]
-    torch.distributed.broadcast_object_list(chosen, src=0)
-    if chosen[0] == verdict.path.value:
-        return replace(verdict, timings_ms=chosen[1])
-    return replace(verdict, path=Path(chosen[0]), timings_ms=chosen[1],
+    path, timings = from_rank0((verdict.path.value, verdict.timings_ms))
+    if path == verdict.path.value:
+        return replace(verdict, timings_ms=timings)
+    return replace(verdict, path=Path(path), timings_ms=timings,
                    reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")

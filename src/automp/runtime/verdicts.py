@@ -26,7 +26,7 @@ from types import CodeType
 from typing import Any, Iterable, Iterator, Mapping
 
 from automp.files import atomic_output
-from automp.runtime.ranks import distributed
+from automp.runtime.ranks import writer
 from automp.runtime.trial import Path, Verdict
 
 try:
@@ -66,7 +66,7 @@ class VerdictCache:
     def put(self, verdicts: Mapping[str, Verdict]) -> None:
         """One locked read-modify-write for all the modules a trial settles (key -> its verdict); rank 0's alone under
         torch.distributed."""
-        if distributed() and _rank() != 0:
+        if not writer():
             return
         when = time.strftime("%Y-%m-%dT%H:%M:%S")
         new = {key: {**v.as_dict(), "detach": list(v.detach), "eager_only": v.eager_only, "when": when}
@@ -94,12 +94,6 @@ class VerdictCache:
                 yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
-def _rank() -> int:
-    import torch
-
-    return torch.distributed.get_rank()
 
 
 def module_key(module: Any, args: Iterable[Any], dtype: str, device: str, extra: str = "") -> str:
