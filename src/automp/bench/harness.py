@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -123,3 +124,33 @@ def usage_problem(names: list[tuple[str, str, tuple[str, ...]]], bounds: list[tu
     except (OSError, ValueError) as e:
         return str(e)
     return None
+
+
+def gpu_slug(name: str) -> str:
+    """A device name's short form for file names: 'NVIDIA H100 80GB HBM3' -> 'h100' (the first word with a digit),
+    'cpu' -> 'cpu'."""
+    m = re.search(r"\b([A-Z]*\d+[A-Z]*)\b", name.upper().replace("NVIDIA", ""))
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def fmt(value: Any, spec: str) -> str:
+    """A markdown table cell: `value` formatted, or empty where there is none."""
+    return "" if value is None else format(value, spec)
+
+
+def header(suite: str, rows: list[dict[str, Any]], legend: list[str]) -> list[str]:
+    """A suite's markdown title, the device / torch / date line of its rows, and its legend lines."""
+    lines = [f"# automp bench {suite}", ""]
+    if rows:
+        lines += [f"- {rows[0].get('device')} · torch {rows[0].get('torch')} · {rows[0].get('date')}"]
+    return lines + [f"- {line}" for line in legend]
+
+
+def row_notes(row: dict[str, Any]) -> str:
+    """A training row's notes cell: why it was skipped, the paths automp ran, whether it had settled."""
+    notes = [f"skipped: {row['skipped']}"] if "skipped" in row else []
+    if row.get("automp_paths"):
+        notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in row["automp_paths"].items()))
+    if row.get("settled") is False:
+        notes.append("automp not settled")
+    return "; ".join(notes)

@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from automp.bench.dist_worker import MODELS, MODES, ROW_KEYS
-from automp.bench.harness import device_name, ratio_bars, usage_problem
-from automp.bench.suites.fp8 import _fmt, gpu_slug
+from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
 from automp.files import write_json_and_markdown
 
 ANCHOR = "bf16-compile"
@@ -60,15 +59,12 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["# automp bench dist", ""]
-    if rows:
-        lines += [f"- {rows[0].get('device')} · torch {rows[0].get('torch')} · {rows[0].get('date')}"]
-    lines += [f"- ratio: {ANCHOR} ms / mode ms at the same GPU count (> 1: faster than the compiled bf16 loop)",
-              "- step ms: median of the blocks' mean step time, the slowest rank's per block; spread: the fastest and "
-              "slowest block",
-              "- scaling eff: tokens/s/GPU at N GPUs / at 1 GPU; loss: after the same number of optimizer steps in "
-              "every mode, averaged over the ranks; first run s: build + first steps, compilation and automp's trial "
-              "included"]
+    lines = header("dist", rows, [
+        f"ratio: {ANCHOR} ms / mode ms at the same GPU count (> 1: faster than the compiled bf16 loop)",
+        "step ms: median of the blocks' mean step time, the slowest rank's per block; spread: the fastest and slowest "
+        "block",
+        "scaling eff: tokens/s/GPU at N GPUs / at 1 GPU; loss: after the same number of optimizer steps in every mode, "
+        "averaged over the ranks; first run s: build + first steps, compilation and automp's trial included"])
     for model in dict.fromkeys(r["model"] for r in rows):
         lines += ["", f"## {model}", "",
                   "| gpus | mode | step ms | spread | tokens/s/GPU | scaling eff | ratio vs bf16-compile | peak GiB | "
@@ -76,16 +72,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                   "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in (r for r in rows if r["model"] == model):
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
-            notes = [f"skipped: {r['skipped']}" if "skipped" in r else ""]
-            if r.get("automp_paths"):
-                notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in r["automp_paths"].items()))
-            if r.get("settled") is False:
-                notes.append("automp not settled")
-            lines.append(f"| {r['gpus']} | {r['mode']} | {_fmt(r['step_ms'], '.2f')} | {spread} | "
-                         f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {_fmt(r['scaling_eff'], '.2f')} | "
-                         f"{_fmt(r['ratio_vs_bf16'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | "
-                         f"{_fmt(r['loss'], '.4f')} | {_fmt(r['first_run_s'], '.1f')} | "
-                         f"{'; '.join(n for n in notes if n)} |")
+            lines.append(f"| {r['gpus']} | {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
+                         f"{fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['scaling_eff'], '.2f')} | "
+                         f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
+                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {row_notes(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.harness import device_name, ratio_bars, usage_problem
+from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.fp8_workloads import LOOPS, MODE_LIBS, MODELS
 from automp.bench.zoo_modes import time_limit
@@ -269,18 +269,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["ratio_vs_bf16"] = round(a / r["step_ms"], 3) if a and r.get("step_ms") else None
 
 
-def _fmt(v: Any, spec: str) -> str:
-    return "" if v is None else format(v, spec)
-
-
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["# automp bench fp8", ""]
-    if rows:
-        lines += [f"- {rows[0].get('device')} · torch {rows[0].get('torch')} · {rows[0].get('date')}"]
-    lines += [f"- ratio: {ANCHOR} ms / mode ms (> 1: faster than the strongest bf16 loop)",
-              "- step ms: median of the blocks' mean step time; spread: the fastest and slowest block",
-              "- loss: after the same number of optimizer steps in every mode; first run s: build + first steps, "
-              "compilation and automp's trial included"]
+    lines = header("fp8", rows, [f"ratio: {ANCHOR} ms / mode ms (> 1: faster than the strongest bf16 loop)",
+                                 "step ms: median of the blocks' mean step time; spread: the fastest and slowest block",
+                                 "loss: after the same number of optimizer steps in every mode; first run s: build + "
+                                 "first steps, compilation and automp's trial included"])
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         lines += ["", f"## {model} ({mine[0].get('blocks')} blocks)", "",
@@ -288,28 +281,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                   "|---|---:|---|---:|---:|---:|---:|---:|---|"]
         for r in mine:
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
-            notes = [f"skipped: {r['skipped']}" if "skipped" in r else ""]
-            if r.get("automp_paths"):
-                notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in r["automp_paths"].items()))
-            if r.get("settled") is False:
-                notes.append("automp not settled")
-            lines.append(f"| {r['mode']} | {_fmt(r['step_ms'], '.2f')} | {spread} | "
-                         f"{_fmt(r['ratio_vs_bf16'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | "
-                         f"{_fmt(r.get('steady_peak_gib'), '.2f')} | "
-                         f"{_fmt(r['loss'], '.4f')} | {_fmt(r['first_run_s'], '.1f')} | "
-                         f"{'; '.join(n for n in notes if n)} |")
+            lines.append(f"| {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
+                         f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
+                         f"{fmt(r.get('steady_peak_gib'), '.2f')} | "
+                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {row_notes(r)} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Grouped bars of ratio_vs_bf16, one group per model, one bar per mode (harness.ratio_bars)."""
     ratio_bars(rows, "ratio_vs_bf16", MODES, ANCHOR, "automp bench fp8", path)
-
-
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'cpu (x86_64)' -> 'cpu'."""
-    words = [w for w in name.lower().replace("nvidia", "").split() if any(c.isdigit() for c in w)]
-    return "cpu" if name.startswith("cpu") else (words[0] if words else "gpu")
 
 
 def _order(row: dict[str, Any]) -> tuple[int, int]:

@@ -17,7 +17,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import time
 from typing import Any
@@ -27,7 +26,8 @@ import torch
 from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
-from automp.bench.harness import device_name, ratio_bars
+from automp.bench import harness
+from automp.bench.harness import device_name, fmt, ratio_bars
 from automp.bench.suites.train import _time_steps
 from automp.files import write_json_and_markdown
 
@@ -180,12 +180,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def gpu_slug(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100': the first word with a digit in the device name."""
-    if device != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    m = re.search(r"\b([A-Z]*\d+[A-Z]*)\b", name.upper().replace("NVIDIA", ""))
-    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    """'NVIDIA H100 80GB HBM3' -> 'h100' on "cuda" (harness.gpu_slug of the device's name), else 'cpu'."""
+    return harness.gpu_slug(torch.cuda.get_device_name()) if device == "cuda" else "cpu"
 
 
 def _order(row: dict[str, Any]) -> tuple[int, str, int]:
@@ -204,13 +200,9 @@ def merge_rows(path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted([r for r in old if r["model"] not in ran] + rows, key=_order)
 
 
-def _fmt(v: Any, spec: str) -> str:
-    return "" if v is None else format(v, spec)
-
-
 def _peak(row: dict[str, Any]) -> str:
     reserved = row.get("peak_reserved_gib")
-    return _fmt(row["peak_gib"], ".2f") + ("" if reserved is None else f" / {reserved:.2f}")
+    return fmt(row["peak_gib"], ".2f") + ("" if reserved is None else f" / {reserved:.2f}")
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -241,10 +233,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                          + f"({r['step_ms_interleaved']:.2f} vs {r['anchor_ms_interleaved']:.2f} ms)")
         if r.get("interleave_error"):
             notes.append(f"interleaved: {r['interleave_error']}")
-        lines.append(f"| {r['model']} | {r['mode']} | {_fmt(r['step_ms'], '.2f')} | "
-                     f"{_fmt(r.get('ratio_vs_anchor'), '.2f')} | {_peak(r)} | "
-                     f"{_fmt(r['loss'], '.4f')} | {_fmt(r.get('loss_vs_fp32'), '+.4f')} | "
-                     f"{_fmt(r.get('compile_s'), '.1f')} | {'; '.join(n for n in notes if n)} |")
+        lines.append(f"| {r['model']} | {r['mode']} | {fmt(r['step_ms'], '.2f')} | "
+                     f"{fmt(r.get('ratio_vs_anchor'), '.2f')} | {_peak(r)} | "
+                     f"{fmt(r['loss'], '.4f')} | {fmt(r.get('loss_vs_fp32'), '+.4f')} | "
+                     f"{fmt(r.get('compile_s'), '.1f')} | {'; '.join(n for n in notes if n)} |")
     return "\n".join(lines) + "\n"
 
 
