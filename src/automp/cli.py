@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
     p.set_defaults(func=_cmd_report)
 
-    suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "fp8", "dist",
-              "llm"]
+    suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "fp8", "fp8_parity",
+              "dist", "llm"]
     p = sub.add_parser("bench", help="benchmarks: " + " | ".join(suites) + " (llm = `automp llm bench`)")
     p.add_argument("suite", choices=suites, help="the benchmark suite to run")
     _rest(p, "the suite's own arguments (`automp bench SUITE --help` lists them)")

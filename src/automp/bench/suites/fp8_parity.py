@@ -1,0 +1,194 @@
+"""`automp bench fp8_parity`: does FP8 train as bf16 does? Loss after the same steps, on data that can be learned
+but not memorized, for the modes of `automp bench fp8`.
+
+The step-time suite cycles a pool of 8 random batches: a 1.2B model memorizes them within a few hundred steps, and
+a loss near zero says nothing about FP8's error. Here every step gets a fresh batch of a token stream with a known
+floor: each token is the previous one plus a fixed stride plus a uniform draw from 0..K-1 (mod the vocabulary), so
+the model must learn, for every token id, the K ids that can follow it. The loss starts near ln(vocab) and falls
+towards ln(K) as the model learns the table; at 500 and 2,000 steps it is far from both ends, where a precision that
+learns slower shows. The stream is drawn on the device from a generator seeded by the step's index: every mode, in
+any process, sees the same batches.
+
+Each mode runs alone (one mode per process suits one GPU each: `--modes automp-fp8` on one card while
+`--modes bf16-reduce-overhead` runs on another), from the same seed, with the loops of `automp bench fp8`. The loss
+at a checkpoint is the mean over the WINDOW steps that end there (one batch's loss is noisy). Rows
+`{"model", "mode", "steps", "loss_at": {step: mean loss}, "window", "seconds", "fp8_fallback"}` go to
+`<out>.json` (rows merged by model and mode with those already there) and `.md`, with each checkpoint's relative
+gap to bf16-reduce-overhead where the file holds both. fp8_fallback: whether automp's loss guard moved the run back
+to bf16 (then the later losses are partly bf16's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from automp.bench.fp8_workloads import LOOPS, MODELS
+from automp.bench.harness import device_name, fmt, gpu_slug, usage_problem
+from automp.bench.suites.fp8 import ANCHOR, MODES, one_line
+from automp.files import write_json_and_markdown
+
+LM_MODELS = ("llama-d2048", "llama-d4096", "gpt2")  # the stream is tokens: the language models only
+WINDOW = 50
+K = 16  # successors per token: the loss floor is ln(K) = 2.77 nats
+STRIDE = 7919  # a prime, so the successor sets are spread over the vocabulary
+
+
+class TokenStream:
+    """Batch i of a learnable token stream (the module docstring says what it is), as the LM loops take it. Indexable
+    like the fp8 workloads' batch pools, with `len` the number of steps, so their loops run on it unchanged."""
+
+    def __init__(self, vocab: int, batch: int, seq: int, device: str, steps: int, seed: int = 1234):
+        self.vocab, self.shape, self.device, self.steps, self.seed = vocab, (batch, seq), device, steps, seed
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + i)
+        start = torch.randint(0, self.vocab, (self.shape[0], 1), generator=gen, device=self.device)
+        draws = torch.randint(0, K, self.shape, generator=gen, device=self.device)
+        draws[:, 0] = 0
+        ids = (start + torch.cumsum(draws + STRIDE, dim=1) - STRIDE) % self.vocab
+        return {"input_ids": ids, "labels": ids}
+
+
+def run_mode(model: str, mode: str, opts: argparse.Namespace,
+             emit: Callable[[dict[str, Any]], None] = lambda row: None) -> dict[str, Any]:
+    """One mode's losses over --steps steps of the stream; `emit` gets the row at every checkpoint, so a run cut
+    off later keeps the checkpoints it reached."""
+    import automp
+    row: dict[str, Any] = {"model": model, "mode": mode, "steps": opts.steps, "window": opts.window,
+                           "loss_at": {}, "seconds": None, "fp8_fallback": None}
+    torch.manual_seed(0)
+    work = MODELS[model][0](opts.quick, opts.device, opts.layers)
+    first = work.batches[0]["input_ids"]
+    work.batches = TokenStream(work.model.config.vocab_size, first.shape[0], first.shape[1], opts.device,
+                               opts.steps)
+    losses = torch.full((opts.steps,), math.nan, device=opts.device)
+    enabled = False
+    t0 = time.perf_counter()
+    try:
+        if mode.startswith("automp"):  # FP8 where the machine has none: enable raises, the row says why
+            automp.enable(dtype=mode.split("-")[1])
+            enabled = True
+        step = LOOPS[mode](work, opts.device)
+        for i in range(opts.steps):
+            losses[i].copy_(step())  # on the device: no host read per step (a CUDA graph's output is overwritten)
+            if i + 1 in opts.at:
+                _read(row, losses, opts, i + 1, time.perf_counter() - t0)
+                emit(row)
+    except Exception as e:  # noqa: BLE001 - a failing mode keeps what it measured and says why
+        row["error"] = one_line(e)
+    finally:
+        report = automp.disable() if enabled else None
+    _read(row, losses, opts, opts.steps, time.perf_counter() - t0)
+    if report is not None:
+        row["fp8_fallback"] = report.get("fp8_fallback")
+        row["fp8_layers"] = sum(per.get("fp8_layers", 0) for per in report.get("fp8", {}).values())
+    return row
+
+
+def _read(row: dict[str, Any], losses: torch.Tensor, opts: argparse.Namespace, done: int, seconds: float) -> None:
+    """The row's windowed losses at the checkpoints reached after `done` steps, and its loss curve so far."""
+    values = losses[:done].cpu().tolist()
+    row["seconds"] = round(seconds, 1)
+    for at in (a for a in opts.at if a <= done):
+        window = values[max(0, at - opts.window):at]
+        if window and all(math.isfinite(v) for v in window):
+            row["loss_at"][str(at)] = round(sum(window) / len(window), 5)
+    row["curve"] = [round(v, 4) if math.isfinite(v) else None for v in values[opts.window - 1::opts.window]]
+
+
+def gaps(rows: list[dict[str, Any]]) -> None:
+    """Each row's relative loss gap to the anchor's at every checkpoint both reached: (loss - anchor) / anchor."""
+    anchors = {r["model"]: r["loss_at"] for r in rows if r["mode"] == ANCHOR}
+    for r in rows:
+        ref = anchors.get(r["model"], {})
+        r["gap_vs_bf16"] = {at: round((v - ref[at]) / ref[at], 5) for at, v in r["loss_at"].items()
+                            if at in ref and ref[at]}
+
+
+def markdown(rows: list[dict[str, Any]], device: str) -> str:
+    lines = [f"# automp bench fp8_parity · {device} · torch {torch.__version__}", "",
+             f"loss: mean over the {rows[0]['window'] if rows else WINDOW} steps ending at the checkpoint, fresh batches of a stream with floor "
+             f"ln({K}) = {math.log(K):.2f}; gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
+             "| model | mode | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
+             "|---|---|---:|---|---|---:|---|"]
+    for r in rows:
+        at = ", ".join(f"{k}: {v:.4f}" for k, v in r["loss_at"].items())
+        gap = ", ".join(f"{k}: {100 * v:+.2f}%" for k, v in r.get("gap_vs_bf16", {}).items())
+        notes = "; ".join(x for x in (r.get("error"), f"fell back to bf16: {r['fp8_fallback']}"
+                                      if r.get("fp8_fallback") else None,
+                                      f"{r['fp8_layers']} FP8 layers" if r.get("fp8_layers") is not None else None)
+                          if x)
+        lines.append(f"| {r['model']} | {r['mode']} | {r['steps']} | {at} | {gap} | {fmt(r['seconds'], '.0f')} | "
+                     f"{notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def _merge(path: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows already in `path` (another process's modes) with `new` replacing those of the same model and mode."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = []
+    keys = {(r["model"], r["mode"]) for r in new}
+    return [r for r in old if isinstance(r, dict) and (r.get("model"), r.get("mode")) not in keys] + new
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="automp bench fp8_parity", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama-d2048", help=f"comma-separated, from {', '.join(LM_MODELS)}")
+    p.add_argument("--modes", default=f"{ANCHOR},automp-fp8", help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--at", default="500,2000", help="checkpoints (steps) where the windowed loss is read")
+    p.add_argument("--window", type=int, default=WINDOW, help="steps averaged at each checkpoint")
+    p.add_argument("--layers", type=int, default=4, help="llama-d4096's layers")
+    p.add_argument("--quick", action="store_true", help="tiny dims (a CPU smoke run)")
+    p.add_argument("--out", default=None, help="writes OUT.json and .md (default: benchmarks/fp8-parity-<gpu>)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_name() if args.device == "cuda" else "cpu"
+    args.out = args.out or os.path.join("benchmarks", f"fp8-parity-{gpu_slug(device)}" + ("-quick" if args.quick
+                                                                                          else ""))
+    try:
+        args.at = sorted({int(a) for a in args.at.split(",") if a.strip()})
+    except ValueError:
+        args.at = [0]
+    error = usage_problem([("--models", args.models, LM_MODELS), ("--modes", args.modes, MODES)],
+                          [("--steps", args.steps, 1), ("--window", args.window, 1),
+                           ("--layers", args.layers, 1)] + [("--at", a, 1) for a in args.at], args.out)
+    if not error and args.at[-1] > args.steps:
+        error = f"--at {args.at[-1]} is past --steps {args.steps}"
+    if error:
+        print(f"automp bench fp8_parity: {error}", file=sys.stderr)
+        return 2
+    out_dir, stem = os.path.split(os.path.abspath(args.out))
+    meta = {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    mine: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def emit(row: dict[str, Any]) -> None:
+        mine[row["model"], row["mode"]] = dict(row, **meta)
+        rows = _merge(args.out + ".json", list(mine.values()))
+        gaps(rows)
+        write_json_and_markdown(out_dir, stem, rows, markdown(rows, device))
+        print(f"[{row['model']}] {row['mode']}: loss {row['loss_at']} after {row['seconds']} s"
+              + (f" ({row['error']})" if row.get("error") else ""), flush=True)
+
+    for model in args.models.split(","):
+        for mode in args.modes.split(","):
+            emit(run_mode(model, mode, args, emit))
+    print(f"wrote {args.out}.json, .md", flush=True)
+    return 0

@@ -1,0 +1,58 @@
+"""`automp bench fp8_parity`: a stream that can be learned but not memorized, windowed losses at checkpoints, rows of
+separate processes merged into one file with their gaps to the bf16 anchor, and usage errors before anything runs."""
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from automp.bench.suites import fp8_parity as par
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def test_stream_is_the_same_for_every_reader_and_each_token_has_k_successors():
+    a = par.TokenStream(1000, 3, 64, "cpu", steps=10)
+    b = par.TokenStream(1000, 3, 64, "cpu", steps=10)
+    assert len(a) == 10
+    assert torch.equal(a[4]["input_ids"], b[4]["input_ids"])  # another process sees the same batch
+    assert not torch.equal(a[4]["input_ids"], a[5]["input_ids"])  # a fresh batch every step
+    ids = a[7]["input_ids"]
+    assert ids.min() >= 0 and ids.max() < 1000 and torch.equal(ids, a[7]["labels"])
+    step = (ids[:, 1:] - ids[:, :-1] - par.STRIDE) % 1000  # what was drawn after each token
+    assert step.min() >= 0 and step.max() < par.K
+    assert len(torch.unique(step)) == par.K  # every successor occurs: the floor is ln(K), not lower
+
+
+def test_gaps_are_relative_to_the_anchor_at_shared_checkpoints():
+    rows = [{"model": "m", "mode": "automp-fp8", "loss_at": {"500": 5.05, "2000": 3.0}},
+            {"model": "m", "mode": par.ANCHOR, "loss_at": {"500": 5.0}}]
+    par.gaps(rows)
+    assert rows[0]["gap_vs_bf16"] == {"500": pytest.approx(0.01)}
+    assert rows[1]["gap_vs_bf16"] == {"500": 0.0}
+
+
+def test_usage_errors_name_the_problem(tmp_path, capsys):
+    assert par.main(["--models", "vit-l16", "--out", str(tmp_path / "x")]) == 2
+    assert "--models" in capsys.readouterr().err
+    assert par.main(["--steps", "10", "--at", "5,20", "--out", str(tmp_path / "x")]) == 2
+    assert "--at 20 is past --steps 10" in capsys.readouterr().err
+    assert par.main(["--at", "five", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_two_runs_build_one_file_with_gaps(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "parity"
+    common = ["--quick", "--models", "gpt2", "--steps", "6", "--at", "3,6", "--window", "3", "--out", str(out)]
+    assert par.main([*common, "--modes", "automp-bf16"]) == 0
+    monkeypatch.setattr(par, "ANCHOR", "automp-bf16")  # the anchor's compile is too slow for a CPU test
+    assert par.main([*common, "--modes", "automp-fp8"]) == 0  # no FP8 on a CPU: enable raises, the row says so
+    rows = {r["mode"]: r for r in json.loads(out.with_suffix(".json").read_text())}
+    assert set(rows) == {"automp-bf16", "automp-fp8"}
+    bf16 = rows["automp-bf16"]
+    assert set(bf16["loss_at"]) == {"3", "6"} and all(math.isfinite(v) and v > 0 for v in bf16["loss_at"].values())
+    assert bf16["gap_vs_bf16"] == {"3": 0.0, "6": 0.0} and len(bf16["curve"]) == 2
+    assert "error" in rows["automp-fp8"] and rows["automp-fp8"]["loss_at"] == {}
+    assert "automp-fp8" in out.with_suffix(".md").read_text()
