@@ -17,25 +17,31 @@ Accuracy: a small Llama (GPU: 4 layers, d=256; byte-level) trained here on the P
 (read with `ast` from the source files, not imported: importing the whole stdlib has side effects), then held-out
 perplexity (files split by a hash of their path) for fp16, int8, int4 and int4 + AWQ, and the change vs fp16.
 
+Speed matrix (automp.bench.llm_speed), when any of its options (--model, --layers, --batches, --cases,
+--case-timeout, --time-limit, --profile) is given:
+fp16-compiled (the anchor), automp-int8/int4 and torchao-int8/int4 at each batch size on a random Llama-3-8B-shaped
+(or TinyLlama-shaped) model, rows merged into `<out>/llm-<gpu>.json`; --profile adds where one batch-1 step's kernel
+time goes (automp.bench.llm_profile). Speed only.
+
 --quick: the same on the CPU with tiny models (Triton interpreter for the kernels), a smoke test of under a minute.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import math
 import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from automp.bench.harness import copy_bandwidth_gbps, device_name
+from automp.bench.harness import copy_bandwidth_gbps, device_name, gpu_slug, usage_problem
+from automp.bench.llm_results import CASES
+from automp.bench.llm_speed import free, median_seconds
 from automp.files import write_json_and_markdown
 from automp.llm.corpus import stdlib_docstrings
 
@@ -125,29 +131,6 @@ def perplexity(model: torch.nn.Module, data: torch.Tensor, seq: int, n_seqs: int
 
 
 # ----------------------------------------------------------------------------------------------- speed
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    """Models and their decoders (CUDA graphs, compiled code) form reference cycles: collect them now."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _decode_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every weight once, except the input embedding (one row per token) unless it is
     also the output head."""
@@ -169,9 +152,9 @@ def speed_case(name: str, model: torch.nn.Module, run: Callable[[int], torch.Ten
         raise RuntimeError(f"{name}: generated {out.shape[1] - cfg.prompt} tokens, expected {n}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    full = _seconds(lambda: run(n), device, cfg.repeats)
+    full = median_seconds(lambda: run(n), device, cfg.repeats)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    one = _seconds(lambda: run(1), device, cfg.repeats)
+    one = median_seconds(lambda: run(1), device, cfg.repeats)
     per_token = (full - one) / (n - 1) if full > one else float("nan")  # nan: below timing noise
     floor = _decode_bytes(model) / (bandwidth_gbps * 1e9)
     info = decode_info(model) if name.startswith("automp") else {"cache": "dynamic", "mode": "eager"}
@@ -204,7 +187,7 @@ def speed(cfg: BenchConfig, mode: str) -> tuple[list[dict], float]:
     rows = [speed_case("hf-generate-fp16", base, hf, cfg, bandwidth, fp16_bytes),
             speed_case("automp-fp16", base, lambda n: generate(base, ids, n, mode=mode), cfg, bandwidth, fp16_bytes)]
     base = None  # free it (and its decoder) before the quantized models
-    _free()
+    free()
     edges = dict(quantize_lm_head=True, quantize_embeddings=True, edge_scheme="int8")  # the <= 30% memory variant
     cases = (("int8", {}, ""), ("int4", {}, ""), ("int4", {"fuse": False}, "-unfused"), ("int4", edges, "-edges-int8"))
     for scheme, kw, suffix in cases:
@@ -212,7 +195,7 @@ def speed(cfg: BenchConfig, mode: str) -> tuple[list[dict], float]:
         run = lambda n, q=q: generate(q, ids, n, mode=mode)  # noqa: E731
         rows.append(speed_case(f"automp-{scheme}-g{cfg.group}{suffix}", q, run, cfg, bandwidth, fp16_bytes))
         q = None
-        _free()
+        free()
     return rows, bandwidth
 
 
@@ -288,12 +271,81 @@ def write(result: dict, out: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="automp llm bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU (smoke test, < 1 minute)")
-    p.add_argument("--out", default="bench-results", help="directory for llm.json and llm.md")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for llm.json and llm.md (the speed matrix: llm-<gpu>.json and .md)")
     p.add_argument("--decode", choices=["compile", "graph", "eager"], default="compile",
                    help="decode step of automp rows: compiled + CUDA graph, CUDA graph only, or eager")
     p.add_argument("--train-seconds", type=float, default=None, help="cap on the accuracy model's training time")
     p.add_argument("--only", choices=["speed", "accuracy"], default=None, help="run one half of the benchmark")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="tokens generated per timed speed call (default 128; --quick 4)")
+    m = p.add_argument_group("speed matrix (any of these: decode speed by case and batch size, into "
+                             "<out>/llm-<gpu>.json, merged with earlier runs; speed only)")
+    m.add_argument("--model", default=None, help="llama-8b-shape (default) or llama-1b: random weights, built here")
+    m.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's own: 32 / 22)")
+    m.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1)")
+    m.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(CASES) + " (default: all)")
+    m.add_argument("--case-timeout", type=float, default=None,
+                   help="seconds per case, all its batch sizes (default 150; 0 = none): the rest is skipped")
+    m.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for the whole matrix (default 0 = none): cases not started by then are skipped")
+    m.add_argument("--profile", action="store_true",
+                   help="also profile one batch-1 decode step per case into <out>/llm-profile-<gpu>.json")
     return p
+
+
+def _batches(text: str) -> tuple[tuple[int, ...], str | None]:
+    """--batches as sizes in the given order, or a usage error."""
+    try:
+        sizes = tuple(dict.fromkeys(int(b) for b in text.split(",")))
+    except ValueError:
+        return (), f"--batches: expected comma-separated whole numbers, got {text!r}"
+    if min(sizes) < 1:
+        return (), f"--batches: batch sizes must be at least 1, got {text!r}"
+    return sizes, None
+
+
+def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConfig) -> int:
+    """The speed matrix (automp.bench.llm_speed): usage errors before any work, one line, rc 2."""
+    from automp.bench import llm_profile
+    from automp.bench.llm_results import Results, markdown as matrix_markdown
+    from automp.bench.llm_speed import MODELS, Matrix, run_matrix
+    slug = gpu_slug(device_name() if cfg.device == "cuda" else "cpu")
+    case_timeout = 150.0 if args.case_timeout is None else args.case_timeout
+    time_limit = args.time_limit or 0.0
+    batches, error = _batches(args.batches or "1")
+    model = args.model or "llama-8b-shape"
+    error = error or (f"--model: unknown {model!r}; choose from {', '.join(MODELS)}" if model not in MODELS else None)
+    error = error or ("the speed matrix's options measure speed: drop --only accuracy"
+                      if args.only == "accuracy" else None)
+    error = error or usage_problem(
+        [("--cases", args.cases or ",".join(CASES), CASES)],
+        [("--layers", 1 if args.layers is None else args.layers, 1),
+         ("--case-timeout", case_timeout, 0), ("--time-limit", time_limit, 0)],
+        os.path.join(args.out, f"llm-{slug}"), exts=(".json", ".md"))
+    try:
+        results = Results(args.out, f"llm-{slug}", matrix_markdown) if not error else None
+        profiles = Results(args.out, f"llm-profile-{slug}", llm_profile.markdown) if args.profile and results \
+            else None
+    except ValueError as e:
+        error = f"--out: {e}"
+    if error:
+        print(f"automp llm bench: error: {error}", file=sys.stderr)
+        return 2
+    if not args.quick and not torch.cuda.is_available():
+        print("automp llm bench: error: the speed matrix needs a CUDA GPU (use --quick on the CPU)", file=sys.stderr)
+        return 1
+    m = Matrix(model=model, layers=args.layers, batches=batches, cases=tuple((args.cases or ",".join(CASES)).split(
+        ",")), prompt=cfg.prompt, new_tokens=cfg.new_tokens, repeats=3, group=cfg.group,
+        device=cfg.device, tiny=args.quick, mode="eager" if cfg.device == "cpu" else args.decode,
+        case_timeout=case_timeout, time_limit=time_limit, profile=args.profile)
+    meta = {"device": device_name() if cfg.device == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "command": "automp llm bench " + " ".join(argv or [])}
+    run_matrix(m, results, profiles, meta, _log)
+    print(matrix_markdown(results.rows))
+    if profiles is not None:
+        print(llm_profile.markdown(profiles.rows))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,17 +356,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         print(f"automp llm bench: error: needs the {e.name} package: pip install automp[llm]", file=sys.stderr)
         return 2
-    if not args.quick and not torch.cuda.is_available():
-        print("automp llm bench: error: the full benchmark needs a CUDA GPU (use --quick on the CPU)", file=sys.stderr)
-        return 1
     cfg = QUICK if args.quick else GPU
     if cfg.device == "cpu":
         if "triton" not in sys.modules:  # exercise the kernels (interpreted), not the torch fallback
             os.environ.setdefault("TRITON_INTERPRET", "1")
         # Tiny ops: with a second thread, each op waits on a busy core's scheduler slice (100x slower under load).
         torch.set_num_threads(1)
+    if args.new_tokens is not None:
+        if args.new_tokens < 2:
+            print(f"automp llm bench: error: --new-tokens must be at least 2, got {args.new_tokens}", file=sys.stderr)
+            return 2
+        cfg = replace(cfg, new_tokens=args.new_tokens)
+    if args.profile or any(v is not None for v in (args.model, args.layers, args.batches, args.cases,
+                                                    args.case_timeout, args.time_limit)):
+        return _matrix(args, argv, cfg)
+    if not args.quick and not torch.cuda.is_available():
+        print("automp llm bench: error: the full benchmark needs a CUDA GPU (use --quick on the CPU)", file=sys.stderr)
+        return 1
     if args.train_seconds is not None:
-        cfg = BenchConfig(**{**asdict(cfg), "train_seconds": args.train_seconds})
+        cfg = replace(cfg, train_seconds=args.train_seconds)
     mode = "eager" if cfg.device == "cpu" else args.decode
     t0 = time.perf_counter()
     rows, bandwidth = speed(cfg, mode) if args.only != "accuracy" else ([], None)

@@ -1,0 +1,137 @@
+"""`automp llm bench ... --profile`: where one batch-1 decode step's time goes, per case.
+
+At batch 1 a step should cost its weight bytes over the memory bandwidth; int4 reads a quarter of fp16's bytes yet
+is not four times as fast. One step (after warm-up: compiled and replayed as a CUDA graph, as it is timed) runs under
+torch.profiler with CUDA activities, and its kernels' time is summed by category from their names:
+  quantized   automp's weight-only kernels (_wq_gemv / _wq_rows / _wq_gemm and the split-K sum), torchao's
+              (tinygemm's int4pack, int8 kernels): the work of reading the packed weights
+  attention   flash / memory-efficient / fused attention, softmax
+  matmul      any other GEMM / GEMV (cuBLAS, CUTLASS, Inductor's mm templates): the 16-bit lm_head above all
+  other       norms, rotary, cache writes, sampling, copies: what a step spends beside reading weights
+beside the step's wall time (median of replays without the profiler): wall minus kernel time is the GPU idling
+between kernels. The largest kernels by name are kept, so a category can be checked against what ran. If a graph
+replay shows no kernels to the profiler, the compiled step runs uncaptured instead and the row says so. On the CPU
+(--quick) the aten ops' own CPU time stands in for kernels.
+
+Rows merge by (model, case, batch) into `<out>/llm-profile-<gpu>.json` (and `.md`).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from automp.bench.harness import fmt, header
+from automp.bench.llm_speed import one_line, sync
+
+CATEGORIES = ("quantized", "attention", "matmul", "other")
+_PATTERNS = (  # first match wins
+    ("quantized", re.compile(r"_wq_|split_sum|int4pack|tinygemm|int8|int4|dequant", re.I)),
+    ("attention", re.compile(r"attention|attn|flash|fmha|sdpa|softmax", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|splitk|triton_tem|(^|[_:])(b|add)?mm(_|$)",
+                          re.I)),
+)
+
+
+def category(name: str) -> str:
+    return next((cat for cat, pattern in _PATTERNS if pattern.search(name)), "other")
+
+
+def _kernels(prof, cuda: bool) -> list[tuple[str, float]]:
+    """(name, microseconds) of every kernel the profile saw (aten ops' self time on the CPU)."""
+    from torch.autograd import DeviceType
+    if cuda:
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events()
+            if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+
+
+def _profiled(fn: Callable[[], object], device: torch.device) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync(device)
+    return _kernels(prof, cuda)
+
+
+@torch.no_grad()  # as generate runs it: a step under grad mode would be another compile
+def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10) -> dict:
+    """Kernel time by category and wall time of one batch-1 decode step of `model`, whose last generate() made the
+    decoder for batch 1 and `length` tokens (the one reused here: no new compile)."""
+    from automp.llm.generate import _decoder
+    dec = _decoder(model, 1, length, mode)
+    device = dec.device
+    tok = torch.zeros(1, dtype=torch.long, device=device)
+    replays = min(replays, dec.max_len - dec.next_pos - 3)  # every step fills one more cache slot
+    if replays < 1:
+        raise RuntimeError(f"the decoder has {dec.max_len - dec.next_pos} free cache slots, need at least 4")
+    for _ in range(2):  # compiled and captured already, unless this decoder is new
+        dec.step(tok)
+    walls = []
+    for _ in range(replays):
+        sync(device)
+        t0 = time.perf_counter()
+        dec.step(tok)
+        sync(device)
+        walls.append(time.perf_counter() - t0)
+    kernels = _profiled(lambda: dec.step(tok), device)
+    source = "graph replay" if dec.graph is not None else f"{dec.mode} step"
+    if not kernels and device.type == "cuda":
+        kernels = _profiled(lambda: dec.fn(*dec.args), device)
+        source = f"{dec.mode} step uncaptured (the graph replay showed the profiler no kernels)"
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list] = {}
+    for name, us in kernels:
+        cat = category(name)
+        by_cat[cat] += us / 1e3
+        entry = by_name.setdefault(name, [name[:120], 0.0, 0, cat])
+        entry[1] += us / 1e3
+        entry[2] += 1
+    top = sorted(by_name.values(), key=lambda e: -e[1])[:12]
+    return {"step_ms": statistics.median(walls) * 1e3, "kernel_ms": sum(by_cat.values()), "kernels": len(kernels),
+            **{f"{c}_ms": by_cat.get(c, 0.0) for c in CATEGORIES}, "source": source,
+            "top": [{"name": n, "ms": round(ms, 4), "count": k, "category": c} for n, ms, k, c in top]}
+
+
+def profile_case(model: nn.Module, m, case: str, row: dict, profiles, expired: list,
+                 log: Callable[[str], None]) -> None:
+    """The case's profile row at batch 1 (after a batch-1 generate: reuses the decoder if batch 1 was just timed)."""
+    from automp.llm.generate import generate
+    row = {k: v for k, v in row.items() if v is not None and v != ""}  # the speed row's unfilled keys
+    ids = torch.randint(0, model.config.vocab_size, (1, m.prompt), generator=torch.Generator().manual_seed(1))
+    try:
+        generate(model, ids.to(m.device), m.new_tokens, mode=m.mode)
+        if expired:
+            raise expired[0]
+        row.update(profile_step(model, m.prompt + m.new_tokens, m.mode))
+    except Exception as e:
+        if expired or isinstance(e, TimeoutError):
+            raise
+        row["error"] = one_line(e)
+    profiles.add(row)
+    log(f"{case} profile: " + (row.get("error") or ", ".join(
+        f"{k} {row[k]:.3f}" for k in ("step_ms", "kernel_ms", *(f"{c}_ms" for c in CATEGORIES)))))
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = header("llm profile", rows, [
+        "one batch-1 decode step under torch.profiler; ms of kernel time by category, step = wall time of a step "
+        "without the profiler (median of replays)"])
+    lines += ["", "| model | layers | case | step ms | kernels ms | quantized | attention | matmul | other | kernels | "
+              "largest kernel | notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        top = r.get("top") or [{}]
+        biggest = f"{top[0].get('name', '')[:60]} ({fmt(top[0].get('ms'), '.3f')})" if top[0] else ""
+        lines.append(f"| {r['model']} | {r.get('layers', '')} | {r['case']} | {fmt(r.get('step_ms'), '.3f')} | "
+                     f"{fmt(r.get('kernel_ms'), '.3f')} | "
+                     + " | ".join(fmt(r.get(f"{c}_ms"), ".3f") for c in CATEGORIES)
+                     + f" | {r.get('kernels', '')} | {biggest.replace('|', '/')} | "
+                     f"{(r.get('error') or r.get('source') or '').replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
