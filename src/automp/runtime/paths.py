@@ -17,10 +17,11 @@ import torch.nn as nn
 
 from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool, input_grads
+from automp.runtime.fp32_bound import Fp32Floor
 from automp.runtime.report import Recorder
 from automp.runtime.trial import (COMPILED_PATHS, GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Path, Trial,
                                   TrialConfig, Verdict, candidate_paths, confirmation)
-from automp.runtime.ranks import agreed, for_ranks
+from automp.runtime.ranks import agreed, distributed, for_ranks
 from automp.runtime.recompile_watch import CompileWatch, watch_for
 from automp.runtime.unread_outputs import FieldReads
 from automp.runtime.verdicts import VerdictCache
@@ -66,8 +67,10 @@ class RootPaths:
 
     def __init__(self, roots: "weakref.WeakKeyDictionary[nn.Module, Root]", cache: VerdictCache, recorder: Recorder,
                  trial_config: TrialConfig, clock: Callable[[], float], config: AutoMPConfig, scaling: Scaling,
-                 forget: Callable[[nn.Module], None] = lambda module: None) -> None:
+                 forget: Callable[[nn.Module], None] = lambda module: None,
+                 fp32_rate: Callable[[torch.device], float | None] | None = None) -> None:
         self.roots, self.cache, self.recorder = roots, cache, recorder
+        self.fp32_rate = fp32_rate  # a device's fastest FP32 GEMM TFLOP/s (automp.runtime.fp32_bound); None: no bound
         self.trial_config, self.clock, self.config, self.scaling, self.forget = (trial_config, clock, config,
                                                                                   scaling, forget)
         self.unfinished: dict[Trial, list[str]] = {}  # labels of modules in trials still running
@@ -93,7 +96,7 @@ class RootPaths:
             return
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
             self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
-                               later=RECORD_LAST)
+                               later=RECORD_LAST, floor=self._floor(root, candidates))
             self.unfinished[self.trial] = []
         root.trial = self.trial
         self.unfinished[self.trial].append(root.label)
@@ -208,7 +211,7 @@ class RootPaths:
         why = why or (f"{Path.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
                       f"recorded again for every shape, so it runs without them")
         self.move(root, Verdict(WITHOUT_GRAPHS.get(root.path, Path.COMPILED_AUTOCAST), f"{why} ({old.reason})",
-                                dict(old.timings_ms)))
+                                dict(old.timings_ms), bounds=dict(old.bounds)))
 
     def move(self, root: Root, verdict: Verdict) -> None:
         """Off its path after the verdict, for good: `verdict` from now on, no re-measurement, and in the cache."""
@@ -233,14 +236,24 @@ class RootPaths:
         """Trials and re-measurements the script ended (or the module was freed) before: what they had measured."""
         for trial, labels in self.unfinished.items():
             timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
+            bounds = {"bounds": dict(trial.bounds)} if trial.bounds else {}
             for label in labels:
-                self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False},
+                self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False, **bounds},
                                          f"trial unfinished: the script ended (or the module was freed) before its "
                                          f"candidates were measured; it ran {trial.current.value} last")
         for root in self.roots.values():  # the script ended before the verdict was re-measured: it stands as is
             if root.confirm is not None and root.verdict is not None:
                 self.recorder.add_choice(root.label, root.verdict.as_dict(), f"{root.verdict.reason}; not "
                                          f"re-measured in steady state: the script ended first")
+
+    def _floor(self, root: Root, candidates: list[Path]) -> Fp32Floor | None:
+        """The lower bound that may rule FP32 eager out of a trial before it runs (automp.runtime.fp32_bound): where
+        low precision eager, which it is counted on, is a candidate too, and the device has a calibrated FP32 rate.
+        Not under torch.distributed, where no candidate is dropped early (ranks.for_ranks)."""
+        bounded = (self.fp32_rate is not None and {Path.FP32, Path.EAGER_LOW} <= set(candidates)
+                   and not distributed())
+        rate = self.fp32_rate(root.device) if bounded else None
+        return Fp32Floor(rate) if rate else None
 
     def _pause_scaling_if_fp32(self) -> None:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
@@ -280,8 +293,9 @@ class RootPaths:
         if self.config.forced_path is not None:
             self.decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
             return
-        root.trial = Trial([Path.EAGER_LOW, Path.FP32], for_ranks(self.trial_config), self.clock, sync_for(root.device),
-                           note=input_grads.REASON)
+        eager = [Path.EAGER_LOW, Path.FP32]
+        root.trial = Trial(eager, for_ranks(self.trial_config), self.clock, sync_for(root.device),
+                           note=input_grads.REASON, floor=self._floor(root, eager))
         root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
 
@@ -309,6 +323,16 @@ class CalibratedCandidates:
         if doubts:  # the report says what a warning said: this run decided on figures not trusted beyond it
             why += f" (device calibration used for this run only, not cached: {'; '.join(doubts)})"
         return paths, why
+
+    def fp32_tflops(self, device: torch.device) -> float | None:
+        """The fastest FP32 GEMM rate this device's calibration measured (TFLOP/s, its best size): the rate that bounds
+        FP32 eager's step from below (automp.runtime.fp32_bound). None, so no bound: off CUDA (the bound is for a GPU
+        trial's peak memory; a CPU's trial times the two eager paths only), before calibration, and where the
+        calibration is doubted (a disturbed measurement reads slow, and a rate read slow would put the bound too
+        high)."""
+        cal = self.calibrations.get(device)
+        rates = cal.gemm_tflops.get("float32") if cal is not None and not cal.doubts else None
+        return max(rates.values()) if device.type == "cuda" and rates else None
 
 
 # Why a module runs as written (a report's choice "rule" where its "path" is "as-written").

@@ -9,13 +9,15 @@ model is already half precision). Every such choice lands in the report with its
 path once a trial has spoken is automp.runtime.paths.RootPaths, which the session holds.
 
 The trial's collaborators are passed in, not reached through globals: `candidates` (which paths a device can
-win on), `clock` and `cache` (the verdicts). A test builds a `Session` with its own, or replaces `open_session`,
-the factory `automp.enable()` and `automp.compile()` call, to inject them into the session those open.
+win on), `clock`, `cache` (the verdicts) and `fp32_rate` (what bounds FP32 eager, automp.runtime.fp32_bound). A test
+builds a `Session` with its own, or replaces `open_session`, the factory `automp.enable()` and `automp.compile()`
+call, to inject them into the session those open.
 """
 from __future__ import annotations
 
 import time
 import weakref
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -58,10 +60,11 @@ class Session:
     def __init__(self, config: AutoMPConfig, recorder: Recorder | None = None, *, candidates: Candidates | None = None,
                  clock: Callable[[], float] = time.perf_counter, cache: VerdictCache | None = None,
                  trial_config: TrialConfig | None = None, allocator: ExpandableSegments | None = None,
-                 fp8: Fp8Layers | None = None) -> None:
+                 fp8: Fp8Layers | None = None, fp32_rate: Callable[[torch.device], float | None] | None = None) -> None:
         self.config = config
         self.recorder = recorder if recorder is not None else Recorder()
-        self.candidates = candidates or CalibratedCandidates(config.cache_dir)
+        calibrated = CalibratedCandidates(config.cache_dir)
+        self.candidates = candidates or calibrated
         self.clock = clock
         self.cache = cache if cache is not None else VerdictCache(config.cache_dir)
         self.trial_config = trial_config or TrialConfig()
@@ -71,7 +74,8 @@ class Session:
         self.roots: weakref.WeakKeyDictionary[nn.Module, Root] = weakref.WeakKeyDictionary()
         self.scaling = Scaling(config, self._record_scaling)
         self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
-                               forget=self._forget_layout)
+                               forget=self._forget_layout,
+                               fp32_rate=fp32_rate or (None if candidates else calibrated.fp32_tflops))
         self.labels: dict[str, int] = {}
         self.breaks_before: dict[str, int] = {}
         self.casts = SharedCasts()  # the eager path's weight casts, kept across calls
@@ -253,8 +257,9 @@ class Session:
         try:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
-            if path is Path.EAGER_LOW:
-                return self._deliver(root, self.casts.call(module, root, args, kwargs), None)
+            if path is Path.EAGER_LOW:  # counted in its trial's first iteration (automp.runtime.fp32_bound)
+                forward = partial(self.casts.call, module, root, args, kwargs)
+                return self._deliver(root, root.trial.counted(module, forward) if root.trial else forward(), None)
             compiled = built(root, path)
             if compiled is None:
                 self._before_compile(root)

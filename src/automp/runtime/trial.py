@@ -18,6 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from automp.runtime.fp32_bound import RULED_OUT, Fp32Floor
+
 
 class Path(enum.Enum):
     """How a root module runs. The values are what reports and the verdict cache store."""
@@ -70,7 +72,8 @@ class TrialConfig:
     trial lead and then ran at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured
     once, after this many iterations on it, against the eager paths that came within confirm_within of it (see
     `confirmation`); 0: never. churn: a compiled path's recompiling training calls after its verdict before it may go
-    back to the eager path it beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never."""
+    back to the eager path it beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never.
+    give_up also rules FP32 eager out before it runs, by a lower bound of its step (automp.runtime.fp32_bound)."""
 
     warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
                                                              Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3,
@@ -99,10 +102,13 @@ class Verdict:
     # a run crashed in a double backward on a compiled path (automp.runtime.input_grads): a new trial of the eager
     # paths, not a verdict; cached, not reported
     eager_only: bool = False
+    # what a lower bound said of a path before it ran, by the path's value: {"rule", and its figures}
+    # (automp.runtime.fp32_bound); reported
+    bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
-                "confirmed": self.confirmed}
+                "confirmed": self.confirmed, **({"bounds": self.bounds} if self.bounds else {})}
 
 
 class Trial:
@@ -121,12 +127,15 @@ class Trial:
     after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
     synchronized iteration does not. On an H100 (scripts/trial_timing.py) one synchronized iteration measured
     automp-compiled 11-12% slower than its unsynchronized steps on the LSTM and the detector, and the eager paths
-    from 7% slower to 5% faster: an error of the size of the margins the trial decides by. Two iterations halve it."""
+    from 7% slower to 5% faster: an error of the size of the margins the trial decides by. Two iterations halve it.
+
+    `floor` (automp.runtime.fp32_bound): low precision eager warms up before FP32 eager, its GEMMs counted, and FP32
+    eager is dropped before it ever runs where that count bounds it above give_up x that first iteration."""
 
     def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
                  sync: Callable[[], None], note: str = "", incumbent: Path | None = None,
                  warmup: Mapping[Path, int] | None = None, clock_member: int | None = None,
-                 later: Iterable[Path] = ()):
+                 later: Iterable[Path] = (), floor: Fp32Floor | None = None):
         if not candidates:
             raise ValueError("a trial needs at least one candidate path")
         self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
@@ -143,6 +152,11 @@ class Trial:
         # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each
         self._queue: list[tuple[Path, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
                                                      if c not in self._later and warmup.get(c, 1) > 0]
+        self.floor = floor
+        self.bounds: dict[str, dict[str, Any]] = {}  # Verdict.bounds
+        self._count: Any = None  # the GEMM count of the interval running, while it bounds FP32 eager (_begin)
+        if floor is not None:  # FP32's warm-up after low precision eager's, which bounds it
+            self._queue.sort(key=lambda q: q[0] is Path.FP32)
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
@@ -178,7 +192,7 @@ class Trial:
         self._others = {}
         if self._start is None:
             self.sync()
-            self._start = self.clock()
+            self._begin()
             return
         path, timed, iterations = self._queue[0]
         self._done += 1
@@ -188,11 +202,36 @@ class Trial:
         now = self.clock()
         if timed:
             self.samples[path].append((now - self._start) / iterations)
+        elif self._count is not None:
+            self._judge_fp32(now - self._start, iterations)
         self._queue.pop(0)
         self._done = 0
         if not self._queue:
             self._refill()
-        self._start = self.clock()  # bookkeeping above is not charged to the next candidate
+        self._begin()  # bookkeeping above is not charged to the next candidate
+
+    def counted(self, module: Any, forward: Callable[[], Any]) -> Any:
+        """forward(), a call of `module` on the current path; its GEMMs counted while they bound FP32 eager."""
+        return forward() if self._count is None else self._count.run(module, forward)
+
+    def _begin(self) -> None:
+        """An interval starts now. Low precision eager's warm-up, with FP32 eager's still to come, is counted."""
+        head = self._queue[0] if self._queue and self.verdict is None else None
+        bounds = (self.floor is not None and head is not None and head[0] is Path.EAGER_LOW and not head[1]
+                  and any(p is Path.FP32 and not timed for p, timed, _ in self._queue))
+        self._count = self.floor.open() if bounds else None
+        self._start = self.clock()
+
+    def _judge_fp32(self, seconds: float, iterations: int) -> None:
+        """Low precision eager's first iteration(s) ended: FP32 eager out where its count bounds it above give_up x
+        theirs (automp.runtime.fp32_bound says why that is the trial's own rule)."""
+        record, why = self.floor.judge(self._count, seconds, iterations, self.config.give_up, Path.EAGER_LOW.value)
+        self._count = None
+        self.bounds[Path.FP32.value] = record
+        if record["rule"] == RULED_OUT:
+            self.exclude({Path.FP32}, why)
+        elif why:
+            self._add_note(why)
 
     def exclude(self, paths: frozenset[Path] | set[Path], why: str) -> None:
         """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.input_grads); a sample of
@@ -208,9 +247,12 @@ class Trial:
         self._queue = [q for q in self._queue if q[0] not in paths]
         for p in paths:
             self.samples.pop(p, None)
-        self.note = f"{self.note}; {why}" if self.note else why
+        self._add_note(why)
         if not self._queue:
             self._refill()
+
+    def _add_note(self, why: str) -> None:
+        self.note = f"{self.note}; {why}" if self.note else why
 
     def substitute(self, mapping: Mapping[Path, Path], why: str) -> None:
         """Run mapping's values in place of its keys, none of which has been timed yet: where CUDA graphs do not fit,
@@ -228,7 +270,7 @@ class Trial:
         self.samples = {swap(p): s for p, s in self.samples.items()}
         self._queue = [(swap(p), timed, n if timed or p not in mapping else self._warmup.get(swap(p), n))
                        for p, timed, n in self._queue]
-        self.note = f"{self.note}; {why}" if self.note else why
+        self._add_note(why)
 
     def _refill(self) -> None:
         """Queue the next round, after pruning clear losers; decide when the rounds are done or one is left."""
@@ -291,8 +333,9 @@ class Trial:
             tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Path.FP32.value} (this "
                     f"measurement's noise), so the script runs as written")
             winner = Path.FP32
-        self.verdict = Verdict(winner, f"{why}measured per iteration: {parts}{tie}", timings,
-                               confirmed=inc is not None)
+        measured = f"measured per iteration: {parts}" if parts else "the only candidate left, nothing timed"
+        self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings,
+                               confirmed=inc is not None, bounds=dict(self.bounds))
 
     def _within(self, kept: Path, winner: Path, timings: dict[str, float], margin: float) -> bool:
         """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
@@ -342,6 +385,8 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
     before = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(verdict.timings_ms.items(), key=lambda kv: kv[1]))
     note = (f"re-measured in steady state after {config.confirm_after} iterations on {verdict.path.value} (the "
             f"trial had measured {before})")
-    return Trial([verdict.path, *rivals], config, clock, sync, note=note, incumbent=verdict.path,
-                 warmup={verdict.path: config.confirm_after, **{p: 1 for p in rivals}},
-                 clock_member=after._clock_member if after is not None else None)
+    trial = Trial([verdict.path, *rivals], config, clock, sync, note=note, incumbent=verdict.path,
+                  warmup={verdict.path: config.confirm_after, **{p: 1 for p in rivals}},
+                  clock_member=after._clock_member if after is not None else None)
+    trial.bounds = dict(verdict.bounds)  # what kept a path out of the trial keeps it out of its re-measurement
+    return trial
