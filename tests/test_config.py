@@ -73,6 +73,14 @@ def test_the_command_line_wins_over_the_environment_where_given():
     assert AutoMPConfig.from_cli(args, env).path == "auto"
 
 
+def test_fp8_output_is_off_unless_asked_for():
+    assert AutoMPConfig().fp8_output is False and AutoMPConfig(fp8_output=True).fp8_output is True
+    args = argparse.Namespace(dtype="fp8", fp8_output=True, script="s.py", args=[])
+    assert AutoMPConfig.from_cli(args, {}).fp8_output is True
+    with pytest.raises(TypeError, match="fp8_output must be"):
+        AutoMPConfig(fp8_output="yes")
+
+
 def test_fp8_keep_is_parsed_once_from_every_source():
     assert AutoMPConfig(fp8_keep="lm_head, *.self_attn.*").fp8_keep == ("lm_head", "*.self_attn.*")
     assert AutoMPConfig(fp8_keep=["lm_head"]).fp8_keep == ("lm_head",) and AutoMPConfig(fp8_keep="").fp8_keep == ()

@@ -27,7 +27,7 @@ PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graph
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
                "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep", "RANK": "rank", "WORLD_SIZE": "world_size"}
-_FLAGS = ("fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
+_FLAGS = ("fp8_output", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,10 @@ class AutoMPConfig:
     their names in the model ("lm_head", "*.self_attn.*"; a pattern also matches below a wrapper: "lm_head" is DDP's
     "module.lm_head"); a comma-separated string is split. For the layers a user knows to be sensitive, or whose FP8
     casts cost memory that matters more than their speed (the LM head's logits gradient).
+    fp8_output: let the model's output layer (the last linear layer its forward calls: an LM head, a classifier) run
+    FP8 too where measured to pay. Off by default, as torchao's and Transformer Engine's recipes leave it: on an H200
+    a 1.2B Llama whose tied LM head ran FP8 trailed bf16's loss from step ~550 on, and tracked it with the head kept
+    bf16 (BENCHMARKS.md, "FP8 loss parity").
     loss_scale: "dynamic", "off" (or None/0) or a positive constant (a number or a numeric string such as "1024");
     stored as "dynamic", None (off) or a float. Only fp16 uses it.
     report: path of the JSON precision report (made absolute now: the script may chdir). Under torchrun each rank
@@ -67,6 +71,7 @@ class AutoMPConfig:
     dtype: str = "auto"
     fp8_recipe: str = "tensorwise"
     fp8_keep: Any = ()
+    fp8_output: bool = False
     loss_scale: Any = "dynamic"
     report: str | None = None
     inner: str = "inductor"

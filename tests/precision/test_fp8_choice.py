@@ -22,7 +22,8 @@ def test_each_rule_from_injected_times_and_errors() -> None:
                 "unmeasured": GemmShape(4096, 1024, 1024)},
         errors={"big": 0.04, "small": 0.04, "noisy": 0.25, "odd": 0.05, "unmeasured": 0.04})
     layers = ["big", "small", "noisy", "odd", "unmeasured", "head_never_called"]
-    choices = fc.choose(probe, layers, table({(2048, 8192): 1.6, (64, 64): 0.7, (2048, 2048): 1.4}))
+    choices = fc.choose(probe, layers, table({(2048, 8192): 1.6, (64, 64): 0.7, (2048, 2048): 1.4}),
+                        output_fp8=True)
     assert {n: c.rule for n, c in choices.items()} == {
         "big": fc.FP8, "small": fc.NO_GAIN, "noisy": fc.ACCURACY, "odd": fc.SHAPE, "unmeasured": fc.NOT_MEASURED,
         "head_never_called": fc.NOT_CALLED}
@@ -47,13 +48,31 @@ def test_layers_named_by_fp8_keep_stay_bf16_with_their_measurements_reported() -
     assert not fc.kept("module.lm_head_norm", ("lm_head",))  # a whole name, not a prefix
 
 
+def test_the_last_layer_called_stays_bf16_unless_asked_for() -> None:
+    """The output layer is the last one the forward called, whatever its name or its place among the modules."""
+    shapes = {"blocks.0.up": GemmShape(4096, 2048, 8192), "proj_out": GemmShape(4096, 2048, 8192),
+              "blocks.1.up": GemmShape(4096, 2048, 8192)}  # call order: blocks.1.up ran last
+    probe = fc.Probe(shapes, {n: 0.04 for n in shapes})
+    layers = ["proj_out", "blocks.0.up", "blocks.1.up"]  # module order differs from call order
+    assert fc.output_layer(probe) == "blocks.1.up"
+    choices = fc.choose(probe, layers, table({(2048, 8192): 1.6}))
+    assert {n: c.rule for n, c in choices.items()} == {
+        "proj_out": fc.FP8, "blocks.0.up": fc.FP8, "blocks.1.up": fc.OUTPUT}
+    out = choices["blocks.1.up"]
+    assert out.dtype == "bf16" and out.predicted_gain == 1.6 and out.measured_error == 0.04  # still reported
+    opted = fc.choose(probe, layers, table({(2048, 8192): 1.6}), output_fp8=True)
+    assert all(c.rule == fc.FP8 for c in opted.values())
+    assert fc.output_layer(fc.Probe({}, {})) is None and fc.choose(fc.Probe({}, {}), ["x"], table({}))["x"].rule \
+        == fc.NOT_CALLED
+
+
 def test_thresholds_are_the_stated_ones() -> None:
     probe = fc.Probe({"a": GemmShape(64, 64, 64)}, {"a": fc.MAX_ERROR * 0.99})
-    at = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN}))
-    below = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN * 0.98}))
+    at = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN}), output_fp8=True)
+    below = fc.choose(probe, ["a"], table({(64, 64): fc.MIN_GAIN * 0.98}), output_fp8=True)
     assert at["a"].rule == fc.FP8 and below["a"].rule == fc.NO_GAIN
     worse = fc.choose(fc.Probe({"a": GemmShape(64, 64, 64)}, {"a": fc.MAX_ERROR * 1.01}), ["a"],
-                      table({(64, 64): 2.0}))
+                      table({(64, 64): 2.0}), output_fp8=True)
     assert worse["a"].rule == fc.ACCURACY
 
 

@@ -40,7 +40,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         gen = torch.Generator().manual_seed(10 + rank)
         losses = []
         automp.enable(dtype=dtype, path="fp8-compile" if dtype == "fp8" else "autocast-compile",
-                      cache_dir=os.path.join(out, f"cache{rank}"))
+                      cache_dir=os.path.join(out, f"cache{rank}"), fp8_output=True)
         try:
             for _ in range(6):
                 x, y = torch.randn(48, 32, generator=gen), torch.randn(48, 16, generator=gen)

@@ -47,7 +47,7 @@ def test_forced_fp8_path_runs_the_chosen_layers_in_fp8_and_reports_each(fp8_devi
     keys = sorted(model.state_dict())
     with torch.no_grad():
         bf16 = nn.Sequential(*model)(x)  # the same layers, as written (FP32)
-    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path))
+    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path), fp8_output=True)
     try:
         out = model(x)
         assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Fp8Linear", "GELU", "Fp8Linear"]
@@ -69,7 +69,7 @@ def test_forced_fp8_path_runs_the_chosen_layers_in_fp8_and_reports_each(fp8_devi
 @needs_scaled_mm
 def test_a_trial_times_the_fp8_step_against_its_bf16_twin(fp8_device, tmp_path) -> None:
     model, x = net(), torch.randn(48, 32)
-    automp.enable(dtype="fp8", cache_dir=str(tmp_path), cuda_graphs=False)
+    automp.enable(dtype="fp8", cache_dir=str(tmp_path), cuda_graphs=False, fp8_output=True)
     try:
         model(x).sum().backward()
         trial = next(iter(automp._session.roots.values())).trial
@@ -118,6 +118,21 @@ def test_a_model_under_the_scripts_own_autocast_is_not_probed_for_fp8(fp8_device
     assert len(calls) == 1  # the script's call alone
     assert all(type(m) in (nn.Linear, nn.GELU, nn.Sequential) for m in model.modules())
     assert not report.get("fp8") and report["choices"][0]["path"] == "as-written"
+
+
+@needs_scaled_mm
+def test_the_output_layer_stays_bf16_by_default(fp8_device, tmp_path) -> None:
+    model, x = net(), torch.randn(48, 32)
+    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path))
+    try:
+        model(x).sum().backward()
+        assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Fp8Linear", "GELU", "Linear"]
+    finally:
+        report = automp.disable()
+    layers = report["fp8"]["Sequential"]["layers"]
+    assert {n: c["rule"] for n, c in layers.items()} == {"0": fp8_choice.NO_GAIN, "2": fp8_choice.FP8,
+                                                         "4": fp8_choice.OUTPUT}
+    assert layers["4"]["predicted_gain"] == 2.0  # its measurements still reported
 
 
 @needs_scaled_mm

@@ -12,6 +12,12 @@ it really receives (relative error ‖y_fp8 − y_bf16‖ / ‖y_bf16‖). FP8 e
 0.04 on Gaussian data; an activation with outliers (one huge channel) crushes the rest of the tensor into FP8's few
 subnormal steps and errs far more. A layer above MAX_ERROR stays bf16.
 
+The output layer: the last linear layer the forward calls (an LM head, a classifier) stays bf16 unless asked for
+(`fp8_output`), as torchao's default filter and Transformer Engine's recipes leave it. Its gradient is the loss's
+own, the softmax over a vocabulary: e5m2's two mantissa bits round the small probabilities that carry most of the
+learning signal, and with tied embeddings the same error reaches the embedding. Its forward error measures like any
+other layer's (~0.04), so the accuracy check cannot see it; a training run did (BENCHMARKS.md, "FP8 loss parity").
+
 A choice is data (`LayerChoice`) keyed by rule, for reports and tests.
 """
 from __future__ import annotations
@@ -38,6 +44,7 @@ ACCURACY = "bf16-accuracy-guard"
 NOT_CALLED = "bf16-not-called"  # the layer did not run on the first batch: nothing to measure it on
 NOT_MEASURED = "bf16-not-measured"  # the device table has no time for its shape
 KEPT = "bf16-kept"  # named by the configuration's fp8_keep: bf16 whatever its measurements
+OUTPUT = "bf16-output-layer"  # the last linear layer the forward calls (an LM head): bf16 unless fp8_output
 
 
 @dataclass(frozen=True)
@@ -104,12 +111,19 @@ def kept(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
 
 
+def output_layer(probe: Probe) -> str | None:
+    """The last linear layer the probe's forward called (the probe records shapes in call order)."""
+    return next(reversed(probe.shapes), None)
+
+
 def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None],
-           min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR, keep: tuple[str, ...] = ()
-           ) -> dict[str, LayerChoice]:
+           min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR, keep: tuple[str, ...] = (),
+           output_fp8: bool = False) -> dict[str, LayerChoice]:
     """Each layer's choice, in the order given. `timing`: the device table's entry for a shape (None: unmeasured);
-    `keep`: patterns of layers kept bf16 (their measurements still reported)."""
+    `keep`: patterns of layers kept bf16 (their measurements still reported); `output_fp8`: the output layer may go
+    FP8 (else it is kept bf16 under OUTPUT, its measurements reported)."""
     choices: dict[str, LayerChoice] = {}
+    last = None if output_fp8 else output_layer(probe)
     for name in layers:
         shape = probe.shapes.get(name)
         if shape is None:
@@ -117,10 +131,10 @@ def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Tim
             continue
         dims = (shape.m, shape.k, shape.n)
         error = probe.errors.get(name)
-        if kept(name, keep):
+        if kept(name, keep) or name == last:
             entry = timing(shape) if fp8.fits(*dims) else None
             gain = round(entry.predicted_gain, 3) if entry is not None else None
-            choices[name] = LayerChoice("bf16", gain, error, KEPT, dims)
+            choices[name] = LayerChoice("bf16", gain, error, KEPT if kept(name, keep) else OUTPUT, dims)
             continue
         if not fp8.fits(*dims):
             choices[name] = LayerChoice("bf16", None, error, SHAPE, dims)

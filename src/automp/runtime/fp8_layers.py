@@ -74,7 +74,7 @@ class Fp8Layers:
         layers = fp8_choice.linear_layers(module)
         choices = fp8_choice.choose(probe, list(layers),
                                     lambda s: table.get(s, recipe) if table is not None else None,
-                                    keep=self.config.fp8_keep)
+                                    keep=self.config.fp8_keep, output_fp8=self.config.fp8_output)
         if shared:  # rank 0's choice on every rank (a no-op outside torch.distributed)
             choices = from_rank0(choices)
         chosen = tuple(name for name, c in choices.items() if c.dtype == "fp8")
