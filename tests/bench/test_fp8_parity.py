@@ -25,12 +25,23 @@ def test_stream_is_the_same_for_every_reader_and_each_token_has_k_successors():
     assert len(torch.unique(step)) == par.K  # every successor occurs: the floor is ln(K), not lower
 
 
+def test_an_active_vocabulary_keeps_the_stream_to_its_first_ids():
+    stream = par.TokenStream(1000, 2, 300, "cpu", steps=4, active=64)
+    ids = stream[1]["input_ids"]
+    assert ids.max() < 64 and len(torch.unique(ids)) > 32  # the active ids, and many of them
+    step = (ids[:, 1:] - ids[:, :-1] - par.STRIDE) % 64
+    assert step.max() < par.K
+    assert par.TokenStream(1000, 2, 8, "cpu", steps=1, active=5000).vocab == 1000  # never past the model's
+
+
 def test_gaps_are_relative_to_the_anchor_at_shared_checkpoints():
-    rows = [{"model": "m", "mode": "automp-fp8", "loss_at": {"500": 5.05, "2000": 3.0}},
-            {"model": "m", "mode": par.ANCHOR, "loss_at": {"500": 5.0}}]
+    rows = [{"model": "m", "mode": "automp-fp8", "loss_at": {"500": 5.05, "2000": 3.0}, "active_vocab": 64},
+            {"model": "m", "mode": par.ANCHOR, "loss_at": {"500": 5.0}, "active_vocab": 64},
+            {"model": "m", "mode": "automp-fp8", "loss_at": {"500": 9.0}, "active_vocab": 0}]  # another stream
     par.gaps(rows)
     assert rows[0]["gap_vs_bf16"] == {"500": pytest.approx(0.01)}
     assert rows[1]["gap_vs_bf16"] == {"500": 0.0}
+    assert rows[2]["gap_vs_bf16"] == {}  # no anchor on its stream
 
 
 def test_usage_errors_name_the_problem(tmp_path, capsys):
@@ -45,7 +56,8 @@ def test_usage_errors_name_the_problem(tmp_path, capsys):
 def test_two_runs_build_one_file_with_gaps(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "parity"
-    common = ["--quick", "--models", "gpt2", "--steps", "6", "--at", "3,6", "--window", "3", "--out", str(out)]
+    common = ["--quick", "--models", "gpt2", "--steps", "6", "--at", "3,6", "--window", "3", "--active-vocab", "64",
+              "--out", str(out)]
     assert par.main([*common, "--modes", "automp-bf16"]) == 0
     monkeypatch.setattr(par, "ANCHOR", "automp-bf16")  # the anchor's compile is too slow for a CPU test
     assert par.main([*common, "--modes", "automp-fp8"]) == 0  # no FP8 on a CPU: enable raises, the row says so

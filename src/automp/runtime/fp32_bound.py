@@ -23,10 +23,12 @@ It bounds FP32 eager's iteration from below:
 - a timed sample spans the device's work between two synchronizations, so it is no shorter than its GEMMs.
 It assumes what the trial assumes of every path: iterations alike (the same shapes each time).
 
-The rule (Trial): FP32 eager is dropped, never run, where t_lb > give_up x t_first, t_first being that first
-low-precision iteration's wall time, synchronized at both ends like a trial's samples. It carries everything a first
-iteration pays once (cuBLAS set-up, allocator growth, kernel loading, this count), so it is taken to be no shorter
-than the path's later samples, and those are no shorter than the trial's best median. So FP32's samples would have
+The rule (Trial): FP32 eager is dropped, never run, where t_lb > give_up x t_warm, t_warm being the wall time of
+low precision eager's second warm-up iteration (the one after the count), synchronized at both ends like a trial's
+samples. Not the counted first one: it carries what a process pays once (cuBLAS set-up, kernel loading, allocator
+growth) and the count's own host time; on an H200 GPT-2's first took 1107 ms against a bound of 119 ms, and ruled
+nothing out. The second is still a warm-up, taken to be no shorter than the path's later samples, and those are no
+shorter than the trial's best median. So FP32's samples would have
 measured above give_up x the best median: on CUDA, where CUDA graphs are recorded after the first round, that drops
 an eager path after its first sample (TrialConfig), and in any trial it keeps FP32 from winning. The first round's
 wider give_up_first is for a one-off slow sample; t_lb is no sample. Under torch.distributed there is no bound:
@@ -163,11 +165,11 @@ class Fp32Floor:
     def open(self) -> GemmCount:
         return GemmCount()
 
-    def judge(self, count: GemmCount, seconds: float, iterations: int, factor: float,
+    def judge(self, count: GemmCount, counted: int, seconds: float, iterations: int, factor: float,
               against: str) -> tuple[dict[str, Any], str | None]:
         """The record of what the count says about FP32 eager, and the note a verdict's reason gets (None: the
-        record alone). seconds: the wall time of the `iterations` that `count` counted, on the path named `against`;
-        factor: TrialConfig.give_up."""
+        record alone). count: the GEMMs of `counted` iterations; seconds: the wall time of the `iterations` after
+        them, on the path named `against`; factor: TrialConfig.give_up."""
         if count.error is not None:
             return {"rule": UNCOUNTED, "error": count.error}, (f"FP32 eager's GEMMs could not be counted "
                                                                f"({count.error}): it is timed")
@@ -175,15 +177,15 @@ class Fp32Floor:
             return {"rule": MIXED_PARAMETERS}, None
         if not plain_fp32_matmuls():
             return {"rule": REDUCED_PRECISION}, None
-        n = max(1, iterations)  # per iteration
-        flops, first = (count.forward + count.backward) / n, seconds / n
+        n = max(1, counted)  # per iteration
+        flops, second = (count.forward + count.backward) / n, seconds / max(1, iterations)
         bound = flops / (self.tflops * 1e12)
-        ruled_out = bound > factor * first
+        ruled_out = bound > factor * second
         record = {"rule": RULED_OUT if ruled_out else NOT_RULED_OUT, "forward_gemm_flops": count.forward / n,
                   "backward_gemm_flops": count.backward / n, "fp32_tflops": self.tflops, "bound_ms": 1e3 * bound,
-                  "against": against, "first_ms": 1e3 * first, "factor": factor}
+                  "against": against, "against_ms": 1e3 * second, "factor": factor}
         if not ruled_out:
             return record, None
         return record, (f"FP32 eager not run: its GEMMs ({flops:.3g} FLOP per iteration) take at least "
                         f"{1e3 * bound:.1f} ms at this device's fastest FP32 GEMM rate ({self.tflops:.3g} TFLOP/s), "
-                        f"over {factor:g}x {against}'s first iteration ({1e3 * first:.1f} ms)")
+                        f"over {factor:g}x {against}'s second warm-up iteration ({1e3 * second:.1f} ms)")

@@ -257,7 +257,7 @@ class Session:
         try:
             if path is Path.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
-            if path is Path.EAGER_LOW:  # counted in its trial's first iteration (automp.runtime.fp32_bound)
+            if path is Path.EAGER_LOW:  # counted in its trial's first warm-up (runtime.fp32_bound)
                 forward = partial(self.casts.call, module, root, args, kwargs)
                 return self._deliver(root, root.trial.counted(module, forward) if root.trial else forward(), None)
             compiled = built(root, path)

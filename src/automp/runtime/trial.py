@@ -129,8 +129,8 @@ class Trial:
     automp-compiled 11-12% slower than its unsynchronized steps on the LSTM and the detector, and the eager paths
     from 7% slower to 5% faster: an error of the size of the margins the trial decides by. Two iterations halve it.
 
-    `floor` (automp.runtime.fp32_bound): low precision eager warms up before FP32 eager, its GEMMs counted, and FP32
-    eager is dropped before it ever runs where that count bounds it above give_up x that first iteration."""
+    `floor` (automp.runtime.fp32_bound): low precision eager warms up before FP32 eager, its GEMMs counted in its first
+    iteration, and FP32 eager is dropped before it ever runs where that count bounds it above give_up x its second."""
 
     def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
                  sync: Callable[[], None], note: str = "", incumbent: Path | None = None,
@@ -155,7 +155,11 @@ class Trial:
         self.floor = floor
         self.bounds: dict[str, dict[str, Any]] = {}  # Verdict.bounds
         self._count: Any = None  # the GEMM count of the interval running, while it bounds FP32 eager (_begin)
-        if floor is not None:  # FP32's warm-up after low precision eager's, which bounds it
+        self._counted: tuple[Any, int] | None = None  # the count and its iterations, until the next one is timed
+        if floor is not None:  # FP32's warm-up after low precision eager's, which bounds it: one counted iteration,
+            # then one or more (its own warm-up's remainder) that the bound is judged against
+            self._queue = [q for p, timed, n in self._queue for q in (
+                [(p, timed, 1), (p, timed, max(1, n - 1))] if p is Path.EAGER_LOW and not timed else [(p, timed, n)])]
             self._queue.sort(key=lambda q: q[0] is Path.FP32)
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
@@ -203,6 +207,8 @@ class Trial:
         if timed:
             self.samples[path].append((now - self._start) / iterations)
         elif self._count is not None:
+            self._counted, self._count = (self._count, iterations), None
+        elif self._counted is not None and path is Path.EAGER_LOW:
             self._judge_fp32(now - self._start, iterations)
         self._queue.pop(0)
         self._done = 0
@@ -218,15 +224,17 @@ class Trial:
         """An interval starts now. Low precision eager's warm-up, with FP32 eager's still to come, is counted."""
         head = self._queue[0] if self._queue and self.verdict is None else None
         bounds = (self.floor is not None and head is not None and head[0] is Path.EAGER_LOW and not head[1]
+                  and self._counted is None and Path.FP32.value not in self.bounds
                   and any(p is Path.FP32 and not timed for p, timed, _ in self._queue))
         self._count = self.floor.open() if bounds else None
         self._start = self.clock()
 
     def _judge_fp32(self, seconds: float, iterations: int) -> None:
-        """Low precision eager's first iteration(s) ended: FP32 eager out where its count bounds it above give_up x
-        theirs (automp.runtime.fp32_bound says why that is the trial's own rule)."""
-        record, why = self.floor.judge(self._count, seconds, iterations, self.config.give_up, Path.EAGER_LOW.value)
-        self._count = None
+        """Low precision eager's warm-up after its counted iteration ended: FP32 eager out where the count bounds it
+        above give_up x this one (automp.runtime.fp32_bound says why that is the trial's own rule)."""
+        (count, counted), self._counted = self._counted, None
+        record, why = self.floor.judge(count, counted, seconds, iterations, self.config.give_up,
+                                       Path.EAGER_LOW.value)
         self.bounds[Path.FP32.value] = record
         if record["rule"] == RULED_OUT:
             self.exclude({Path.FP32}, why)

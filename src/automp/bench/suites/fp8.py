@@ -160,6 +160,9 @@ class Run:
     def note_report(self, report: dict[str, Any] | None) -> None:
         report = report or {}
         self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
+        bounds = {c["module"]: c["bounds"] for c in report.get("choices", []) if c.get("bounds")}
+        if bounds:  # whether FP32 eager was ruled out before it ran (automp.runtime.fp32_bound), and by what figures
+            self.row["fp32_bounds"] = bounds
         if self.mode == "automp-fp8":
             self.row["fp8_layers"] = report.get("fp8", {})
 
