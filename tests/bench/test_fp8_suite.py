@@ -2,6 +2,7 @@
 after the same number of optimizer steps in every mode."""
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -184,3 +185,41 @@ def test_automp_modes_run_their_trial_cold_with_the_machines_measurements(tmp_pa
     assert fp8.main(["--models", "gpt2", "--modes", "automp-bf16", "--out", str(tmp_path / "c"), *QUICK]) == 0
     assert seen == [["calibration-dev.json"]]
     assert (env / "verdicts.json").read_text() == "{}"  # the user's cache untouched
+
+
+def test_a_second_run_rebuilds_each_mode_on_its_own_warm_caches(tmp_path, cache, fake_models, monkeypatch):
+    """--second-run: every mode builds twice, both times with the same Inductor cache directory, one no other mode
+    uses; automp's second session opens on the first one's verdict cache; the losses are the first runs'."""
+    dirs: dict[str, list[str]] = {}
+
+    def recording(mode):
+        inner = _counting_loop([])
+
+        def build(work, device):
+            dirs.setdefault(mode, []).append(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+            return inner(work, device)
+        return build
+
+    for mode in ("bf16-reduce-overhead", "automp-bf16"):
+        monkeypatch.setitem(wl.LOOPS, mode, recording(mode))
+    opened = []
+    real_enable = automp.enable
+    monkeypatch.setattr(automp, "enable", lambda **kw: opened.append(kw["cache_dir"]) or real_enable(**kw))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    for blocks, limit in (("alternating", fp8.RESIDENT_MAX_PARAMS), ("sequential", 0)):
+        dirs.clear(), opened.clear()
+        monkeypatch.setattr(fp8, "RESIDENT_MAX_PARAMS", limit)
+        out = tmp_path / blocks
+        assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,automp-bf16", "--out", str(out),
+                         "--second-run", *QUICK]) == 0
+        rows = _rows(out)
+        for mode in ("bf16-reduce-overhead", "automp-bf16"):
+            row = rows[("gpt2", mode)]
+            assert row["second_run_s"] >= 0 and "second_run_error" not in row and row["blocks"] == blocks
+            assert row["loss"] == float(1 + fp8.ROUNDS)  # read in the first run, after the same steps
+            assert len(dirs[mode]) == 2 and dirs[mode][0] == dirs[mode][1] and dirs[mode][0]
+        assert dirs["bf16-reduce-overhead"][0] != dirs["automp-bf16"][0]
+        assert len(opened) == 2 and opened[0] == opened[1]  # the second session finds the first one's verdicts
+        assert rows[("gpt2", "automp-bf16")]["second_paths"] == {}  # the fake loop calls no module
+        assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # restored
+        assert not os.path.exists(dirs["automp-bf16"][0]) and not os.path.exists(opened[0])  # removed after

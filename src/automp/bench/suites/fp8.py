@@ -30,150 +30,38 @@ build to the end of its warm-up (compilation and automp's trial included); stead
 blocks only, where its modes run one at a time (sequential blocks), so a trial's peak and the steady state's are told
 apart.
 Inductor's and AOTAutograd's caches are off and automp's verdicts start empty: every mode compiles cold and automp
-runs its trial, so first_run_s compares like with like.
+runs its trial, so first_run_s compares like with like. --second-run measures what a user's next run of the same
+script pays instead: the caches are on, each mode with an Inductor cache directory of its own (empty at its first
+run, so no mode is served another's graphs), and after its timed blocks each mode is built again from nothing and
+runs its first --first-steps steps once more (second_run_s, second_peak_gib); automp's modes keep their verdict
+cache, so their second run starts on the verdict and skips the trial, as `automp run` does.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
-import math
 import os
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
 import torch
 
+from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache, free, one_line
+from automp.bench.fp8_workloads import MODE_LIBS, MODELS
 from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
-from automp.bench.suites.zoo_interleave import block_ms
-from automp.bench.fp8_workloads import LOOPS, MODE_LIBS, MODELS
-from automp.bench.zoo_modes import time_limit
 from automp.files import write_json_and_markdown
+
+__all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main", "one_line"]
 
 MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
 ANCHOR = "bf16-reduce-overhead"
-ROUNDS = 6  # even: every mode leads as often as it trails
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
-ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "steady_peak_gib", "loss", "first_run_s",
-            "ratio_vs_bf16", "automp_paths", "fp8_layers", "blocks")
 
 
 def block_order(modes: list[Any], rounds: int) -> list[list[Any]]:
     """The order of the timed blocks: A B C, C B A, A B C, ... (rounds of them)."""
     return [list(modes) if r % 2 == 0 else list(modes)[::-1] for r in range(rounds)]
-
-
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
-class Run:
-    """One mode of one model: its loop, its step count, its block times and its row."""
-
-    def __init__(self, model: str, mode: str, opts: argparse.Namespace, blocks: str):
-        self.mode, self.opts, self.device = mode, opts, opts.device
-        self.row: dict[str, Any] = {k: None for k in ROW_KEYS}
-        self.row.update(model=model, mode=mode, blocks=blocks)
-        self.common = max(opts.warmup, opts.first_steps) + ROUNDS * opts.steps  # where every mode reads its loss
-        self.step_fn: Callable[[], torch.Tensor] | None = None
-        self.n, self.spent, self.base = 0, 0.0, 0
-        self.loss: torch.Tensor | None = None
-        self.means: list[float] = []
-        self.cache: tempfile.TemporaryDirectory | None = None  # automp modes: their verdict cache
-
-    @property
-    def live(self) -> bool:
-        return "skipped" not in self.row
-
-    def skip(self, reason: str) -> None:
-        self.row["skipped"] = reason
-        self.step_fn = None  # its model, optimizer state and graphs go
-
-    def guarded(self, work: Callable[[], None]) -> None:
-        """work() under what is left of this mode's --mode-timeout; a timeout or any exception skips the mode."""
-        if not self.live:
-            return
-        limit = self.opts.mode_timeout
-        if limit > 0 and self.spent >= limit:
-            return self.skip(f"timeout: the mode ran past --mode-timeout {limit:g} s")
-        t0 = time.perf_counter()
-        try:
-            with time_limit(limit - self.spent if limit > 0 else 0) as expired:
-                work()
-                if expired:  # swallowed by the code it interrupted
-                    raise expired[0]
-        except Exception as e:  # noqa: BLE001 - a failing mode (OOM, compile error) must not lose the others' rows
-            self.skip(str(expired[0]) if expired else one_line(e))
-        finally:
-            self.spent += time.perf_counter() - t0
-
-    def step(self) -> None:
-        loss = self.step_fn()
-        self.n += 1
-        if self.n == self.common:  # a copy: a CUDA graph's replay overwrites its output
-            self.loss = loss.clone()
-
-    def build(self, quick: bool, layers: int) -> None:
-        """Build the loop and warm it up (automp: until settled); first_run_s at --first-steps steps."""
-        import automp
-
-        def go() -> None:
-            if self.device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                self.base = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            torch.manual_seed(0)
-            self.step_fn = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
-            target = max(self.opts.warmup, self.opts.first_steps)
-            while self.n < target or (self.mode.startswith("automp") and not automp.settled()
-                                      and self.n < self.opts.max_warmup):
-                self.step()
-                if self.n == self.opts.first_steps:
-                    if self.device == "cuda":  # the steps' kernels done, not only queued
-                        torch.cuda.synchronize()
-                    self.row["first_run_s"] = round(time.perf_counter() - t0, 2)
-            if self.mode.startswith("automp"):
-                self.row["settled"] = bool(automp.settled())
-            if self.device == "cuda":  # its own peak: above what the resident modes held when it started
-                self.row["peak_gib"] = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
-        self.guarded(go)
-
-    def block(self, steps: int, timed: bool = True) -> None:
-        steady = timed and self.device == "cuda" and self.row["blocks"] == "sequential"
-
-        def go() -> None:
-            if steady:
-                torch.cuda.reset_peak_memory_stats()
-            ms = block_ms(self.step, steps, self.device)
-            if timed:
-                self.means.append(ms)
-            if steady:
-                peak = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
-                self.row["steady_peak_gib"] = max(peak, self.row["steady_peak_gib"] or 0.0)
-        self.guarded(go)
-
-    def note_report(self, report: dict[str, Any] | None) -> None:
-        report = report or {}
-        self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
-        bounds = {c["module"]: c["bounds"] for c in report.get("choices", []) if c.get("bounds")}
-        if bounds:  # whether FP32 eager was ruled out before it ran (automp.runtime.fp32_bound), and by what figures
-            self.row["fp32_bounds"] = bounds
-        if self.mode == "automp-fp8":
-            self.row["fp8_layers"] = report.get("fp8", {})
-
-    def finish(self) -> dict[str, Any]:
-        if self.live and self.means:
-            self.row["step_ms"] = round(statistics.median(self.means), 3)
-            self.row["spread"] = [round(min(self.means), 3), round(max(self.means), 3)]
-            loss = float(self.loss) if self.loss is not None else math.nan
-            self.row["loss"] = loss if math.isfinite(loss) else None
-        self.step_fn = None
-        return self.row
 
 
 def _enable(run: Run) -> bool:
@@ -191,26 +79,15 @@ def _enable(run: Run) -> bool:
     return True
 
 
-def _disable(run: Run) -> None:
+def _disable(run: Run, keep_cache: bool = False) -> None:
+    """automp.disable() for an automp mode, its report noted; its verdict cache removed unless `keep_cache` (its
+    second run starts from it)."""
     import automp
     if run.mode.startswith("automp") and automp.is_enabled():
         run.note_report(automp.disable())
-    if run.cache is not None:
+    if run.cache is not None and not keep_cache:
         run.cache.cleanup()
         run.cache = None
-
-
-def cold_cache() -> tempfile.TemporaryDirectory:
-    """A cache directory without verdicts, so automp's trial runs as on a model's first run and first_run_s counts
-    it; the environment's device measurements (GEMM rates, the FP8 table) are copied in: those are paid once per
-    machine, not per model."""
-    from automp.config import AutoMPConfig
-    src = AutoMPConfig.from_env().cache_dir
-    tmp = tempfile.TemporaryDirectory(prefix="automp-bench-fp8-")
-    for name in os.listdir(src) if src and os.path.isdir(src) else []:
-        if not name.startswith("verdicts.") and os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), tmp.name)
-    return tmp
 
 
 def run_model(name: str, modes: list[str], opts: argparse.Namespace, emit: Callable[[dict], None]) -> None:
@@ -221,7 +98,7 @@ def run_model(name: str, modes: list[str], opts: argparse.Namespace, emit: Calla
     plain = [runs[m] for m in modes if resident and not m.startswith("automp")]
     for run in plain:
         run.build(opts.quick, opts.layers)
-    timed = False
+    timed, later = False, []
     for run in (r for r in runs.values() if r not in plain):
         if not run.mode.startswith("automp") or _enable(run):
             try:
@@ -229,12 +106,19 @@ def run_model(name: str, modes: list[str], opts: argparse.Namespace, emit: Calla
                 _alternate(plain + [run], opts.steps)
                 timed = True
             finally:
-                _disable(run)
+                _disable(run, keep_cache=opts.second_run)
+        if resident:  # its second run resets Dynamo: after the resident modes' last blocks
+            later.append(run)
+            continue
+        if opts.second_run:
+            run.second(opts.quick, opts.layers)
         emit(run.finish())
-        free(opts.device, dynamo=not resident)
+        free(opts.device, dynamo=True)
     if plain and not timed:  # no automp phase ran: the hand-written modes alternate on their own
         _alternate(plain, opts.steps)
-    for run in plain:
+    for run in plain + later:
+        if opts.second_run:
+            run.second(opts.quick, opts.layers)
         emit(run.finish())
 
 
@@ -244,15 +128,6 @@ def _alternate(runs: list[Run], steps: int) -> None:
     for order in block_order(runs, ROUNDS):
         for run in order:
             run.block(steps)
-
-
-def free(device: str, dynamo: bool = True) -> None:
-    """Drop what a finished mode left: its tensors, its cached blocks and (dynamo) every compiled graph."""
-    gc.collect()
-    if dynamo:
-        torch._dynamo.reset()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def parameters(name: str, opts: argparse.Namespace) -> int:
@@ -280,14 +155,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         lines += ["", f"## {model} ({mine[0].get('blocks')} blocks)", "",
-                  "| mode | step ms | spread | ratio | peak GiB | steady peak GiB | loss | first run s | notes |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+                  "| mode | step ms | spread | ratio | peak GiB | steady peak GiB | loss | first run s | second run s | "
+                  "notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in mine:
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
             lines.append(f"| {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
                          f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
                          f"{fmt(r.get('steady_peak_gib'), '.2f')} | "
-                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {row_notes(r)} |")
+                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {fmt(r.get('second_run_s'), '.1f')} | "
+                         f"{row_notes(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -312,6 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny dims of every model (a CPU smoke run)")
     p.add_argument("--out", default=None, help="writes OUT.json, .md, .png (default: benchmarks/fp8-<gpu>)")
     p.add_argument("--mode-timeout", type=float, default=300, help="seconds one mode may take; 0: no limit")
+    p.add_argument("--second-run", action="store_true",
+                   help="compile caches on (a directory per mode); each mode's first steps run again after its "
+                        "blocks, from a new model, on its warm caches and (automp) its verdicts: second_run_s")
     return p
 
 
@@ -349,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"automp bench fp8: {device}, torch {torch.__version__}", flush=True)
     # Every mode compiles the same model class's forward (automp's trial two paths of its own): the default limit of
     # 8 compiled versions per frame would let a later mode run eager unnoticed
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False), torch._dynamo.config.patch(recompile_limit=64):
+    cached = args.second_run  # caches on, a directory per mode (Run.compiling), for the second runs to hit
+    with torch._inductor.config.patch(fx_graph_cache=cached), \
+            torch._functorch.config.patch(enable_autograd_cache=cached), torch._dynamo.config.patch(recompile_limit=64):
         for name in args.models.split(","):
             modes = []
             for m in args.modes.split(","):  # a missing library skips its rows, not the run

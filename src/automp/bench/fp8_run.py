@@ -1,0 +1,209 @@
+"""One mode of one model in `automp bench fp8` (automp.bench.suites.fp8, whose docstring says what is measured and
+why): its loop, its warm-up and first run, its timed blocks, its second run, and its row."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from automp.bench.fp8_workloads import LOOPS, MODELS
+from automp.bench.suites.zoo_interleave import block_ms
+from automp.bench.zoo_modes import time_limit
+
+ROUNDS = 6  # even: every mode leads as often as it trails
+ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "steady_peak_gib", "loss", "first_run_s",
+            "second_run_s", "second_peak_gib", "ratio_vs_bf16", "automp_paths", "fp8_layers", "blocks")
+
+
+def one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+class Run:
+    """One mode of one model: its loop, its step count, its block times and its row."""
+
+    def __init__(self, model: str, mode: str, opts: argparse.Namespace, blocks: str):
+        self.mode, self.opts, self.device = mode, opts, opts.device
+        self.row: dict[str, Any] = {k: None for k in ROW_KEYS}
+        self.row.update(model=model, mode=mode, blocks=blocks)
+        self.common = max(opts.warmup, opts.first_steps) + ROUNDS * opts.steps  # where every mode reads its loss
+        self.step_fn: Callable[[], torch.Tensor] | None = None
+        self.n, self.spent, self.base = 0, 0.0, 0
+        self.loss: torch.Tensor | None = None
+        self.means: list[float] = []
+        self.cache: tempfile.TemporaryDirectory | None = None  # automp modes: their verdict cache
+        # --second-run: this mode's Inductor cache directory, for both of its runs
+        self.inductor = tempfile.TemporaryDirectory(prefix="automp-bench-inductor-") if opts.second_run else None
+
+    @property
+    def live(self) -> bool:
+        return "skipped" not in self.row
+
+    def skip(self, reason: str) -> None:
+        self.row["skipped"] = reason
+        self.step_fn = None  # its model, optimizer state and graphs go
+
+    def guarded(self, work: Callable[[], None]) -> None:
+        """work() under what is left of this mode's --mode-timeout; a timeout or any exception skips the mode."""
+        if not self.live:
+            return
+        limit = self.opts.mode_timeout
+        if limit > 0 and self.spent >= limit:
+            return self.skip(f"timeout: the mode ran past --mode-timeout {limit:g} s")
+        t0 = time.perf_counter()
+        try:
+            with time_limit(limit - self.spent if limit > 0 else 0) as expired:
+                work()
+                if expired:  # swallowed by the code it interrupted
+                    raise expired[0]
+        except Exception as e:  # noqa: BLE001 - a failing mode (OOM, compile error) must not lose the others' rows
+            self.skip(str(expired[0]) if expired else one_line(e))
+        finally:
+            self.spent += time.perf_counter() - t0
+
+    def step(self) -> None:
+        loss = self.step_fn()
+        self.n += 1
+        if self.n == self.common:  # a copy: a CUDA graph's replay overwrites its output
+            self.loss = loss.clone()
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Inductor's cache directory for this mode's compiles (--second-run), else as it is."""
+        if self.inductor is None:
+            yield
+            return
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.inductor.name
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+    def build(self, quick: bool, layers: int) -> None:
+        """Build the loop and warm it up (automp: until settled); first_run_s at --first-steps steps."""
+        import automp
+
+        def go() -> None:
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                self.base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            self.step_fn = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
+            target = max(self.opts.warmup, self.opts.first_steps)
+            while self.n < target or (self.mode.startswith("automp") and not automp.settled()
+                                      and self.n < self.opts.max_warmup):
+                self.step()
+                if self.n == self.opts.first_steps:
+                    if self.device == "cuda":  # the steps' kernels done, not only queued
+                        torch.cuda.synchronize()
+                    self.row["first_run_s"] = round(time.perf_counter() - t0, 2)
+            if self.mode.startswith("automp"):
+                self.row["settled"] = bool(automp.settled())
+            if self.device == "cuda":  # its own peak: above what the resident modes held when it started
+                self.row["peak_gib"] = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
+        with self.compiling():
+            self.guarded(go)
+
+    def second(self, quick: bool, layers: int) -> None:
+        """--second-run: the mode built again from nothing, its first --first-steps steps timed (second_run_s) with
+        its own caches warm; automp's modes on their verdict cache. A failure is noted, the first run's row kept."""
+        import automp
+        if not self.live:
+            return
+        self.step_fn = None
+        free(self.device)  # the first run's model, optimizer state and compiled graphs
+        try:
+            if self.mode.startswith("automp"):
+                automp.enable(dtype=self.mode.split("-")[1], cache_dir=self.cache.name)
+            with self.compiling(), time_limit(self.opts.mode_timeout) as expired:
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                t0 = time.perf_counter()
+                torch.manual_seed(0)
+                step = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
+                for _ in range(self.opts.first_steps):
+                    step()
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                    self.row["second_peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+                self.row["second_run_s"] = round(time.perf_counter() - t0, 2)
+        except Exception as e:  # noqa: BLE001 - the first run's figures stand; say why the second has none
+            self.row["second_run_error"] = str(expired[0]) if expired else one_line(e)
+        finally:
+            if self.mode.startswith("automp") and automp.is_enabled():
+                report = automp.disable()
+                self.row["second_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
+            step = None
+            free(self.device)
+
+    def block(self, steps: int, timed: bool = True) -> None:
+        steady = timed and self.device == "cuda" and self.row["blocks"] == "sequential"
+
+        def go() -> None:
+            if steady:
+                torch.cuda.reset_peak_memory_stats()
+            ms = block_ms(self.step, steps, self.device)
+            if timed:
+                self.means.append(ms)
+            if steady:
+                peak = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
+                self.row["steady_peak_gib"] = max(peak, self.row["steady_peak_gib"] or 0.0)
+        self.guarded(go)
+
+    def note_report(self, report: dict[str, Any] | None) -> None:
+        report = report or {}
+        self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
+        bounds = {c["module"]: c["bounds"] for c in report.get("choices", []) if c.get("bounds")}
+        if bounds:  # whether FP32 eager was ruled out before it ran (automp.runtime.fp32_bound), and by what figures
+            self.row["fp32_bounds"] = bounds
+        if self.mode == "automp-fp8":
+            self.row["fp8_layers"] = report.get("fp8", {})
+
+    def finish(self) -> dict[str, Any]:
+        for tmp in (self.inductor, self.cache):  # both runs done
+            if tmp is not None:
+                tmp.cleanup()
+        self.inductor = self.cache = None
+        if self.live and self.means:
+            self.row["step_ms"] = round(statistics.median(self.means), 3)
+            self.row["spread"] = [round(min(self.means), 3), round(max(self.means), 3)]
+            loss = float(self.loss) if self.loss is not None else math.nan
+            self.row["loss"] = loss if math.isfinite(loss) else None
+        self.step_fn = None
+        return self.row
+
+def cold_cache() -> tempfile.TemporaryDirectory:
+    """A cache directory without verdicts, so automp's trial runs as on a model's first run and first_run_s counts
+    it; the environment's device measurements (GEMM rates, the FP8 table) are copied in: those are paid once per
+    machine, not per model."""
+    from automp.config import AutoMPConfig
+    src = AutoMPConfig.from_env().cache_dir
+    tmp = tempfile.TemporaryDirectory(prefix="automp-bench-fp8-")
+    for name in os.listdir(src) if src and os.path.isdir(src) else []:
+        if not name.startswith("verdicts.") and os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), tmp.name)
+    return tmp
+
+def free(device: str, dynamo: bool = True) -> None:
+    """Drop what a finished mode left: its tensors, its cached blocks and (dynamo) every compiled graph."""
+    gc.collect()
+    if dynamo:
+        torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
