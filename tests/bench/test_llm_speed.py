@@ -158,3 +158,13 @@ def test_kernel_names_fall_into_categories():
              "triton_tem_fused_mm_0": "matmul", "aten::mm": "matmul", "aten::addmm": "matmul",
              "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other", "Memcpy DtoD": "other"}
     assert {name: llm_profile.category(name) for name in cases} == cases
+
+
+def test_torchao_cases_compile_under_torchaos_inductor_settings_and_only_they():
+    import torch._inductor.config as inductor
+    before = {k: getattr(inductor, k) for k in llm_speed.TORCHAO_INDUCTOR}
+    with llm_speed.inductor_settings("torchao-int8"):
+        assert all(getattr(inductor, k) == v for k, v in llm_speed.TORCHAO_INDUCTOR.items())
+    with llm_speed.inductor_settings("automp-int8"):
+        assert {k: getattr(inductor, k) for k in before} == before
+    assert {k: getattr(inductor, k) for k in before} == before  # restored
