@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from automp.bench.harness import fmt, header
-from automp.bench.llm_speed import one_line, sync
+from automp.bench.llm_results import one_line, sync
 
 CATEGORIES = ("quantized", "attention", "matmul", "other")
 _PATTERNS = (  # first match wins

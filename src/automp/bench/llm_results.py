@@ -8,8 +8,23 @@ import math
 import os
 from typing import Any, Callable
 
+import torch
+
 from automp.bench.harness import fmt, header
 from automp.files import write_json_and_markdown
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def one_line(e: BaseException) -> str:
+    """An error as a row's one-line note: its type and first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
 
 CASES = ("fp16-compiled", "automp-int8", "automp-int4", "torchao-int8", "torchao-int4")
 ANCHOR = "fp16-compiled"

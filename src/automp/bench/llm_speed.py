@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from automp.bench.harness import fmt
-from automp.bench.llm_results import ROW_KEYS, Results, summary
+from automp.bench.llm_results import ROW_KEYS, Results, one_line, summary, sync
 
 MODELS = {
     "llama-8b-shape": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -80,11 +80,6 @@ class Matrix:
 
 
 # ----------------------------------------------------------------------------------------------- timing helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def free() -> None:
     """Models and their decoders (CUDA graphs, compiled code) form reference cycles: collect them now."""
     gc.collect()
@@ -101,11 +96,6 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int)
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 # ----------------------------------------------------------------------------------------------- models and cases
