@@ -223,3 +223,24 @@ def test_a_second_run_rebuilds_each_mode_on_its_own_warm_caches(tmp_path, cache,
         assert rows[("gpt2", "automp-bf16")]["second_paths"] == {}  # the fake loop calls no module
         assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # restored
         assert not os.path.exists(dirs["automp-bf16"][0]) and not os.path.exists(opened[0])  # removed after
+
+
+def test_a_modes_peak_is_its_own_growth_allocated_and_reserved(monkeypatch):
+    """Both peaks above what was there at the start (other resident modes); reserved counts CUDA graph pools whole."""
+    from automp.bench import fp8_run
+    now = {"allocated": 5 * 2**30, "reserved": 8 * 2**30}
+    peak = {"allocated": 0, "reserved": 0}
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: now["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peak["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: peak["reserved"])
+    mark = fp8_run.Peak("cuda")
+    peak.update(allocated=7 * 2**30, reserved=12.5 * 2**30)
+    row = {}
+    mark.into(row, "second_")
+    assert row == {"second_peak_gib": 2.0, "second_peak_reserved_gib": 4.5}
+    cpu = {}
+    fp8_run.Peak("cpu").into(cpu, "")
+    assert cpu == {}

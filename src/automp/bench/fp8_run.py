@@ -20,8 +20,29 @@ from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import time_limit
 
 ROUNDS = 6  # even: every mode leads as often as it trails
-ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "steady_peak_gib", "loss", "first_run_s",
-            "second_run_s", "second_peak_gib", "ratio_vs_bf16", "automp_paths", "fp8_layers", "blocks")
+ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "peak_reserved_gib", "loss", "first_run_s",
+            "second_run_s", "second_peak_gib", "second_peak_reserved_gib", "ratio_vs_bf16", "automp_paths",
+            "fp8_layers", "blocks")
+
+
+class Peak:
+    """A mode's own peak memory from now on: torch.cuda's allocated and reserved peaks above what was there when it
+    started (the other resident modes). Reserved counts CUDA graphs' pools whole; allocated does not count the
+    blocks a captured graph reuses at replay, which the allocator holds as free in the graph's private pool."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.allocated, self.reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+    def into(self, row: dict[str, Any], prefix: str) -> None:
+        """Write `<prefix>peak_gib` and `<prefix>peak_reserved_gib` (a CPU: nothing)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            row[f"{prefix}peak_gib"] = round((torch.cuda.max_memory_allocated() - self.allocated) / 2**30, 3)
+            row[f"{prefix}peak_reserved_gib"] = round((torch.cuda.max_memory_reserved() - self.reserved) / 2**30, 3)
 
 
 def one_line(e: BaseException) -> str:
@@ -36,7 +57,7 @@ class Run:
         self.row.update(model=model, mode=mode, blocks=blocks)
         self.common = max(opts.warmup, opts.first_steps) + ROUNDS * opts.steps  # where every mode reads its loss
         self.step_fn: Callable[[], torch.Tensor] | None = None
-        self.n, self.spent, self.base = 0, 0.0, 0
+        self.n, self.spent = 0, 0.0
         self.loss: torch.Tensor | None = None
         self.means: list[float] = []
         self.cache: tempfile.TemporaryDirectory | None = None  # automp modes: their verdict cache
@@ -96,10 +117,7 @@ class Run:
         import automp
 
         def go() -> None:
-            if self.device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                self.base = torch.cuda.memory_allocated()
+            peak = Peak(self.device)
             t0 = time.perf_counter()
             torch.manual_seed(0)
             self.step_fn = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
@@ -113,8 +131,7 @@ class Run:
                     self.row["first_run_s"] = round(time.perf_counter() - t0, 2)
             if self.mode.startswith("automp"):
                 self.row["settled"] = bool(automp.settled())
-            if self.device == "cuda":  # its own peak: above what the resident modes held when it started
-                self.row["peak_gib"] = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
+            peak.into(self.row, "")
         with self.compiling():
             self.guarded(go)
 
@@ -126,22 +143,18 @@ class Run:
             return
         self.step_fn = None
         free(self.device)  # the first run's model, optimizer state and compiled graphs
+        expired: list[BaseException] = []
         try:
             if self.mode.startswith("automp"):
                 automp.enable(dtype=self.mode.split("-")[1], cache_dir=self.cache.name)
             with self.compiling(), time_limit(self.opts.mode_timeout) as expired:
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
+                peak = Peak(self.device)
                 t0 = time.perf_counter()
                 torch.manual_seed(0)
                 step = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
                 for _ in range(self.opts.first_steps):
                     step()
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-                    self.row["second_peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+                peak.into(self.row, "second_")
                 self.row["second_run_s"] = round(time.perf_counter() - t0, 2)
         except Exception as e:  # noqa: BLE001 - the first run's figures stand; say why the second has none
             self.row["second_run_error"] = str(expired[0]) if expired else one_line(e)
@@ -153,17 +166,10 @@ class Run:
             free(self.device)
 
     def block(self, steps: int, timed: bool = True) -> None:
-        steady = timed and self.device == "cuda" and self.row["blocks"] == "sequential"
-
         def go() -> None:
-            if steady:
-                torch.cuda.reset_peak_memory_stats()
             ms = block_ms(self.step, steps, self.device)
             if timed:
                 self.means.append(ms)
-            if steady:
-                peak = round((torch.cuda.max_memory_allocated() - self.base) / 2**30, 3)
-                self.row["steady_peak_gib"] = max(peak, self.row["steady_peak_gib"] or 0.0)
         self.guarded(go)
 
     def note_report(self, report: dict[str, Any] | None) -> None:

@@ -24,11 +24,11 @@ free) and their rows say "blocks": "sequential".
 first_run_s: wall time from building the loop (model, optimizer, conversion) to the end of its first --first-steps
 steps: torch.compile's compilation and automp's trial of its paths included, the cost a user pays before the steady
 state. loss: read after the same number of optimizer steps in every mode (warm-up plus timed steps, automp's longer
-warm-up notwithstanding), so a lower loss is progress, not more steps. peak_gib: the mode's own peak, what
-torch.cuda.max_memory_allocated reached above what was allocated when it started (the other resident modes), from its
-build to the end of its warm-up (compilation and automp's trial included); steady_peak_gib: the same over its timed
-blocks only, where its modes run one at a time (sequential blocks), so a trial's peak and the steady state's are told
-apart.
+warm-up notwithstanding), so a lower loss is progress, not more steps. peak_gib, peak_reserved_gib: the mode's own
+peak, allocated and reserved (CUDA graphs' pools whole), above what was there when it started (the other resident
+modes), from its build to the end of its warm-up (compilation and automp's trial included). A peak of the timed
+blocks alone would say nothing: CUDA graph replays allocate nothing. The steady state's peak, without automp's trial,
+is its second run's (--second-run: second_peak_gib, second_peak_reserved_gib), which starts on the verdict.
 Inductor's and AOTAutograd's caches are off and automp's verdicts start empty: every mode compiles cold and automp
 runs its trial, so first_run_s compares like with like. --second-run measures what a user's next run of the same
 script pays instead: the caches are on, each mode with an Inductor cache directory of its own (empty at its first
@@ -155,13 +155,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         lines += ["", f"## {model} ({mine[0].get('blocks')} blocks)", "",
-                  "| mode | step ms | spread | ratio | peak GiB | steady peak GiB | loss | first run s | second run s | "
-                  "notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| mode | step ms | spread | ratio | peak GiB | reserved GiB | 2nd run peak GiB | loss | first run s "
+                  "| second run s | notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in mine:
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
             lines.append(f"| {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
                          f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
-                         f"{fmt(r.get('steady_peak_gib'), '.2f')} | "
+                         f"{fmt(r.get('peak_reserved_gib'), '.2f')} | {fmt(r.get('second_peak_gib'), '.2f')} | "
                          f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {fmt(r.get('second_run_s'), '.1f')} | "
                          f"{row_notes(r)} |")
     return "\n".join(lines) + "\n"
