@@ -118,6 +118,26 @@ def test_static_int8_activations():
     assert 0 < rep.max_rel_error < 3e-2
 
 
+def test_static_int8_scales_round_trip_through_save_and_load(tmp_path):
+    """A model quantized with static activation scales, saved and loaded into one quantized from other calibration
+    data: the loaded model carries the saved scales and computes what the saved one did."""
+    net = mlp(40, 56, 24)
+    config = TorchQuantConfig(compile=False, activations="static", smooth=None)
+    saved, _ = quantize_module(net, "int8", [randn(16, 40, seed=k).to(DEVICE) for k in range(2)], config)
+    other, _ = quantize_module(net, "int8", [3.0 * randn(16, 40, seed=k).to(DEVICE) for k in (5, 6)], config)
+    scales = {n: m.act_scale.clone() for n, m in saved.named_modules() if isinstance(m, Int8Linear)}
+    assert scales and all(not torch.equal(scales[n], m.act_scale) for n, m in other.named_modules()
+                          if isinstance(m, Int8Linear))  # the calibrations differ: loading must change them
+    torch.save(saved.state_dict(), tmp_path / "int8.pt")
+    other.load_state_dict(torch.load(tmp_path / "int8.pt"))
+    for n, m in other.named_modules():
+        if isinstance(m, Int8Linear):
+            assert m.mode == "static" and torch.equal(m.act_scale, scales[n])
+    x = randn(8, 40, seed=9).to(DEVICE)
+    with torch.no_grad():
+        assert torch.equal(other(x), saved(x))
+
+
 def test_shared_layer_and_multihead_attention():
     class Net(nn.Module):
         def __init__(self):
