@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from automp.bench import fp8_workloads as wl
-from automp.bench.suites.fp8 import cold_cache, free, one_line
+from automp.bench.fp8_run import cold_cache, free
+from automp.bench.harness import one_line
 from automp.bench.zoo_modes import fuse_adam, time_limit
 from automp.files import atomic_output
 

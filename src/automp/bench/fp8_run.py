@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from automp.bench.fp8_workloads import LOOPS, MODELS
+from automp.bench.harness import one_line
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import time_limit
 
@@ -44,9 +45,6 @@ class Peak:
             row[f"{prefix}peak_gib"] = round((torch.cuda.max_memory_allocated() - self.allocated) / 2**30, 3)
             row[f"{prefix}peak_reserved_gib"] = round((torch.cuda.max_memory_reserved() - self.reserved) / 2**30, 3)
 
-
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 class Run:
     """One mode of one model: its loop, its step count, its block times and its row."""

@@ -36,6 +36,12 @@ class Result:
         return self.anchor_ms / self.ms
 
 
+def one_line(e: BaseException) -> str:
+    """An error as a row's one-line note: its type and its message with every run of whitespace (newlines included)
+    made one space, cut at 300 characters."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()

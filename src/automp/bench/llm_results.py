@@ -21,7 +21,9 @@ def sync(device: torch.device) -> None:
 
 
 def one_line(e: BaseException) -> str:
-    """An error as a row's one-line note: its type and first line."""
+    """An error as a row's one-line note: its type and its first line only, where harness.one_line keeps the whole
+    message: a failing decode (an out-of-memory, a compile error) names itself on its first line and follows it with
+    allocator or compiler dumps that would fill the row."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 

@@ -47,12 +47,12 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache, free, one_line
+from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache, free
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS
 from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
 from automp.files import write_json_and_markdown
 
-__all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main", "one_line"]
+__all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
 
 MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
 ANCHOR = "bf16-reduce-overhead"
@@ -162,7 +162,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
                          f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
                          f"{fmt(r.get('peak_reserved_gib'), '.2f')} | {fmt(r.get('second_peak_gib'), '.2f')} | "
-                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {fmt(r.get('second_run_s'), '.1f')} | "
+                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | "
+                         f"{fmt(r.get('second_run_s'), '.1f')} | "
                          f"{row_notes(r)} |")
     return "\n".join(lines) + "\n"
 

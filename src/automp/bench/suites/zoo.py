@@ -27,7 +27,7 @@ from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
 from automp.bench import harness
-from automp.bench.harness import device_name, fmt, ratio_bars
+from automp.bench.harness import device_name, fmt, one_line, ratio_bars
 from automp.bench.suites.train import _time_steps
 from automp.files import write_json_and_markdown
 
@@ -51,7 +51,7 @@ def run_mode(name: str, mode: str, quick: bool, device: str, steps: int, warmup:
             _measure(row, name, mode, quick, device, steps, warmup, max_warmup, expired)
     except Exception as e:  # noqa: BLE001 - a failing mode (OOM, compile error) must not lose the others' rows
         # Dynamo may wrap the timeout in its own error: say what happened
-        row["error"] = str(expired[0]) if expired else f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        row["error"] = str(expired[0]) if expired else one_line(e)
     finally:
         if use_automp:
             report = automp.disable()
