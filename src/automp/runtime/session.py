@@ -63,8 +63,7 @@ class Session:
                  fp8: Fp8Layers | None = None, fp32_rate: Callable[[torch.device], float | None] | None = None) -> None:
         self.config = config
         self.recorder = recorder if recorder is not None else Recorder()
-        calibrated = CalibratedCandidates(config.cache_dir)
-        self.candidates = candidates or calibrated
+        self.candidates = candidates or CalibratedCandidates(config.cache_dir)
         self.clock = clock
         self.cache = cache if cache is not None else VerdictCache(config.cache_dir)
         self.trial_config = trial_config or TrialConfig()
@@ -75,7 +74,8 @@ class Session:
         self.scaling = Scaling(config, self._record_scaling)
         self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
                                forget=self._forget_layout,
-                               fp32_rate=fp32_rate or (None if candidates else calibrated.fp32_tflops))
+                               # injected candidates without a rate (a test's): no bound
+                               fp32_rate=fp32_rate or getattr(self.candidates, "fp32_tflops", None))
         self.labels: dict[str, int] = {}
         self.breaks_before: dict[str, int] = {}
         self.casts = SharedCasts()  # the eager path's weight casts, kept across calls
