@@ -9,16 +9,16 @@ it. The loss falls from ln(vocab) to about ln(active) as the model learns which 
 learns the table. Over the whole 128256-id vocabulary (--active-vocab 0) a 1.2B Llama at lr 1e-4 sat near ln(vocab)
 for 1,400-1,900 steps and then dropped sharply, at a step that differed from run to run, so its loss at 2,000 steps
 compared the timing of that drop more than two precisions; 4096 active ids (each seen ~4,000 times in 2,000 steps of
-8,192 tokens) give a table the model learns gradually. The stream is drawn on the device from a generator seeded by the step's index: every mode, in
-any process, sees the same batches.
+8,192 tokens) give a table the model learns gradually. The stream is drawn on the device from a generator seeded by
+the step's index: every mode, in any process, sees the same batches.
 
 Each mode runs alone (one mode per process suits one GPU each: `--modes automp-fp8` on one card while
 `--modes bf16-reduce-overhead` runs on another), from the same seed, with the loops of `automp bench fp8`. The loss
 at a checkpoint is the mean over the WINDOW steps that end there (one batch's loss is noisy). Rows
-`{"model", "mode", "steps", "loss_at": {step: mean loss}, "window", "seconds", "fp8_fallback"}` go to
-`<out>.json` (rows merged by model and mode with those already there) and `.md`, with each checkpoint's relative
-gap to bf16-reduce-overhead where the file holds both. fp8_fallback: whether automp's loss guard moved the run back
-to bf16 (then the later losses are partly bf16's).
+`{"model", "mode", "steps", "active_vocab", "loss_at": {step: mean loss}, "window", "seconds", "fp8_fallback"}` go
+to `<out>.json` (rows merged by model, stream and mode with those already there) and `.md`, with each checkpoint's
+relative gap to bf16-reduce-overhead on the same stream where the file holds both. fp8_fallback: whether automp's
+loss guard moved the run back to bf16 (then the later losses are partly bf16's).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Any, Callable
 import torch
 
 from automp.bench.fp8_workloads import LOOPS, MODELS
-from automp.bench.harness import device_name, fmt, gpu_slug, usage_problem
-from automp.bench.suites.fp8 import ANCHOR, MODES, one_line
+from automp.bench.harness import device_name, fmt, gpu_slug, one_line, usage_problem
+from automp.bench.suites.fp8 import ANCHOR, MODES
 from automp.files import write_json_and_markdown
 
 LM_MODELS = ("llama-d2048", "llama-d4096", "gpt2")  # the stream is tokens: the language models only
@@ -88,7 +88,7 @@ def run_mode(model: str, mode: str, opts: argparse.Namespace,
         step = LOOPS[mode](work, opts.device)
         for i in range(opts.steps):
             losses[i].copy_(step())  # on the device: no host read per step (a CUDA graph's output is overwritten)
-            if i + 1 in opts.at:
+            if i + 1 in opts.at and i + 1 < opts.steps:  # the last one: with the whole row, after the loop
                 _read(row, losses, opts, i + 1, time.perf_counter() - t0)
                 emit(row)
     except Exception as e:  # noqa: BLE001 - a failing mode keeps what it measured and says why
@@ -129,8 +129,8 @@ def _stream(row: dict[str, Any]) -> tuple[str, int]:
 
 def markdown(rows: list[dict[str, Any]], device: str) -> str:
     lines = [f"# automp bench fp8_parity · {device} · torch {torch.__version__}", "",
-             f"loss: mean over the {rows[0]['window'] if rows else WINDOW} steps ending at the checkpoint, fresh batches of a stream with floor "
-             f"ln({K}) = {math.log(K):.2f}; gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
+             f"loss: mean over the {rows[0]['window'] if rows else WINDOW} steps ending at the checkpoint, fresh "
+             f"batches of a stream with floor ln({K}) = {math.log(K):.2f}; gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
              "| model | active ids | mode | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
              "|---|---:|---|---:|---|---|---:|---|"]
     for r in rows:
@@ -140,8 +140,8 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
                                       if r.get("fp8_fallback") else None,
                                       f"{r['fp8_layers']} FP8 layers" if r.get("fp8_layers") is not None else None)
                           if x)
-        lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {r['mode']} | {r['steps']} | {at} | {gap} | {fmt(r['seconds'], '.0f')} | "
-                     f"{notes} |")
+        lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {r['mode']} | {r['steps']} | {at} | "
+                     f"{gap} | {fmt(r['seconds'], '.0f')} | {notes} |")
     return "\n".join(lines) + "\n"
 
 
