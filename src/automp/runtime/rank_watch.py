@@ -4,10 +4,10 @@ torchrun's agent ends every worker once one fails. Ranks started otherwise (`sru
 launcher, a notebook per rank) get no such help: when one raises, the others wait in their next collective until the
 process group's timeout (10 to 30 minutes), or for ever in a loop that never reaches one. So `automp run` watches the
 job's store, the key-value store every rank already shares through `init_process_group`: a rank whose script raises
-(or exits non-zero) writes why under FAILED and waits a few polls before it exits, and every other rank checks that key once per `poll`
-seconds from a daemon thread, then prints who failed and why and exits with code 1. Nothing is written or read
-before the script has initialized torch.distributed, and a store that goes away at the end of a good run (rank 0
-hosts it) ends the watch quietly.
+(or exits non-zero) writes why under FAILED and waits a few polls before it exits, and every other rank checks that
+key once per `poll` seconds from a daemon thread, then prints who failed and why and exits with code 1. Nothing is
+written or read before the script has initialized torch.distributed, and a store that goes away at the end of a good
+run (rank 0 hosts it) ends the watch quietly.
 """
 from __future__ import annotations
 
