@@ -29,7 +29,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 
 import automp.kernels as K  # noqa: E402
-from automp.kernels import quant  # noqa: E402
+from automp.kernels import gemv_quant as quant  # noqa: E402
 
 LAYERS = 22
 # (name, N, K, calls per decode step)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import automp.kernels as K
-from automp.kernels import quant
+from automp.kernels import gemv_quant, quant
 from automp.kernels.quant_batched import _PRODUCT_PER_THREAD, _rows_configs, _rows_prune, quant_gemv_rows
 from kernel_testutil import DEVICE, TOL, rel_err
 
@@ -36,7 +36,7 @@ def _reference(qw, s, a):
 def test_rows_match_float64_reference(poison, bits, n, k, group, m, dtype, split_k):
     qw, s, a = _operands(bits, n, k, group, m, dtype)
     if split_k is not None:  # the case really splits K (else it would test the unsplit path twice)
-        assert quant._gemv_split(n, k, quant.kernel_group(k, s.shape[1]), 132, split_k)[0] > 1
+        assert gemv_quant._gemv_split(n, k, quant.kernel_group(k, s.shape[1]), 132, split_k)[0] > 1
     y = quant_gemv_rows(qw, s, a, split_k=split_k)
     assert y.dtype == dtype and y.shape == (m, n)
     assert rel_err(y, _reference(qw, s, a)) < TOL[dtype]
@@ -45,7 +45,7 @@ def test_rows_match_float64_reference(poison, bits, n, k, group, m, dtype, split
 def test_long_k_splits_by_default_and_matches(poison):
     """K >= 4096 with few rows splits across programs without being asked (the GEMV's heuristic)."""
     qw, s, a = _operands(4, 16, 4096, 128, 3, F16)
-    assert quant._gemv_split(16, 4096, 128, 132)[0] > 1
+    assert gemv_quant._gemv_split(16, 4096, 128, 132)[0] > 1
     assert rel_err(quant_gemv_rows(qw, s, a), _reference(qw, s, a)) < TOL[F16]
 
 

@@ -18,6 +18,7 @@ from automp.kernels import gemm as _gemm
 from automp.kernels import gemv as _gemv
 from automp.kernels import quant as _quant
 from automp.kernels import quant_batched as _quant_batched
+from automp.kernels import gemv_quant as _gemv_quant
 from automp.kernels import reduce as _reduce
 from automp.kernels.gemv import INTERPRET
 
@@ -115,7 +116,7 @@ def quant_gemv_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> to
     _require(x.dim() == 1, "quant_gemv", f"x must be [K], got shape {tuple(x.shape)}")
     _check_quant("quant_gemv", qw, scales, x, x.shape[0])
     if use_triton(x):
-        return _quant.quant_gemv(qw, scales.contiguous(), x)
+        return _gemv_quant.quant_gemv(qw, scales.contiguous(), x)
     return (_quant.dequantize_weight(qw, scales, x.shape[0]) @ x.float()).to(x.dtype)
 
 

@@ -2,7 +2,7 @@
 
 Decoding a batch of 2..16 sequences is still a weight stream: every weight is used M times, so M * 2 flops per
 weight byte (int8) stays far below what the memory bandwidth feeds. The tile GEMM (`quant.quant_gemm`) pads M to a
-16-row tensor-core tile and is tuned for large M; the GEMV (`quant.quant_gemv`) takes one row. This kernel reads
+16-row tensor-core tile and is tuned for large M; the GEMV (`gemv_quant.quant_gemv`) takes one row. This kernel reads
 each packed weight tile once, dequantizes it in registers and applies it to all M rows (padded to a power of two,
 M_P2): a broadcast product [M_P2, 1, K-tile] * [1, BLOCK_N, K-tile] summed over K, on the CUDA cores, because tl.dot
 needs 16 rows. Its fp32 multiply-adds grow with M while the bytes do not, so at some M the tensor-core GEMM wins
@@ -10,7 +10,8 @@ again; automp.kernels.crossover measures where, per shape.
 
 Layouts are quant's (module docstring there). A K-tile never straddles a scale group (the configs are pruned to
 BLOCK_K <= group), so each row's partial dot over a tile is scaled once. K is split across programs exactly as the
-GEMV splits it (`quant._gemv_split`), with the fp32 partials summed by `quant._split_sum_kernel` in a fixed order.
+GEMV splits it (`gemv_quant._gemv_split`), with the fp32 partials summed by `gemv_quant._split_sum_kernel` in a
+fixed order.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
-from automp.kernels.quant import (_CPU_SMS, _SUM_BLOCK, _gemv_split, _i8_to_f32, _split_sum_kernel, _u4_to_f32,
-                                  kernel_group)
+from automp.kernels.quant import _i8_to_f32, _u4_to_f32, kernel_group
+from automp.kernels.gemv_quant import _CPU_SMS, _SUM_BLOCK, _gemv_split, _split_sum_kernel
 
 MAX_ROWS = 16
 # fp32 values of the broadcast product per thread a config may hold (M_P2 * BLOCK_N * BLOCK_K / threads). Checked in
