@@ -68,3 +68,50 @@ def test_gemv_forced_split_is_whole_groups(split_k, k, group):
     assert 1 <= split <= split_k and split == -(-k // span)
     if split > 1:
         assert span % (group if group < k else gemv_quant._MIN_SPAN) == 0 and (split - 1) * span < k
+
+
+def _case(quantize, n, k, group, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qw, s = quantize((torch.randn(n, k, generator=g) * 0.02).to(DEVICE), group)
+    x = (torch.randn(k, generator=g) * scale).to(torch.float16).to(DEVICE)
+    return qw, s, x, K.dequantize_weight(qw, s, k).double() @ x.double()
+
+
+WORD_PATH = "words" if DEVICE == "cpu" else "f16x2"
+
+
+@pytest.mark.parametrize("quantize", [K.quantize_weight_int8, K.quantize_weight_int4])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("n,k,group", [(37, 520, 32), (21, 640, 64), (9, 1000, None), (5, 72, 32)])
+def test_word_path_matches_float64_reference(poison, quantize, split_k, n, k, group):
+    """fp16 x and whole words take the word layout (f16x2 on the GPU, its plain-Triton twin here); K = 520, 1000, 72
+    leave a partial last tile (the masked word loads). Both decodings match the reference."""
+    qw, s, x, ref = _case(quantize, n, k, group)
+    assert gemv_quant.word_path(qw, x) == WORD_PATH
+    for path in ("bytes", WORD_PATH):
+        y = gemv_quant.quant_gemv(qw, s, x, split_k=split_k, path=path)
+        assert not y.isnan().any() and rel_err(y, ref) < TOL[torch.float16], path
+
+
+@pytest.mark.parametrize("quantize", [K.quantize_weight_int8, K.quantize_weight_int4])
+@pytest.mark.parametrize("scale", [2e-3, 1.0, 3000.0])
+def test_word_path_keeps_small_and_large_activations(poison, quantize, scale):
+    """The word path sums products in fp16 halves: activations of 3000 must not overflow, and 2e-3 must not lose
+    precision to subnormals. Codes reach their extremes whatever the weights' scale (0.02: outputs stay inside
+    fp16's range)."""
+    qw, s, x, ref = _case(quantize, 33, 256, 64, scale=scale, seed=1)
+    y = gemv_quant.quant_gemv(qw, s, x)
+    assert y.isfinite().all() and rel_err(y, ref) < TOL[torch.float16]
+
+
+def test_word_path_choice_and_bad_path():
+    qw, s, x, _ = _case(K.quantize_weight_int4, 8, 64, 32)
+    assert gemv_quant.word_path(qw, x.to(torch.bfloat16)) == "bytes"  # the f16x2 arithmetic is fp16's
+    strided = torch.randn(64, 2, dtype=torch.float16, device=DEVICE)[:, 0]
+    assert gemv_quant.word_path(qw, strided) == "bytes"
+    q8, _ = K.quantize_weight_int8(torch.randn(8, 66), 32)  # K % 4 != 0
+    assert gemv_quant.word_path(q8.to(DEVICE), torch.randn(66, dtype=torch.float16, device=DEVICE)) == "bytes"
+    with pytest.raises(ValueError, match="path 'words' does not apply"):
+        gemv_quant.quant_gemv(qw, s, x.to(torch.bfloat16), path="words")
+    with pytest.raises(ValueError, match="path 'tiles'"):
+        gemv_quant.quant_gemv(qw, s, x, path="tiles")

@@ -13,18 +13,12 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
-from automp.kernels.quant import _i8_to_f32, _u4_to_f32, kernel_group
+from automp.kernels.quant import (_CPU_SMS, _SPLIT_MIN_K, _SUM_BLOCK, _WAVES, _i8_to_f32, _split_sum_kernel,
+                                  _u4_to_f32, kernel_group)
 
 _SUB = tl.constexpr(16)  # bytes of one thread's vector load, reduced in its registers and then scaled once
 _MIN_SPAN = 128  # fewest K per split program: the smallest BLOCK_K below, so some config always tiles a span exactly
 _SPLIT_ROWS = 32  # rows per program the split chooser counts with (a middle BLOCK_N)
-_WAVES = 2  # programs the chooser aims at, in SM counts: every SM busy, with a second program to hide the tail
-# No split below this K: measured on an H100 in a CUDA graph (scripts/qgemv_sweep.py, Llama-1B shapes), a GEMV of K=2048
-# takes 4-6 us, mostly launch latency, and the split's second launch cost more than its extra programs gave back
-# (int4 2048x2048: 4.2 us unsplit, 5.4-5.7 split); at K=5632 six splits won (8.0 us vs 9.8).
-_SPLIT_MIN_K = 4096
-_SUM_BLOCK = 256
-_CPU_SMS = 132  # an H100: CPU runs (the interpreter) split like the GPU they stand in for
 
 
 def _qgemv_configs() -> list[triton.Config]:
@@ -84,19 +78,150 @@ def _tile_sums(q_rows, x_ptr, t, K, KP, stride_xk, BITS: tl.constexpr, BLOCK_N: 
             + tl.sum(tl.reshape(hi16 * (x_odd * 0.0625)[None, :], (BLOCK_N, BW // _SUB, _SUB)), axis=2))
 
 
-@triton.autotune(configs=_qgemv_configs(), key=["N", "K", "K_SPAN", "GROUP", "BITS"],
+# The word path: codes read as int32 words and decoded two at a time in f16x2 arithmetic. A lop3 drops a code into
+# the low mantissa bits of each half of an fp16 pair whose exponent makes a mantissa step worth 1/4 (int4) or 1/128
+# (int8): 0x5C00 | u is 256 + u/4, and four bits higher 0x4C00 | u << 4 is 16 + u/4; for int8, 0x4800 | (q ^ 0x80)
+# is 8 + (q + 128)/128. One sub.f16x2 leaves code/4 (int4, codes -8..7) or q/128 exactly, and f16x2 multiply-adds sum
+# a word's products into two halves, which go to fp32 once per word. The scaled codes are at most 2 (int4) or 1 in
+# magnitude, so a half's four (two) products stay inside fp16's range whenever x does, and x is used as loaded.
+# An int4 word holds k = 8i + j in nibble j, so its pairs are (k, k + 4): nibbles (0, 4) under mask 0x000F000F,
+# (1, 5) under 0x00F000F0, and (2, 6), (3, 7) after a shift by 8. An int8 word pairs (k, k + 2), bytes (0, 2) and
+# (1, 3). x comes as matching fp16 pairs packed in int32 ($2.. below), built from its own int32 words.
+_W4_F16X2 = tl.constexpr("""{
+.reg .b32 t, h0, h1, h2, h3, m0, m1, a;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 m0, 0x5C085C08;
+mov.b32 m1, 0x4C804C80;
+lop3.b32 h0, $1, 0x000F000F, 0x5C005C00, 0xEA;
+lop3.b32 h1, $1, 0x00F000F0, 0x4C004C00, 0xEA;
+shr.u32 t, $1, 8;
+lop3.b32 h2, t, 0x000F000F, 0x5C005C00, 0xEA;
+lop3.b32 h3, t, 0x00F000F0, 0x4C004C00, 0xEA;
+sub.f16x2 h0, h0, m0;
+sub.f16x2 h1, h1, m1;
+sub.f16x2 h2, h2, m0;
+sub.f16x2 h3, h3, m1;
+mul.f16x2 a, h0, $2;
+fma.rn.f16x2 a, h1, $3, a;
+fma.rn.f16x2 a, h2, $4, a;
+fma.rn.f16x2 a, h3, $5, a;
+mov.b32 {lo, hi}, a;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+_W8_F16X2 = tl.constexpr("""{
+.reg .b32 t, h0, h1, m, a;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 m, 0x48804880;
+lop3.b32 h0, $1, 0x00FF00FF, 0x48804880, 0x6A;
+shr.u32 t, $1, 8;
+lop3.b32 h1, t, 0x00FF00FF, 0x48804880, 0x6A;
+sub.f16x2 h0, h0, m;
+sub.f16x2 h1, h1, m;
+mul.f16x2 a, h0, $2;
+fma.rn.f16x2 a, h1, $3, a;
+mov.b32 {lo, hi}, a;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def _half(p, SHIFT: tl.constexpr):
+    """The fp16 in bits [SHIFT, SHIFT + 16) of int32 p, as fp32 (the interpreter's twin of the f16x2 operands)."""
+    return ((p >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _code(w, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """The code in bits [SHIFT, SHIFT + BITS) of w, divided as the word path divides it (exact in fp16)."""
+    if BITS == 4:
+        return (((w >> SHIFT) & 15).to(tl.float32) - 8.0) * 0.25
+    return ((((w >> SHIFT) & 255) ^ 128).to(tl.float32) - 128.0) * 0.0078125
+
+
+@triton.jit
+def _pair_dots(lo, hi):
+    """Sum of the two halves' running fp16 sums, each rounded to fp16 as the f16x2 registers hold them."""
+    return lo.to(tl.float16).to(tl.float32) + hi.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _word_dots(w, p0, p1, p2, p3, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Per int32 word of w: sum of its codes (divided as above) times x, in fp32; x as the packed pairs p_j.
+
+    ASM: the f16x2 instructions; otherwise the same products in Triton (the interpreter has no inline assembly), so a
+    CPU test checks the word layout and the x pairing that both share (int8: p2, p3 unused)."""
+    if ASM:
+        if BITS == 4:
+            return tl.inline_asm_elementwise(_W4_F16X2, "=f,r,r,r,r,r", [w, p0, p1, p2, p3], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_W8_F16X2, "=f,r,r,r", [w, p0, p1], dtype=tl.float32, is_pure=True, pack=1)
+    if BITS == 4:
+        lo = (_code(w, 0, 4) * _half(p0, 0) + _code(w, 4, 4) * _half(p1, 0) + _code(w, 8, 4) * _half(p2, 0)
+              + _code(w, 12, 4) * _half(p3, 0))
+        hi = (_code(w, 16, 4) * _half(p0, 16) + _code(w, 20, 4) * _half(p1, 16) + _code(w, 24, 4) * _half(p2, 16)
+              + _code(w, 28, 4) * _half(p3, 16))
+        return _pair_dots(lo, hi)
+    lo = _code(w, 0, 8) * _half(p0, 0) + _code(w, 8, 8) * _half(p1, 0)
+    hi = _code(w, 16, 8) * _half(p0, 16) + _code(w, 24, 8) * _half(p1, 16)
+    return _pair_dots(lo, hi)
+
+
+@triton.jit
+def _pairs(a, b):
+    """(low half of a, low half of b) and (high half of a, high half of b), packed in int32."""
+    return (a & 0xFFFF) | (b << 16), ((a >> 16) & 0xFFFF) | (b & -65536)
+
+
+@triton.jit
+def _tile_sums_words(q_words, x_words, t, KW, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """_tile_sums on the word path (q_words: the rows' int32 pointers, KW words per row; x_words: x as int32, two
+    fp16 each): [BLOCK_N, bytes per tile row // 16] fp32, one sum per 16-byte sub-block (4 words)."""
+    XW: tl.constexpr = 16 // BITS  # x words per code word
+    W: tl.constexpr = BLOCK_K * BITS // 32
+    rw = t * W + tl.arange(0, W)
+    rx = rw[:, None] * XW + tl.arange(0, XW)[None, :]
+    if EVEN_K:
+        w = tl.load(q_words + rw[None, :])
+        xw = tl.load(x_words + rx)
+    else:  # K is a whole number of words here, so word masks are exact; x is 0 past K
+        w = tl.load(q_words + rw[None, :], mask=(rw < KW)[None, :], other=0)
+        xw = tl.load(x_words + rx, mask=rx < KW * XW, other=0)
+    if BITS == 4:
+        ac, bd = tl.split(tl.reshape(xw, (W, 2, 2)))  # x words (0, 2) and (1, 3): x_(0,1), x_(4,5); x_(2,3), x_(6,7)
+        a, c = tl.split(ac)
+        b, d = tl.split(bd)
+        p0, p1 = _pairs(a, c)
+        p2, p3 = _pairs(b, d)
+    else:
+        a, b = tl.split(xw)
+        p0, p1 = _pairs(a, b)
+        p2, p3 = p0, p1
+    dots = _word_dots(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], BITS, ASM)
+    return tl.sum(tl.reshape(dots, (BLOCK_N, W // 4, 4)), axis=2) * (4.0 if BITS == 4 else 128.0)
+
+
+@triton.autotune(configs=_qgemv_configs(), key=["N", "K", "K_SPAN", "GROUP", "BITS", "WORDS", "ASM"],
                  prune_configs_by={"early_config_prune": _qgemv_prune})
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, stride_sn, stride_xk,
+def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, stride_qw, stride_sn, stride_xk,
                     GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    WORDS: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): rows [i * BLOCK_N, +BLOCK_N), K range [j * K_SPAN, +K_SPAN) in whole tiles; SPLIT: write the
-    fp32 partial row j of out [SPLIT_K, N], else y itself."""
+    fp32 partial row j of out [SPLIT_K, N], else y itself. WORDS: the word path (_tile_sums_words)."""
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = rn % N  # rows past N wrap to real ones (never stored), so the loads need no row mask
     q_rows = q_ptr + rows[:, None] * stride_qn
+    q_words = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * stride_qw
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
     s_rows = s_ptr + rows * stride_sn
     SUB_K: tl.constexpr = _SUB * 8 // BITS  # K per sub-block, <= MIN_GROUP: a sub-block never straddles groups
     tiles = tl.cdiv(K_SPAN, BLOCK_K)
@@ -104,7 +229,10 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
     t_hi = tl.minimum(t_lo + tiles, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
-        part = _tile_sums(q_rows, x_ptr, t, K, KP, stride_xk, BITS, BLOCK_N, BLOCK_K, EVEN_K)
+        if WORDS:
+            part = _tile_sums_words(q_words, x_words, t, KP // 4, BITS, BLOCK_N, BLOCK_K, EVEN_K, ASM)
+        else:
+            part = _tile_sums(q_rows, x_ptr, t, K, KP, stride_xk, BITS, BLOCK_N, BLOCK_K, EVEN_K)
         if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
             s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)
             acc += part * s[:, None]
@@ -120,16 +248,6 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
         tl.store(out_ptr + pid_k * N + rn, y, mask=rn < N)
     else:
         tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def _split_sum_kernel(part_ptr, y_ptr, N, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """y = the column sums of the [SPLIT_K, N] partials, all loaded at once (one L2 round trip, not SPLIT_K)."""
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rs = tl.arange(0, SPLIT_P2)
-    mask = (rs < SPLIT_K)[:, None] & (rn < N)[None, :]
-    part = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=mask, other=0.0)
-    tl.store(y_ptr + rn, tl.sum(part, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
@@ -155,18 +273,40 @@ def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None
     return triton.cdiv(k, span), span
 
 
-def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
-    """y [N] = dequant(qw) @ x for x [K]; y has x's dtype. `split_k` forces the K split (tests, sweeps)."""
+PATHS = ("bytes", "words", "f16x2")
+
+
+def word_path(qw: torch.Tensor, x: torch.Tensor) -> str:
+    """How a GEMV reads its codes: "f16x2" (int32 words, the f16x2 assembly) for fp16 x on the GPU, "words" (the
+    same layout in plain Triton) under the interpreter, "bytes" (fp32 decoding) for bf16 x, or where words do not
+    fit: K not a whole number of words (8 int4 codes, 4 int8), x strided, or rows or x not 4-byte aligned."""
+    per_word = 8 if qw.dtype == torch.uint8 else 4
+    if (x.dtype != torch.float16 or x.shape[0] % per_word or x.stride(0) != 1 or x.data_ptr() % 4
+            or qw.stride(0) % 4 or qw.data_ptr() % 4):
+        return "bytes"
+    return "words" if INTERPRET else "f16x2"
+
+
+def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int | None = None,
+               path: str | None = None) -> torch.Tensor:
+    """y [N] = dequant(qw) @ x for x [K]; y has x's dtype. `split_k` forces the K split and `path` the int4 decoding
+    (tests, sweeps; one of PATHS: "bytes", or what word_path allows)."""
     k = x.shape[0]
     n = qw.shape[0]
     bits = 4 if qw.dtype == torch.uint8 else 8
+    chosen = word_path(qw, x)
+    if path is not None:
+        if path not in PATHS or (path != "bytes" and chosen == "bytes") or (path == "f16x2" and INTERPRET):
+            raise ValueError(f"quant_gemv: path {path!r} does not apply here (allowed: {chosen!r} or 'bytes')")
+        chosen = path
     group = kernel_group(k, scales.shape[1])
     split, span = _gemv_split(n, k, group, num_sms(x.device, cpu=_CPU_SMS), split_k)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-    _wq_gemv_kernel[grid](qw, scales, x, out, n, k, qw.shape[1], span, qw.stride(0), scales.stride(0), x.stride(0),
-                          group, bits, split > 1)
+    _wq_gemv_kernel[grid](qw, scales, x, out, n, k, qw.shape[1], span, qw.stride(0), qw.stride(0) // 4,
+                          scales.stride(0), x.stride(0), group, bits, split > 1, WORDS=chosen != "bytes",
+                          ASM=chosen == "f16x2")
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, _SUM_BLOCK),)](out, y, n, split, triton.next_power_of_2(split),
                                                          BLOCK=_SUM_BLOCK)

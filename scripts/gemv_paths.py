@@ -1,0 +1,96 @@
+"""Weight-only GEMV decodings at Llama-3-8B decode shapes (fused q/k/v and gate/up, as automp.llm runs them): the
+byte path (fp32 decoding) against the word path (int32 words, f16x2 assembly), int8 and int4, with the default tiles
+and with deeper ones (more bytes in flight per thread), beside cuBLAS fp16 on the dense weight.
+
+    python scripts/gemv_paths.py     # a few minutes on an H100, mostly autotuning
+
+Timings as scripts/qgemv_sweep.py: "graph" is the per-call median of a CUDA graph over enough weight copies to
+overflow L2; GB/s counts the weights and scales a call reads. The step row sums 32 layers plus lm_head.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qgemv_sweep as sweep  # noqa: E402  (exits without a GPU)
+import triton  # noqa: E402
+
+import automp.kernels as K  # noqa: E402
+from automp.kernels import gemv_quant  # noqa: E402
+
+LAYERS = 32
+SHAPES = [("qkv", 6144, 4096, LAYERS), ("o", 4096, 4096, LAYERS), ("gate_up", 28672, 4096, LAYERS),
+          ("down", 4096, 14336, LAYERS), ("lm_head", 128256, 4096, 1)]
+DEEP = [(16, 2048, 8), (32, 1024, 8), (8, 2048, 4), (64, 512, 8), (32, 2048, 8), (64, 1024, 8), (16, 4096, 8)]
+
+
+def set_tiles(deep: bool) -> None:
+    kern = gemv_quant._wq_gemv_kernel
+    base = gemv_quant._qgemv_configs()
+    extra = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in DEEP] if deep else []
+    kern.configs = base + extra
+    kern.cache.clear()
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = sweep.copy_bandwidth()
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)\n")
+    print("| shape N x K | case | config | graph µs | GB/s | % copy | vs cuBLAS | rel err |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    step: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, n, k, count in SHAPES:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        x = torch.randn(k, dtype=torch.float16, device="cuda")
+        q4, q8 = K.quantize_weight_int4(w, 128), K.quantize_weight_int8(w, 128)
+        del w
+        dense = K.dequantize_weight(*q4, k).half()
+        ref4 = torch.nn.functional.linear(x, dense)
+        cublas, _ = sweep.measure(torch.nn.functional.linear, (x, dense), dense.numel() * 2)
+        cases = [("fp16 cuBLAS", None, None, False), ("int8 bytes", q8, "bytes", False),
+                 ("int8 f16x2", q8, "f16x2", False), ("int4 bytes", q4, "bytes", False),
+                 ("int4 f16x2", q4, "f16x2", False), ("int8 f16x2 deep", q8, "f16x2", True),
+                 ("int4 bytes deep", q4, "bytes", True), ("int4 f16x2 deep", q4, "f16x2", True)]
+        for label, q, path, deep in cases:
+            if q is None:
+                us, nbytes, err, config = cublas, dense.numel() * 2, 0.0, "-"
+            else:
+                set_tiles(deep)
+                qw, s = q
+                fn = (lambda a, b, c, p=path: gemv_quant.quant_gemv(a, b, c, path=p))
+                try:
+                    out = fn(qw, s, x)
+                except Exception as e:  # noqa: BLE001  (a path that does not compile is a row, not a crash)
+                    print(f"| {name} {n}x{k} | {label} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+                    continue
+                ref = ref4 if q is q4 else torch.nn.functional.linear(x, K.dequantize_weight(*q8, k).half())
+                err = sweep.rel_err(out, ref)
+                c = gemv_quant._wq_gemv_kernel.best_config
+                config = f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']} w{c.num_warps}"
+                nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
+                us, _ = sweep.measure(fn, (qw, s, x), nbytes)
+            gbs = nbytes / us / 1e3
+            print(f"| {name} {n}x{k} | {label} | {config} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
+                  f"{cublas / us:.2f}x | {err:.1e} |", flush=True)
+            step[label][0] += count * us
+            step[label][1] += count * nbytes
+        del q4, q8, dense
+        torch.cuda.empty_cache()
+    set_tiles(False)
+    print(f"\nOne decode step's linears ({LAYERS} layers + lm_head):\n")
+    print("| case | ms | GB read | GB/s | % copy | vs cuBLAS |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for key, (us, nbytes) in step.items():
+        gbs = nbytes / us / 1e3
+        print(f"| {key} | {us / 1e3:.3f} | {nbytes / 1e9:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
+              f"{step['fp16 cuBLAS'][0] / us:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
