@@ -10,6 +10,10 @@ Dequantization happens in registers right after the load: the weight bytes cross
 element, which is the whole point for memory-bound decoding. The scale is applied to partial dots that lie inside one
 group (a GEMM K-tile, a GEMV thread's 16-byte vector), not once per element.
 
+Batched decoding (M = 16..64 rows) makes the GEMM a weight stream too, and its tile grid alone is then too small for
+the GPU (M=32, N=4096: 64 tiles for 132 SMs, each streaming all of K). So K is split across programs as the GEMV
+splits it (`_gemm_split`): fp32 partials, summed in a fixed order by `_split_sum_kernel` (shared with the GEMV).
+
 W8A8 (`int8_gemm`): int8 a [M, K] @ int8 b [K, N] accumulated in int32 on the tensor cores, then one fused
 epilogue: out = sa[m] * sb[n] * (acc - za[m] * sum_k b[k, n]) + bias[n]. za is the activation zero point of the
 asymmetric scheme (a = sa * (a_q - za), e.g. za = -128 for post-ReLU activations spread over the full int8 range).
@@ -20,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from automp.kernels.gemm import mm_configs, prune_by_m, tile_ids
-from automp.kernels.gemv import half_dot, k_range
+from automp.kernels.gemm import SKINNY_M, mm_configs, prune_by_m, tile_ids
+from automp.kernels.gemv import half_dot, k_range, num_sms
 
 MIN_GROUP = 32
 
@@ -124,17 +128,42 @@ def kernel_group(k: int, n_groups: int) -> int:
     return g
 
 
+# ----------------------------------------------------------------------------------------------- split-K
+# Shared by every weight-only kernel (the GEMV and rows kernel import them): when the output alone gives too few
+# programs, K is split across programs too; each writes an fp32 partial and _split_sum_kernel adds them in a fixed
+# order (deterministic, unlike atomics, and nothing to zero first).
+_WAVES = 2  # programs the choosers aim at, in SM counts: every SM busy, with a second program to hide the tail
+# No split below this K: measured on an H100 in a CUDA graph (scripts/qgemv_sweep.py, Llama-1B shapes), a GEMV of K=2048
+# takes 4-6 us, mostly launch latency, and the split's second launch cost more than its extra programs gave back
+# (int4 2048x2048: 4.2 us unsplit, 5.4-5.7 split); at K=5632 six splits won (8.0 us vs 9.8).
+_SPLIT_MIN_K = 4096
+_SUM_BLOCK = 256
+_CPU_SMS = 132  # an H100: CPU runs (the interpreter) split like the GPU they stand in for
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, y_ptr, N, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the column sums of the [SPLIT_K, N] partials, all loaded at once (one L2 round trip, not SPLIT_K)."""
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rs = tl.arange(0, SPLIT_P2)
+    mask = (rs < SPLIT_K)[:, None] & (rn < N)[None, :]
+    part = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=mask, other=0.0)
+    tl.store(y_ptr + rn, tl.sum(part, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
+
 
 # ----------------------------------------------------------------------------------------------- weight-only GEMM
 def _qgemm_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
-    """Skinny/square family by M, and tiles no deeper than a group (one scale per column per tile)."""
-    group = {**nargs, **kw}["GROUP"]
+    """Skinny/square family by M, and tiles no deeper than a group (one scale per column per tile) nor, when K is
+    split, than the largest power of two dividing a program's K range (a last tile reaching past it would add the
+    next program's K a second time)."""
+    a = {**nargs, **kw}
+    deepest = a["GROUP"] if a["K_SPAN"] >= a["K"] else min(a["GROUP"], a["K_SPAN"] & -a["K_SPAN"])
     by_m = prune_by_m(configs, nargs)
-    fit = [c for c in by_m if c.kwargs["BLOCK_K"] <= group]
+    fit = [c for c in by_m if c.kwargs["BLOCK_K"] <= deepest]
     if fit:
         return fit
-    # No tile of this family is shallow enough: the same tiles cut to the group depth (never a straddling tile).
-    return [triton.Config({**c.kwargs, "BLOCK_K": group}, num_warps=c.num_warps, num_stages=c.num_stages)
+    # No tile of this family is shallow enough: the same tiles cut to that depth (never a straddling tile).
+    return [triton.Config({**c.kwargs, "BLOCK_K": deepest}, num_warps=c.num_warps, num_stages=c.num_stages)
             for c in by_m]
 
 
@@ -169,41 +198,81 @@ def _weight_tile_t(q_ptr, rqn, k0, K, KP, stride_qn, BITS: tl.constexpr, A_FP16:
 
 _Q_SQUARE = [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 64, 128, 4, 4)]
 _Q_SKINNY = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 32, 128, 4, 4), (32, 64, 128, 4, 4),
-             (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4)]
+             (32, 128, 64, 4, 4), (32, 32, 128, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4),
+             (64, 32, 128, 4, 4)]
+_Q_MAX_BK = max(c[2] for c in _Q_SQUARE + _Q_SKINNY)  # every BLOCK_K offered (powers of two) divides it
+_SPLIT_TILE_N = 64  # tile width the split chooser counts programs with (the middle skinny BLOCK_N)
 
 
-@triton.autotune(configs=mm_configs(_Q_SQUARE, _Q_SKINNY, (16, 16, 32, 4, 1)), key=["M", "N", "K", "GROUP", "BITS"],
-                 prune_configs_by={"early_config_prune": _qgemm_prune})
+def _gemm_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
+    """(programs along K, K range of each) for the [M, N, K] weight-only GEMM.
+
+    A range is a whole number of scale groups and of _Q_MAX_BK, so every offered tile depth tiles it exactly and no
+    two programs share a group. The heuristic splits only where the tile grid alone leaves SMs idle: M <= SKINNY_M (a
+    decode batch: one row of min(next_pow2(M), 64) x _SPLIT_TILE_N tiles, a weight stream whose speed is the number
+    of programs streaming), fewer tiles than SMs, and K >= _SPLIT_MIN_K (below it the second launch costs more than
+    the split gives, as measured for the GEMV). It then cuts K into even ranges for about _WAVES * sms programs.
+    Larger M is not split: its square tiles are tuned too, and it turns compute-bound (2 * M flops per weight).
+    `split_k` asks for that many programs instead, as even as whole units allow (so possibly fewer).
+    """
+    unit = _Q_MAX_BK if group >= k else max(group, _Q_MAX_BK)
+    if split_k is None:
+        tiles = triton.cdiv(m, min(triton.next_power_of_2(m), SKINNY_M)) * triton.cdiv(n, _SPLIT_TILE_N)
+        if m > SKINNY_M or k < _SPLIT_MIN_K or tiles >= sms:
+            return 1, k
+        split_k = triton.cdiv(_WAVES * sms, tiles)
+    span = triton.cdiv(triton.cdiv(k, max(split_k, 1)), unit) * unit
+    if span >= k:
+        return 1, k
+    return triton.cdiv(k, span), span
+
+
+@triton.autotune(configs=mm_configs(_Q_SQUARE, _Q_SKINNY, (16, 16, 32, 4, 1)),
+                 key=["M", "N", "K", "K_SPAN", "GROUP", "BITS"], prune_configs_by={"early_config_prune": _qgemm_prune})
 @triton.jit
-def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, KP, stride_am, stride_ak, stride_qn, stride_sn,
-                    GROUP: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _wq_gemm_kernel(a_ptr, q_ptr, s_ptr, c_ptr, M, N, K, KP, K_SPAN, stride_am, stride_ak, stride_qn, stride_sn,
+                    GROUP: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program (tile, j): the [BLOCK_M, BLOCK_N] tile over K in [j * K_SPAN, +K_SPAN), a whole number of tiles;
+    SPLIT: write the fp32 partial [M, N] slab j of c [SPLIT_K, M, N], else c [M, N] itself."""
     pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rqn = rn % N
     a_rows = a_ptr + (rm % M)[:, None] * stride_am
     dt = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in k_range(0, K, BLOCK_K):
+    k_lo = pid_k * K_SPAN
+    for k0 in k_range(k_lo, tl.minimum(k_lo + K_SPAN, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + rk[None, :] * stride_ak, mask=rk[None, :] < K, other=0.0)
         w = _weight_tile_t(q_ptr, rqn, k0, K, KP, stride_qn, BITS, A_FP16, dt, BLOCK_N, BLOCK_K)
         s = tl.load(s_ptr + rqn * stride_sn + k0 // GROUP).to(tl.float32)
         acc += half_dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32)) * s[None, :]
     c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        tl.store(c_ptrs + pid_k * M * N, acc, mask=mask)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """c [M, N] = a [M, K] @ dequant(qw)^T in a's dtype."""
+def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
+    """c [M, N] = a [M, K] @ dequant(qw)^T in a's dtype. `split_k` forces the K split (tests, sweeps)."""
     m, k = a.shape
     n = qw.shape[0]
     bits = 4 if qw.dtype == torch.uint8 else 8
+    group = kernel_group(k, scales.shape[1])
+    split, span = _gemm_split(m, n, k, group, num_sms(a.device, cpu=_CPU_SMS), split_k)
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _wq_gemm_kernel[grid](a, qw, scales, c, m, n, k, qw.shape[1], a.stride(0), a.stride(1), qw.stride(0),
-                          scales.stride(0), kernel_group(k, scales.shape[1]), bits, a.dtype == torch.float16)
+    out = c if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+    _wq_gemm_kernel[grid](a, qw, scales, out, m, n, k, qw.shape[1], span, a.stride(0), a.stride(1), qw.stride(0),
+                          scales.stride(0), group, bits, a.dtype == torch.float16, split > 1)
+    if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
+        _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, c, m * n, split, triton.next_power_of_2(split),
+                                                             BLOCK=_SUM_BLOCK)
     return c
 
 

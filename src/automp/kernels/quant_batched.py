@@ -10,8 +10,8 @@ again; automp.kernels.crossover measures where, per shape.
 
 Layouts are quant's (module docstring there). A K-tile never straddles a scale group (the configs are pruned to
 BLOCK_K <= group), so each row's partial dot over a tile is scaled once. K is split across programs exactly as the
-GEMV splits it (`gemv_quant._gemv_split`), with the fp32 partials summed by `gemv_quant._split_sum_kernel` in a
-fixed order.
+GEMV splits it (`gemv_quant._gemv_split`), with the fp32 partials summed by `quant._split_sum_kernel` in a fixed
+order.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
-from automp.kernels.quant import _i8_to_f32, _u4_to_f32, kernel_group
-from automp.kernels.gemv_quant import _CPU_SMS, _SUM_BLOCK, _gemv_split, _split_sum_kernel
+from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _i8_to_f32, _split_sum_kernel, _u4_to_f32, kernel_group
+from automp.kernels.gemv_quant import _gemv_split
 
 MAX_ROWS = 16
 # fp32 values of the broadcast product per thread a config may hold (M_P2 * BLOCK_N * BLOCK_K / threads). Checked in
