@@ -25,10 +25,11 @@ def _qgemv_configs() -> list[triton.Config]:
     if INTERPRET:  # BLOCK_K 64: group 32 takes the multi-group path, 64 and per-channel the one-group path
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     # No num_stages: Triton 3.6-3.9 do not software-pipeline this loop (checked in the compiled code; no tl.dot
-    # consumes its loads), so the bytes in flight come from the tile size and the programs per SM (split-K).
+    # consumes its loads), so the bytes in flight come from the tile size and the programs per SM (split-K). 8 x 2048:
+    # the word path's pick for the widest Llama-3-8B GEMVs on an H200 (scripts/gemv_paths.py), 4-6% over 8 x 1024.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
             for bn, bk, w in [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (16, 512, 4),
-                              (32, 512, 8), (8, 1024, 4), (16, 1024, 8)]]
+                              (32, 512, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4)]]
 
 
 def _qgemv_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
