@@ -1,6 +1,7 @@
 """Weight-only GEMV decodings at Llama-3-8B decode shapes (fused q/k/v and gate/up, as automp.llm runs them): the
-byte path (fp32 decoding) against the word path (int32 words, f16x2 assembly), int8 and int4, with the default tiles
-and with deeper ones (more bytes in flight per thread), beside cuBLAS fp16 on the dense weight.
+byte path (fp32 decoding) against the word path (int32 words, f16x2 assembly), int8 and int4, the word path also
+with forced K splits (the heuristic's choice against 1, 2, 4 and 8 programs along K), beside cuBLAS fp16 on the
+dense weight.
 
     python scripts/gemv_paths.py     # a few minutes on an H100, mostly autotuning
 
@@ -25,15 +26,7 @@ from automp.kernels import gemv_quant  # noqa: E402
 LAYERS = 32
 SHAPES = [("qkv", 6144, 4096, LAYERS), ("o", 4096, 4096, LAYERS), ("gate_up", 28672, 4096, LAYERS),
           ("down", 4096, 14336, LAYERS), ("lm_head", 128256, 4096, 1)]
-DEEP = [(16, 2048, 8), (32, 1024, 8), (8, 2048, 4), (64, 512, 8), (32, 2048, 8), (64, 1024, 8), (16, 4096, 8)]
-
-
-def set_tiles(deep: bool) -> None:
-    kern = gemv_quant._wq_gemv_kernel
-    base = gemv_quant._qgemv_configs()
-    extra = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in DEEP] if deep else []
-    kern.configs = base + extra
-    kern.cache.clear()
+FORCED = (1, 2, 4, 8)
 
 
 def main() -> None:
@@ -53,17 +46,16 @@ def main() -> None:
         dense = K.dequantize_weight(*q4, k).half()
         ref4 = torch.nn.functional.linear(x, dense)
         cublas, _ = sweep.measure(torch.nn.functional.linear, (x, dense), dense.numel() * 2)
-        cases = [("fp16 cuBLAS", None, None, False), ("int8 bytes", q8, "bytes", False),
-                 ("int8 f16x2", q8, "f16x2", False), ("int4 bytes", q4, "bytes", False),
-                 ("int4 f16x2", q4, "f16x2", False), ("int8 f16x2 deep", q8, "f16x2", True),
-                 ("int4 bytes deep", q4, "bytes", True), ("int4 f16x2 deep", q4, "f16x2", True)]
-        for label, q, path, deep in cases:
+        cases = [("fp16 cuBLAS", None, None, None), ("int8 bytes", q8, "bytes", None),
+                 ("int8 f16x2", q8, "f16x2", None), ("int4 bytes", q4, "bytes", None),
+                 ("int4 f16x2", q4, "f16x2", None)]
+        cases += [(f"int{b} f16x2 split {sk}", q, "f16x2", sk) for b, q in ((8, q8), (4, q4)) for sk in FORCED]
+        for label, q, path, split_k in cases:
             if q is None:
                 us, nbytes, err, config = cublas, dense.numel() * 2, 0.0, "-"
             else:
-                set_tiles(deep)
                 qw, s = q
-                fn = (lambda a, b, c, p=path: gemv_quant.quant_gemv(a, b, c, path=p))
+                fn = (lambda a, b, c, p=path, sk=split_k: gemv_quant.quant_gemv(a, b, c, split_k=sk, path=p))
                 try:
                     out = fn(qw, s, x)
                 except Exception as e:  # noqa: BLE001  (a path that does not compile is a row, not a crash)
@@ -82,7 +74,6 @@ def main() -> None:
             step[label][1] += count * nbytes
         del q4, q8, dense
         torch.cuda.empty_cache()
-    set_tiles(False)
     print(f"\nOne decode step's linears ({LAYERS} layers + lm_head):\n")
     print("| case | ms | GB read | GB/s | % copy | vs cuBLAS |")
     print("|---|---:|---:|---:|---:|---:|")
