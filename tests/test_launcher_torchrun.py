@@ -21,11 +21,13 @@ model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(
 if kind == "ddp":
     model = nn.parallel.DistributedDataParallel(model)
 else:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # FSDP2 on the CPU: its default mesh is CUDA's if any
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 gen = torch.Generator().manual_seed(100 + rank)
 losses = []
@@ -48,7 +50,8 @@ def _torchrun(tmp_path: Path, kind: str, automp_args: list[str] | None, tag: str
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               AUTOMP_CACHE_DIR=str(tmp_path / "cache"), GLOO_SOCKET_IFNAME="lo")
+               AUTOMP_CACHE_DIR=str(tmp_path / "cache"), GLOO_SOCKET_IFNAME="lo",
+               CUDA_VISIBLE_DEVICES="")  # CPU (gloo) ranks, also on a GPU host: automp in them sees no GPU either
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run = ["-m", "automp", "run", *automp_args] if automp_args is not None else []
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from automp.bench.suites import dist
+from tests import gloo
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 QUICK = ["--quick", "--steps", "1", "--blocks", "2", "--warmup", "1", "--first-steps", "1", "--max-warmup", "30",
@@ -19,6 +20,7 @@ KEYS = set(dist.ROW_KEYS) | {"device", "torch", "date"}
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
 def test_quick_run_on_one_and_two_ranks(tmp_path, monkeypatch):
+    gloo.cpu_host(monkeypatch)  # the CPU (gloo) smoke run, also on a GPU host: no GPU count check, CPU ranks
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("AUTOMP_INNER", "eager")  # automp's compiled path without Inductor: the suite, not compile time
     out = tmp_path / "dist-cpu"
@@ -70,6 +72,7 @@ def test_ratios_and_scaling_efficiency():
 
 
 def test_usage_errors_exit_2_before_any_launch(tmp_path, capsys, monkeypatch):
+    gloo.cpu_host(monkeypatch)  # each error below, not "--gpus N: only 1 CUDA device(s) visible" on a 1-GPU host
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     for args, says in ((["--modes", "automp-int4"], "--modes: unknown 'automp-int4'"),
                        (["--models", "llama-d2048"], "--models: unknown 'llama-d2048'"),
@@ -113,6 +116,7 @@ class _DyingWorker:
 
 @pytest.mark.parametrize("hang", [False, True])
 def test_a_dead_worker_keeps_its_rows_and_skips_the_rest(tmp_path, monkeypatch, hang):
+    gloo.cpu_host(monkeypatch)  # --gpus 2 on a CPU host: a GPU host with fewer GPUs would refuse it before launching
     monkeypatch.setattr(subprocess, "Popen", lambda cmd, **k: _DyingWorker(cmd, hang))
     killed = []
     monkeypatch.setattr(dist.os, "killpg", lambda pid, sig: killed.append(pid))
@@ -129,6 +133,7 @@ def test_a_dead_worker_keeps_its_rows_and_skips_the_rest(tmp_path, monkeypatch, 
 def test_a_stopped_suite_writes_the_rows_finished_so_far(tmp_path, monkeypatch):
     """`timeout 600 automp bench dist ...` ending the suite mid-launch: the ranks are killed, the modes they finished
     are written, the rest are skipped as stopped, and no further world size is launched."""
+    gloo.cpu_host(monkeypatch)  # --gpus 2,4 on a CPU host: a GPU host with fewer GPUs would refuse it before launching
     launched = []
 
     def popen(cmd, **k):

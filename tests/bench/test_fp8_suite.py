@@ -10,6 +10,7 @@ import torch
 import automp
 from automp.bench import fp8_workloads as wl
 from automp.bench.suites import fp8
+from tests import gloo
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 QUICK = ["--quick", "--steps", "1", "--warmup", "1", "--first-steps", "1", "--max-warmup", "30", "--mode-timeout", "0"]
@@ -27,7 +28,8 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
-def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, cache):
+def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, cache, monkeypatch):
+    gloo.cpu_host(monkeypatch)  # the CPU run, also on a GPU host: the suite picks CUDA where it exists (and FP8 runs)
     out = tmp_path / "fp8-cpu"
     assert fp8.main(["--models", "gpt2,llama-d2048", "--modes", "automp-bf16,automp-fp8", "--out", str(out),
                      *QUICK]) == 0

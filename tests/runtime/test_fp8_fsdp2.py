@@ -12,6 +12,7 @@ from tests.precision.test_fp8 import needs_scaled_mm
 
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import automp
@@ -20,6 +21,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from automp.runtime.fp8_layers import Fp8Layers
     os.environ["AUTOMP_INNER"] = "eager"
     gloo.join(rank, port)
+    mesh = init_device_mesh("cpu", (2,))  # a CPU (gloo) test: on a GPU host FSDP2 would default its mesh to CUDA
 
     def table(device, shapes, recipe, cache_dir):  # rank 0: the wide layers gain; rank 1: nothing does
         gain = Fp8Timing(2.0, 0.8, 0.2) if rank == 0 else Fp8Timing(1.0, 1.0, 0.5)
@@ -34,8 +36,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         model = nn.Sequential(nn.Sequential(nn.Linear(32, 64), nn.GELU()), nn.Sequential(nn.Linear(64, 128),
                               nn.GELU()), nn.Linear(128, 16))
         for block in model[:2]:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(10 + rank)
         losses = []

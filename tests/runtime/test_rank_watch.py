@@ -37,7 +37,8 @@ def test_a_failing_rank_stops_the_others(tmp_path, failing):
     for rank in (0, 1):
         env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), RANK=str(rank),
                    WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", AUTOMP_CACHE_DIR=str(tmp_path / "cache"))
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", AUTOMP_CACHE_DIR=str(tmp_path / "cache"),
+                   CUDA_VISIBLE_DEVICES="")  # CPU (gloo) ranks, also on a GPU host: automp in them sees no GPU either
         procs.append(subprocess.Popen([sys.executable, "-m", "automp", "run", "--dtype", "bf16", "--path", "eager",
                                        str(script), str(failing)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))

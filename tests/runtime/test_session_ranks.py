@@ -10,8 +10,10 @@ from tests import gloo
 def _wrap(kind: str, module: nn.Module) -> nn.Module:
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(module)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    return fully_shard(module)
+    mesh = init_device_mesh("cpu", (2,))  # a CPU (gloo) test: on a GPU host FSDP2 would default its mesh to CUDA
+    return fully_shard(module, mesh=mesh)
 
 
 def _ranks_worker(rank: int, port: int, out: str, kind: str) -> None:

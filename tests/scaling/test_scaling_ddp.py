@@ -64,7 +64,8 @@ def _worker(rank: int, port: int, out_dir: str):
         dist.destroy_process_group()
 
 
-def test_ddp_ranks_agree_on_skip_and_scale(tmp_path):
+def test_ddp_ranks_agree_on_skip_and_scale(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU (gloo) ranks, also on a GPU host: the spawned ranks inherit it
     mp.spawn(_worker, args=(gloo.free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     a, b = r0["fp16"], r1["fp16"]
