@@ -21,6 +21,7 @@ def test_quant_gemv_split_k_matches_float64_reference(poison, monkeypatch, split
     NaN-fills torch.empty, so a partial row or output element that no program wrote comes out NaN. The heuristic's
     K threshold is lifted: these K are kept small for the interpreter."""
     monkeypatch.setattr(gemv_quant, "_SPLIT_MIN_K", 0)
+    monkeypatch.setattr(gemv_quant, "_GEMV_SPLIT_MIN_K", 0)
     qw, s = quantize(torch.randn(n, k, device=DEVICE), group)
     s = s.to(scale_dtype)
     x = torch.randn(k, dtype=dtype, device=DEVICE)
@@ -115,3 +116,19 @@ def test_word_path_choice_and_bad_path():
         gemv_quant.quant_gemv(qw, s, x.to(torch.bfloat16), path="words")
     with pytest.raises(ValueError, match="path 'tiles'"):
         gemv_quant.quant_gemv(qw, s, x, path="tiles")
+
+
+class _NoSplitSum:
+    def __getitem__(self, grid):
+        raise AssertionError("the GEMV split K (it launched the partials' sum)")
+
+
+def test_single_row_gemv_leaves_k_4096_unsplit(poison, monkeypatch):
+    """The GEMV's own threshold (measured: K = 4096 ran fastest unsplit at every 8B width) sits above the rows
+    kernel's, which would split this shape: the GEMV must launch no partials' sum."""
+    assert gemv_quant._gemv_split(16, 4096, 128, 132)[0] > 1  # the rows kernel's rule
+    monkeypatch.setattr(gemv_quant, "_split_sum_kernel", _NoSplitSum())
+    qw, s = K.quantize_weight_int8(torch.randn(16, 4096, device=DEVICE) * 0.02, 128)
+    x = torch.randn(4096, dtype=torch.float16, device=DEVICE)
+    y = gemv_quant.quant_gemv(qw, s, x)
+    assert rel_err(y, K.dequantize_weight(qw, s, 4096).double() @ x.double()) < TOL[torch.float16]

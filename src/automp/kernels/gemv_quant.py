@@ -251,18 +251,27 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
         tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
+# The single-row GEMV splits K only from here: on an H200 at Llama-3-8B widths (scripts/gemv_paths.py, word path) every
+# K = 4096 GEMV ran fastest unsplit (o 4096 x 4096: 6.4 us against 7.4 split 4 ways; q/k/v 6144 x 4096: 7.9 against
+# 9.5; gate/up 28672 x 4096: 22.8 against 23.4), while K = 14336 ran fastest split. The rows kernel keeps
+# _SPLIT_MIN_K (measured on the 1B shapes).
+_GEMV_SPLIT_MIN_K = 8192
+
+
+def _gemv_split(n: int, k: int, group: int, sms: int, split_k: int | None = None,
+                min_k: int | None = None) -> tuple[int, int]:
     """(programs along K, K range of each) for an [N, K] GEMV.
 
     A range is a whole number of scale groups (so no two programs share one) and of _MIN_SPAN. The heuristic takes
     the largest power-of-two range that still gives _WAVES * sms programs with _SPLIT_ROWS-row blocks, so every
-    BLOCK_K up to it tiles it exactly; N that fills the SMs alone, or K below _SPLIT_MIN_K, gets no split.
+    BLOCK_K up to it tiles it exactly; N that fills the SMs alone, or K below min_k (default _SPLIT_MIN_K), gets no
+    split.
     `split_k` asks for that many programs instead, as even as whole units allow (so possibly fewer).
     """
     unit = _MIN_SPAN if group >= k else max(group, _MIN_SPAN)
     if split_k is not None:
         span = triton.cdiv(triton.cdiv(k, max(split_k, 1)), unit) * unit
-    elif k < _SPLIT_MIN_K:
+    elif k < (_SPLIT_MIN_K if min_k is None else min_k):
         span = k
     else:
         want = triton.cdiv(_WAVES * sms, max(1, triton.cdiv(n, _SPLIT_ROWS)))
@@ -301,7 +310,7 @@ def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k:
             raise ValueError(f"quant_gemv: path {path!r} does not apply here (allowed: {chosen!r} or 'bytes')")
         chosen = path
     group = kernel_group(k, scales.shape[1])
-    split, span = _gemv_split(n, k, group, num_sms(x.device, cpu=_CPU_SMS), split_k)
+    split, span = _gemv_split(n, k, group, num_sms(x.device, cpu=_CPU_SMS), split_k, _GEMV_SPLIT_MIN_K)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
