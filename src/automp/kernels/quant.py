@@ -1,4 +1,5 @@
-"""Quantized matrix kernels: weight-only W8A16 / W4A16 (GEMV and GEMM) and W8A8 int8 GEMM, plus their quantizers.
+"""Quantized matrix kernels: the weight-only W8A16 / W4A16 layout, its quantizers and tiled GEMM, and the W8A8 int8
+GEMM. The weight-only GEMV (one activation row) is kernels/gemv_quant.py, the few-row product kernels/quant_batched.py.
 
 Weight-only layout (weights W [N, K] as in nn.Linear, y = x @ W^T):
   * int8:  qw int8 [N, K], w = qw * s.
