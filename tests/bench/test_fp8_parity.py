@@ -45,12 +45,24 @@ def test_gaps_are_relative_to_the_anchor_at_shared_checkpoints():
     assert rows[2]["gap_vs_bf16"] == {}  # no anchor on its stream
 
 
+def test_rows_at_another_learning_rate_are_not_compared():
+    """Two runs at different learning rates are different experiments: no gap across them; a row without `lr` ran at
+    the default."""
+    rows = [{"model": "m", "mode": par.ANCHOR, "loss_at": {"500": 5.0}, "active_vocab": 64},
+            {"model": "m", "mode": "automp-fp8", "loss_at": {"500": 5.5}, "active_vocab": 64, "lr": par.LR},
+            {"model": "m", "mode": "automp-fp8", "loss_at": {"500": 4.0}, "active_vocab": 64, "lr": 3e-4}]
+    par.gaps(rows)
+    assert rows[1]["gap_vs_bf16"] == {"500": pytest.approx(0.1)} and rows[2]["gap_vs_bf16"] == {}
+
+
 def test_usage_errors_name_the_problem(tmp_path, capsys):
     assert par.main(["--models", "vit-l16", "--out", str(tmp_path / "x")]) == 2
     assert "--models" in capsys.readouterr().err
     assert par.main(["--steps", "10", "--at", "5,20", "--out", str(tmp_path / "x")]) == 2
     assert "--at 20 is past --steps 10" in capsys.readouterr().err
     assert par.main(["--at", "five", "--out", str(tmp_path / "x")]) == 2
+    assert par.main(["--lr", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--lr must be at least" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
@@ -59,7 +71,12 @@ def test_two_runs_build_one_file_with_gaps(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "parity"
     common = ["--quick", "--models", "gpt2", "--steps", "6", "--at", "3,6", "--window", "3", "--active-vocab", "64",
-              "--out", str(out)]
+              "--lr", "3e-4", "--out", str(out)]
+    seen_lr = []
+
+    def spy(build):
+        return lambda work, device: seen_lr.append(work.lr) or build(work, device)
+    monkeypatch.setattr(par, "LOOPS", {mode: spy(build) for mode, build in par.LOOPS.items()})
     assert par.main([*common, "--modes", "automp-bf16"]) == 0
     monkeypatch.setattr(par, "ANCHOR", "automp-bf16")  # the anchor's compile is too slow for a CPU test
     assert par.main([*common, "--modes", "automp-fp8"]) == 0  # no FP8 on a CPU: enable raises, the row says so
@@ -68,5 +85,6 @@ def test_two_runs_build_one_file_with_gaps(tmp_path, monkeypatch):
     bf16 = rows["automp-bf16"]
     assert set(bf16["loss_at"]) == {"3", "6"} and all(math.isfinite(v) and v > 0 for v in bf16["loss_at"].values())
     assert bf16["gap_vs_bf16"] == {"3": 0.0, "6": 0.0} and len(bf16["curve"]) == 2
+    assert bf16["lr"] == 3e-4 and seen_lr == [3e-4]  # --lr reached the workload the loop builds its AdamW from
     assert "error" in rows["automp-fp8"] and rows["automp-fp8"]["loss_at"] == {}
     assert "automp-fp8" in out.with_suffix(".md").read_text()

@@ -24,6 +24,7 @@ class Workload:
     model: nn.Module
     batches: list[Any]  # POOL batches, taken in turn
     loss: Callable[[Callable[..., Any], Any], torch.Tensor]
+    lr: float = LR  # AdamW's in every loop built on this workload
 
 
 def _lm_loss(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -105,7 +106,7 @@ def _step_fn(work: Workload, net: Callable[..., Any], opt: torch.optim.Optimizer
 
 def compiled_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
     """autocast bf16 + torch.compile(mode="reduce-overhead") + fused AdamW: the strongest bf16 loop by hand."""
-    opt = torch.optim.AdamW(work.model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(work.model.parameters(), lr=work.lr)
     fuse_adam([opt])
     return _step_fn(work, torch.compile(work.model, mode="reduce-overhead"), opt, device)
 
@@ -128,7 +129,7 @@ def torchao_loop(recipe: str) -> Callable[[Workload, str], Callable[[], torch.Te
 
 def fp32_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
     """The plain FP32 loop automp runs under: what the user wrote, unchanged."""
-    return _step_fn(work, work.model, torch.optim.AdamW(work.model.parameters(), lr=LR), None)
+    return _step_fn(work, work.model, torch.optim.AdamW(work.model.parameters(), lr=work.lr), None)
 
 
 LOOPS: dict[str, Callable[[Workload, str], Callable[[], torch.Tensor]]] = {

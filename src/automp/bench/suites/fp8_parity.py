@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.fp8_workloads import LOOPS, MODELS
+from automp.bench.fp8_workloads import LOOPS, LR, MODELS
 from automp.bench.harness import device_name, fmt, gpu_slug, one_line, usage_problem
 from automp.bench.suites.fp8 import ANCHOR, MODES
 from automp.files import write_json_and_markdown
@@ -71,10 +71,11 @@ def run_mode(model: str, mode: str, opts: argparse.Namespace,
     off later keeps the checkpoints it reached."""
     import automp
     row: dict[str, Any] = {"model": model, "mode": mode, "steps": opts.steps, "window": opts.window,
-                           "active_vocab": opts.active_vocab,
+                           "active_vocab": opts.active_vocab, "lr": opts.lr,
                            "loss_at": {}, "seconds": None, "fp8_fallback": None}
     torch.manual_seed(0)
     work = MODELS[model][0](opts.quick, opts.device, opts.layers)
+    work.lr = opts.lr
     first = work.batches[0]["input_ids"]
     work.batches = TokenStream(work.model.config.vocab_size, first.shape[0], first.shape[1], opts.device,
                                opts.steps, active=opts.active_vocab)
@@ -123,16 +124,17 @@ def gaps(rows: list[dict[str, Any]]) -> None:
                             if at in ref and ref[at]}
 
 
-def _stream(row: dict[str, Any]) -> tuple[str, int]:
-    return row["model"], row.get("active_vocab", 0)
+def _stream(row: dict[str, Any]) -> tuple[str, int, float]:
+    """What makes two rows comparable: the model, the stream and the learning rate (rows without one ran at LR)."""
+    return row["model"], row.get("active_vocab", 0), row.get("lr", LR)
 
 
 def markdown(rows: list[dict[str, Any]], device: str) -> str:
     lines = [f"# automp bench fp8_parity · {device} · torch {torch.__version__}", "",
              f"loss: mean over the {rows[0]['window'] if rows else WINDOW} steps ending at the checkpoint, fresh "
              f"batches of a stream with floor ln({K}) = {math.log(K):.2f}; gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
-             "| model | active ids | mode | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
-             "|---|---:|---|---:|---|---|---:|---|"]
+             "| model | active ids | lr | mode | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
+             "|---|---:|---:|---|---:|---|---|---:|---|"]
     for r in rows:
         at = ", ".join(f"{k}: {v:.4f}" for k, v in r["loss_at"].items())
         gap = ", ".join(f"{k}: {100 * v:+.2f}%" for k, v in r.get("gap_vs_bf16", {}).items())
@@ -140,14 +142,15 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
                                       if r.get("fp8_fallback") else None,
                                       f"{r['fp8_layers']} FP8 layers" if r.get("fp8_layers") is not None else None)
                           if x)
-        lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {r['mode']} | {r['steps']} | {at} | "
+        lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {r.get('lr', LR):g} | {r['mode']} | "
+                     f"{r['steps']} | {at} | "
                      f"{gap} | {fmt(r['seconds'], '.0f')} | {notes} |")
     return "\n".join(lines) + "\n"
 
 
 def _merge(path: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows already in `path` (another process's modes) with `new` replacing those of the same model, stream and
-    mode."""
+    """The rows already in `path` (another process's modes) with `new` replacing those of the same model, stream,
+    learning rate and mode."""
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
@@ -166,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=WINDOW, help="steps averaged at each checkpoint")
     p.add_argument("--active-vocab", type=int, default=ACTIVE,
                    help="ids the stream draws from (0: the whole vocabulary)")
+    p.add_argument("--lr", type=float, default=LR, help=f"AdamW's learning rate in every mode (default {LR:g})")
     p.add_argument("--layers", type=int, default=4, help="llama-d4096's layers")
     p.add_argument("--quick", action="store_true", help="tiny dims (a CPU smoke run)")
     p.add_argument("--out", default=None, help="writes OUT.json and .md (default: benchmarks/fp8-parity-<gpu>)")
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         args.at = [0]
     error = usage_problem([("--models", args.models, LM_MODELS), ("--modes", args.modes, MODES)],
                           [("--steps", args.steps, 1), ("--window", args.window, 1),
-                           ("--layers", args.layers, 1), ("--active-vocab", args.active_vocab, 0)]
+                           ("--layers", args.layers, 1), ("--active-vocab", args.active_vocab, 0),
+                           ("--lr", args.lr, 1e-12)]
                           + [("--at", a, 1) for a in args.at], args.out)
     if not error and args.at[-1] > args.steps:
         error = f"--at {args.at[-1]} is past --steps {args.steps}"
