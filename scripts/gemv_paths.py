@@ -44,7 +44,8 @@ def main() -> None:
         q4, q8 = K.quantize_weight_int4(w, 128), K.quantize_weight_int8(w, 128)
         del w
         dense = K.dequantize_weight(*q4, k).half()
-        ref4 = torch.nn.functional.linear(x, dense)
+        refs = {id(q4): torch.nn.functional.linear(x, dense),
+                id(q8): torch.nn.functional.linear(x, K.dequantize_weight(*q8, k).half())}
         cublas, _ = sweep.measure(torch.nn.functional.linear, (x, dense), dense.numel() * 2)
         cases = [("fp16 cuBLAS", None, None, None), ("int8 bytes", q8, "bytes", None),
                  ("int8 f16x2", q8, "f16x2", None), ("int4 bytes", q4, "bytes", None),
@@ -61,10 +62,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (a path that does not compile is a row, not a crash)
                     print(f"| {name} {n}x{k} | {label} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
                     continue
-                ref = ref4 if q is q4 else torch.nn.functional.linear(x, K.dequantize_weight(*q8, k).half())
-                err = sweep.rel_err(out, ref)
-                c = gemv_quant._wq_gemv_kernel.best_config
-                config = f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']} w{c.num_warps}"
+                err = sweep.rel_err(out, refs[id(q)])
+                config = sweep.picked_config()
                 nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
                 us, _ = sweep.measure(fn, (qw, s, x), nbytes)
             gbs = nbytes / us / 1e3
@@ -72,15 +71,10 @@ def main() -> None:
                   f"{cublas / us:.2f}x | {err:.1e} |", flush=True)
             step[label][0] += count * us
             step[label][1] += count * nbytes
-        del q4, q8, dense
+        del q4, q8, dense, refs
         torch.cuda.empty_cache()
     print(f"\nOne decode step's linears ({LAYERS} layers + lm_head):\n")
-    print("| case | ms | GB read | GB/s | % copy | vs cuBLAS |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for key, (us, nbytes) in step.items():
-        gbs = nbytes / us / 1e3
-        print(f"| {key} | {us / 1e3:.3f} | {nbytes / 1e9:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
-              f"{step['fp16 cuBLAS'][0] / us:.2f}x |")
+    sweep.print_step(step, copy_gbs, "fp16 cuBLAS")
 
 
 if __name__ == "__main__":
