@@ -35,8 +35,8 @@ def kernel_ops(monkeypatch):
 
 
 LAYERS = 2  # tiny-llama: 2 blocks, each with a q/k/v and a gate/up group
-# quant_gemv_rows: on CUDA, automp.kernels.crossover may serve a 2..16-row product with it instead of quant_gemm
-KERNELS = ("quant_gemv", "quant_gemm", "quant_gemv_rows")
+# quant_gemv_rows, quant_planes: on CUDA, automp.kernels.crossover may serve a batched product with either
+KERNELS = ("quant_gemv", "quant_gemm", "quant_gemv_rows", "quant_planes")
 
 
 def ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
@@ -91,16 +91,16 @@ def test_fused_logits_identical_and_fewer_calls(scheme, kw):
     if kw:
         assert fused.model.layers[0].self_attn.q_proj.bias is not None and fused_groups(fused)[0].bias is not None
     for x in (ids(1), ids(5, batch=2, seed=2)):  # GEMV (decode) and GEMM (prefill, batched)
-        # on CUDA a shape's first batched call times the rows kernel vs the GEMM (kernels/crossover.py), calling both
-        # several times: run each model once first, so the counts below are of the forward alone
+        # on CUDA a shape's first batched call times the kernels that can serve it (kernels/crossover.py), calling
+        # each several times: run each model once first, so the counts below are of the forward alone
         logits(plain, x), logits(fused, x)
         with KernelCalls() as unfused_calls:
             ref = logits(plain, x)
         with KernelCalls() as fused_calls:
             out = logits(fused, x)
         assert same(out, ref)
-        for counter in (unfused_calls, fused_calls):  # a batched product is one GEMM or one rows call (crossover)
-            counter.calls["quant_gemm"] += counter.calls.pop("quant_gemv_rows")
+        for counter in (unfused_calls, fused_calls):  # a batched product is one call of the kernel crossover chose
+            counter.calls["quant_gemm"] += counter.calls.pop("quant_gemv_rows") + counter.calls.pop("quant_planes")
         kernel = "quant_gemv" if x.numel() == 1 else "quant_gemm"
         assert unfused_calls.calls[kernel] == 7 * LAYERS and fused_calls.calls[kernel] == 4 * LAYERS
     assert all(g.x is None and g.y is None and g.taken == 0 for g in fused_groups(fused))  # nothing held after

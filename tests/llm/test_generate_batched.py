@@ -176,13 +176,13 @@ def test_cache_passed_under_the_name_forward_takes(recwarn):
 
 
 def test_compiled_decode_first_runs_the_step_eagerly_for_quantized_batches(monkeypatch):
-    """The compiled decode step of a weight-only model at 2..16 rows is preceded, once, by the same step run eagerly:
-    the kernels choose between quant_gemv_rows and quant_gemm only outside tracing (automp.kernels.crossover)."""
+    """The compiled decode step of a weight-only model at 2..64 rows is preceded, once, by the same step run eagerly:
+    the kernels choose which of them serves a batch only outside tracing (automp.kernels.crossover)."""
     from automp.llm.quantize import quantize
     model = build("tiny-llama", seed=0)
     quantize(model, "int8", group_size=32)
     calls = []
-    for batch, eager_first in ((4, True), (16, True), (1, False), (17, False)):
+    for batch, eager_first in ((4, True), (64, True), (1, False), (65, False)):
         dec = GEN.Decoder(model, batch, 16, mode="compile")
         dec.device = torch.device("cuda")  # the CUDA branch of step(), driven with recording stand-ins
         dec._forward = lambda *a, _c=calls: _c.append("eager")

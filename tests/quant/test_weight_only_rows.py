@@ -11,8 +11,8 @@ from automp.quant.weight_only import WeightOnlyLinear
 class FakeClock:
     """timer(label, fn) -> the table's milliseconds for label, without running fn (the interpreter is slow)."""
 
-    def __init__(self, rows_ms: float, gemm_ms: float):
-        self.ms = {"rows": rows_ms, "gemm": gemm_ms}
+    def __init__(self, **ms: float):
+        self.ms = ms
         self.calls: list[str] = []
 
     def __call__(self, label, fn):
@@ -47,7 +47,7 @@ def _x(rows: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows_ms,gemm_ms,op", [(1.0, 2.0, "automp.quant_gemv_rows"), (2.0, 1.0, "automp.quant_gemm")])
 def test_small_batch_uses_the_measured_faster_kernel(monkeypatch, layer, rows_ms, gemm_ms, op):
-    clock = FakeClock(rows_ms, gemm_ms)
+    clock = FakeClock(rows=rows_ms, gemm=gemm_ms)
     monkeypatch.setattr(crossover, "TIMER", clock)
     x = _x(4)
     y = layer(x)  # eager: measures, then computes with the winner
@@ -58,17 +58,38 @@ def test_small_batch_uses_the_measured_faster_kernel(monkeypatch, layer, rows_ms
     assert clock.calls == ["rows", "gemm"]  # tracing reuses the decision
 
 
-def test_one_row_and_many_rows_are_not_measured(monkeypatch, layer):
-    clock = FakeClock(1.0, 2.0)
+def test_planes_kernel_serves_where_it_is_measured_fastest(monkeypatch):
+    """Groups of 128 and K a whole number of words: the planes kernel competes too, up to 64 rows."""
+    monkeypatch.setattr(weight_only, "FORCE_KERNELS", True)
+    crossover.reset()
+    gen = torch.Generator().manual_seed(1)
+    wide = WeightOnlyLinear.from_weight(torch.randn(24, 256, generator=gen), None, 4, 128)
+    clock = FakeClock(rows=2.0, planes=1.0, gemm=3.0)
     monkeypatch.setattr(crossover, "TIMER", clock)
-    one, many = _x(1), _x(17)
+    try:
+        for rows, timed in ((4, ["rows", "planes", "gemm"]), (40, ["planes", "gemm"])):
+            x = torch.randn(rows, 256, generator=gen).half()
+            y = wide(x)
+            ref = x.double() @ wide.dequantized().double().T
+            assert float((y.double() - ref).norm() / ref.norm()) < 2e-3
+            assert clock.calls == timed
+            clock.calls.clear()
+            assert _ops_called(lambda: wide(x)) == ["automp.quant_planes"]
+    finally:
+        crossover.reset()
+
+
+def test_one_row_and_many_rows_are_not_measured(monkeypatch, layer):
+    clock = FakeClock(rows=1.0, gemm=2.0)
+    monkeypatch.setattr(crossover, "TIMER", clock)
+    one, many = _x(1), _x(crossover.MAX_ROWS + 1)
     assert _ops_called(lambda: layer(one)) == ["automp.quant_gemv"]
     assert _ops_called(lambda: layer(many)) == ["automp.quant_gemm"]
     assert clock.calls == [] and crossover.decisions() == {}
 
 
 def test_tracing_before_any_decision_uses_the_gemm_and_records_nothing(monkeypatch, layer):
-    clock = FakeClock(1.0, 2.0)
+    clock = FakeClock(rows=1.0, gemm=2.0)
     monkeypatch.setattr(crossover, "TIMER", clock)
     x = _x(3)
     assert _ops_called(lambda: layer(x)) == ["automp.quant_gemm"]

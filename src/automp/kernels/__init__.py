@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from automp.kernels import crossover  # noqa: F401 - the rows-kernel / GEMM choice (automp.quant.weight_only)
+from automp.kernels import crossover  # noqa: F401 - which kernel serves a batch's rows (automp.quant.weight_only)
 from automp.kernels import ops  # noqa: F401 - registers the torch.library ops
 from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quantize_weight_int4,
                                   quantize_weight_int8)
 
-__all__ = ["gemv", "gemm", "quant_gemv", "quant_gemv_rows", "quant_gemm", "int8_gemm", "unscale_and_check_", "cast",
-           "quantize_weight_int8", "quantize_weight_int4", "quantize_rowwise_int8", "dequantize_weight"]
+__all__ = ["gemv", "gemm", "quant_gemv", "quant_gemv_rows", "quant_planes", "quant_gemm", "int8_gemm",
+           "unscale_and_check_", "cast", "quantize_weight_int8", "quantize_weight_int4", "quantize_rowwise_int8",
+           "dequantize_weight"]
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,12 @@ def quant_gemv_rows(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> 
     """y [M, N] = a [M, K] @ dequant(qw, scales)^T for 1 <= M <= 16: the GEMV's single pass over the packed weights
     shared by a few rows (decoding a small batch), in a's dtype."""
     return torch.ops.automp.quant_gemv_rows(qw, scales, a)
+
+
+def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = a [M, K] @ dequant(qw, scales)^T for 1 <= M <= 64 on the tensor cores, each code decoded once
+    (decoding a batch); K a whole number of 4-byte words of codes, groups of >= 128 (int4) / 64 (int8) codes."""
+    return torch.ops.automp.quant_planes(qw, scales, a)
 
 
 def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""Which weight-only kernel serves a 2..16-row product: `quant_gemv_rows` or `quant_gemm`, by measurement.
+"""Which weight-only kernel serves a 2..64-row product (a decode batch), by measurement.
 
-The rows kernel reads the packed weights once for all rows but multiplies on the CUDA cores; the GEMM pads the rows
-to a tensor-core tile. Which wins depends on M, the shape, the bits and the GPU, so the first call of each
-(device, N, K, bits, group, M, dtype) outside CUDA graph capture and torch.compile tracing times both (CUDA events,
-a few warm-up and timed calls, median) and keeps the faster for the life of the process. A rows kernel that raises
-(e.g. fails to compile), or whose result disagrees with the GEMM's on the measured input, loses, with the error kept
-in its decision. While capturing or tracing with no decision yet,
-the GEMM serves, as it did before the rows kernel existed; nothing is recorded, so the next eager call measures.
+Three kernels can: `quant_gemv_rows` (up to 16 rows) reads the packed weights once for all rows but multiplies on
+the CUDA cores; `quant_planes` decodes each int32 word of codes once onto the tensor cores (fp16 / bf16, whole words,
+groups of >= 128 int4 / 64 int8 codes); `quant_gemm` takes any shape, padding the rows to a tensor-core tile. Which
+wins depends on M, the shape, the bits and the GPU, so the first call of each (device, N, K, bits, group, M, dtype)
+outside CUDA graph capture and torch.compile tracing times every kernel that applies (CUDA events, a few warm-up and
+timed calls, median) and keeps the fastest for the life of the process. A candidate that raises (e.g. fails to
+compile), or whose result disagrees with the GEMM's on the measured input, is out, with its error kept in the
+decision. While capturing or tracing with no decision yet, the GEMM serves; nothing is recorded, so the next eager
+call measures.
 
 `TIMER` is the clock: timer(label, fn) -> milliseconds per call of fn. Tests replace it with a fake; None is the
 CUDA-event timer on CUDA tensors and no measurement elsewhere (the CPU's only kernel path is the interpreter).
@@ -18,16 +20,18 @@ from typing import Callable
 import torch
 
 from automp.kernels import ops  # noqa: F401 - registers torch.ops.automp.*
+from automp.kernels import quant_batched, quant_planes
 from automp.kernels.quant import kernel_group
-from automp.kernels.quant_batched import MAX_ROWS
 from automp.timing import time_fn
 
 WARMUP, REPS = 3, 5
+MIN_ROWS, MAX_ROWS = 2, quant_planes.MAX_ROWS
 Timer = Callable[[str, Callable[[], object]], float]
 TIMER: Timer | None = None
 # label -> the call timed under that label, (a, qw, scales) -> y; a table so a test can make one of them fail
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "rows": lambda a, qw, scales: torch.ops.automp.quant_gemv_rows(qw, scales, a),
+    "planes": lambda a, qw, scales: torch.ops.automp.quant_planes(qw, scales, a),
     "gemm": lambda a, qw, scales: torch.ops.automp.quant_gemm(a, qw, scales),
 }
 _DECISIONS: dict[tuple, dict] = {}
@@ -39,9 +43,10 @@ def cuda_event_timer(label: str, fn: Callable[[], object]) -> float:
 
 
 def decisions() -> dict[tuple, dict]:
-    """Every decision so far: (device, N, K, bits, group, M, dtype) -> {"kernel": "rows" | "gemm", "rows_ms",
-    "gemm_ms", "error"} (a time is None where that kernel was not timed; error is the rows kernel's, or None)."""
-    return {key: dict(value) for key, value in _DECISIONS.items()}
+    """Every decision so far: (device, N, K, bits, group, M, dtype) -> {"kernel": the label chosen, "ms": {label:
+    milliseconds} of the kernels timed, "errors": {label: why it was out}}."""
+    return {key: {"kernel": d["kernel"], "ms": dict(d["ms"]), "errors": dict(d["errors"])}
+            for key, d in _DECISIONS.items()}
 
 
 def reset() -> None:
@@ -63,35 +68,50 @@ def shape_key(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> tuple:
     return str(a.device), qw.shape[0], k, bits, group, a.shape[0], str(a.dtype).removeprefix("torch.")
 
 
-AGREE = 1e-2  # ‖rows − gemm‖ / ‖gemm‖ above this: the rows kernel computed something else, and is not used
+def candidates(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> list[str]:
+    """The kernels besides the GEMM that can compute this product."""
+    out = ["rows"] if a.shape[0] <= quant_batched.MAX_ROWS else []
+    if quant_planes.unsupported(qw, scales, a) is None and not quant_planes.misaligned(qw):
+        out.append("planes")
+    return out
+
+
+AGREE = 1e-2  # ‖kernel − gemm‖ / ‖gemm‖ above this: the kernel computed something else, and is not used
 
 
 def _measure(timer: Timer, a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> dict:
-    """Both kernels timed, and their results compared once on the real input: the rows kernel must agree with the
-    GEMM (both accumulate in fp32 from the same dequantized weights) before it may serve."""
-    try:
-        rows_ms = timer("rows", lambda: KERNELS["rows"](a, qw, scales))
-        got, ref = KERNELS["rows"](a, qw, scales).float(), KERNELS["gemm"](a, qw, scales).float()
-        error = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-        if not error <= AGREE:  # nan included
-            raise ArithmeticError(f"its result differs from quant_gemm's by {error:.3g} (relative), above {AGREE}")
-    except Exception as exc:  # noqa: BLE001 - any failure of the new kernel leaves the GEMM in charge
-        return {"kernel": "gemm", "rows_ms": None, "gemm_ms": None, "error": f"{type(exc).__name__}: {exc}"}
-    gemm_ms = timer("gemm", lambda: KERNELS["gemm"](a, qw, scales))
-    return {"kernel": "rows" if rows_ms < gemm_ms else "gemm", "rows_ms": rows_ms, "gemm_ms": gemm_ms,
-            "error": None}
+    """Every applicable kernel timed, and its result compared once on the real input with the GEMM's (all accumulate
+    in fp32 from the same dequantized weights) before it may serve."""
+    ms: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    ref: torch.Tensor | None = None
+    for label in candidates(a, qw, scales):
+        try:
+            took = timer(label, lambda: KERNELS[label](a, qw, scales))
+            if ref is None:
+                ref = KERNELS["gemm"](a, qw, scales).float()
+            error = float((KERNELS[label](a, qw, scales).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+            if not error <= AGREE:  # nan included
+                raise ArithmeticError(f"its result differs from quant_gemm's by {error:.3g} (relative), above {AGREE}")
+            ms[label] = took
+        except Exception as exc:  # noqa: BLE001 - any failure of a candidate leaves the others in charge
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    if ms:  # the GEMM needs no timing where it is the only choice left
+        ms["gemm"] = timer("gemm", lambda: KERNELS["gemm"](a, qw, scales))
+    return {"kernel": min(ms, key=ms.get) if ms else "gemm", "ms": ms, "errors": errors}
 
 
-def rows_kernel_wins(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether `quant_gemv_rows` should compute a [M, K] @ dequant(qw, scales)^T (2 <= M <= 16), measuring the
-    shape the first time it is met where measuring is possible (module docstring)."""
-    if not 2 <= a.shape[0] <= MAX_ROWS:
-        return False
+def choose(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> str:
+    """Which kernel ("rows", "planes" or "gemm") should compute a [M, K] @ dequant(qw, scales)^T for MIN_ROWS <= M
+    <= MAX_ROWS, measuring the shape the first time it is met where measuring is possible (module docstring); "gemm"
+    outside that range."""
+    if not MIN_ROWS <= a.shape[0] <= MAX_ROWS:
+        return "gemm"
     key = shape_key(a, qw, scales)
     decision = _DECISIONS.get(key)
     if decision is None:
         timer = TIMER if TIMER is not None else (cuda_event_timer if a.is_cuda else None)
         if timer is None or _deferred(a):
-            return False
+            return "gemm"
         decision = _DECISIONS[key] = _measure(timer, a, qw, scales)
-    return decision["kernel"] == "rows"
+    return decision["kernel"]

@@ -195,8 +195,8 @@ class Decoder(_Unpicklable):
         measures which kernel serves this batch's rows (automp.kernels.crossover: measured outside tracing only; a
         shape first met while tracing keeps quant_gemm). The step writes the same keys and values into the same
         cache slots as the compiled step after it, so running it twice changes nothing."""
-        from automp.kernels.quant_batched import MAX_ROWS  # here: importing automp.llm imports no Triton
-        if self.mode == "compile" and 2 <= self.batch <= MAX_ROWS and any(
+        from automp.kernels.crossover import MAX_ROWS, MIN_ROWS  # here: importing automp.llm imports no Triton
+        if self.mode == "compile" and MIN_ROWS <= self.batch <= MAX_ROWS and any(
                 isinstance(m, QuantLinear) for m in self.model.modules()):
             self._forward(*self.args)
 

@@ -62,9 +62,10 @@ def project(x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch
             input_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """x @ dequant(qw, scales)^T + bias, returned in x's dtype.
 
-    Kernels (CUDA): computed in `dtype`; one row through the GEMV kernel; 2..16 rows through the rows kernel
-    (one pass over the packed weights for all rows) or the GEMM kernel, whichever automp.kernels.crossover
-    measured faster for this shape; more rows through the GEMM kernel. CPU: the dequantized weight times x in
+    Kernels (CUDA): computed in `dtype`; one row through the GEMV kernel; 2..64 rows through the rows kernel (one
+    pass over the packed weights for all rows, CUDA cores), the planes kernel (tensor cores, each code decoded once)
+    or the GEMM kernel, whichever automp.kernels.crossover measured fastest for this shape; more rows through the
+    GEMM kernel. CPU: the dequantized weight times x in
     float32 (see the module docstring)."""
     out_dtype = x.dtype
     a = x.reshape(-1, x.shape[-1])
@@ -75,10 +76,8 @@ def project(x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch
             a = a * input_scale
         if a.shape[0] == 1:
             y = k.quant_gemv(qw, scales, a[0])[None]
-        elif k.crossover.rows_kernel_wins(a, qw, scales):
-            y = k.quant_gemv_rows(qw, scales, a)
         else:
-            y = k.quant_gemm(a, qw, scales)
+            y = k.crossover.KERNELS[k.crossover.choose(a, qw, scales)](a, qw, scales)
     else:
         a = a.float()
         if input_scale is not None:

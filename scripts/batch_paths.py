@@ -1,0 +1,105 @@
+"""Weight-only products for a decode batch at Llama-3-8B shapes (fused q/k/v and gate/up, as automp.llm runs them):
+the rows kernel (CUDA cores), the tiled GEMM and the planes kernel (tensor cores, each code decoded once; with the
+f16x2 assembly or plain Triton, activations split from one load or loaded plane by plane), beside cuBLAS fp16 on the
+dense weight, at each batch size.
+
+    python scripts/batch_paths.py --batches 8,32 [--bits 4,8] [--variants asm,asm-strided,plain]
+
+Timings as scripts/qgemv_sweep.py: "graph" is the per-call median of a CUDA graph over enough weight copies to
+overflow L2; GB/s counts the weights and scales a call reads. The step rows sum 32 layers' four products.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qgemv_sweep as sweep  # noqa: E402  (exits without a GPU)
+import triton  # noqa: E402
+
+import automp.kernels as K  # noqa: E402
+from automp.kernels import quant, quant_batched, quant_planes  # noqa: E402
+
+LAYERS = 32
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+VARIANTS = {"asm": dict(asm=True, x_split=True), "asm-strided": dict(asm=True, x_split=False),
+            "plain": dict(asm=False, x_split=True)}
+
+
+def _config(kernel) -> str:
+    c = getattr(kernel, "best_config", None)
+    return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']} w{c.num_warps} s{c.num_stages}" if c is not None else "?"
+
+
+def cases(m: int, bits: list[int], variants: list[str]) -> list[tuple[str, int, object, object]]:
+    """(label, bits, fn(qw, s, a), the kernel whose config is reported)."""
+    out = []
+    for b in bits:
+        if m <= quant_batched.MAX_ROWS:
+            out.append((f"int{b} rows", b, lambda qw, s, a: quant_batched.quant_gemv_rows(qw, s, a),
+                        quant_batched._wq_rows_kernel))
+        out.append((f"int{b} gemm", b, lambda qw, s, a: quant.quant_gemm(a, qw, s), quant._wq_gemm_kernel))
+        for v in variants:
+            out.append((f"int{b} planes {v}", b, lambda qw, s, a, kw=VARIANTS[v]: quant_planes.quant_planes(
+                qw, s, a, **kw), quant_planes._wq_planes_kernel))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--bits", default="4,8")
+    p.add_argument("--variants", default="asm,asm-strided,plain")
+    args = p.parse_args()
+    batches = [int(v) for v in args.batches.split(",")]
+    bits = [int(v) for v in args.bits.split(",")]
+    variants = args.variants.split(",")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = sweep.copy_bandwidth()
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)\n")
+    for m in batches:
+        print(f"\n### batch {m}\n")
+        print("| shape N x K | case | config | graph µs | GB/s | % copy | vs cuBLAS | rel err |")
+        print("|---|---|---|---:|---:|---:|---:|---:|")
+        step: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for name, n, k in SHAPES:
+            w = torch.randn(n, k, device="cuda") * 0.02
+            a = torch.randn(m, k, dtype=torch.float16, device="cuda")
+            q = {4: K.quantize_weight_int4(w, 128), 8: K.quantize_weight_int8(w, 128)}
+            del w
+            dense = K.dequantize_weight(*q[4], k).half()
+            refs = {b: torch.nn.functional.linear(a.float(), K.dequantize_weight(*q[b], k)) for b in bits}
+            cublas, _ = sweep.measure(torch.nn.functional.linear, (a, dense), dense.numel() * 2)
+            rows = [("fp16 cuBLAS", None, None, None)] + cases(m, bits, variants)
+            for label, b, fn, kernel in rows:
+                if b is None:
+                    us, nbytes, err, config = cublas, dense.numel() * 2, 0.0, "-"
+                else:
+                    qw, s = q[b]
+                    try:
+                        err = sweep.rel_err(fn(qw, s, a), refs[b])
+                    except Exception as e:  # noqa: BLE001  (a path that does not compile is a row, not a crash)
+                        print(f"| {name} {n}x{k} | {label} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
+                        continue
+                    config = _config(kernel)
+                    nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
+                    us, _ = sweep.measure(fn, (qw, s, a), nbytes)
+                gbs = nbytes / us / 1e3
+                print(f"| {name} {n}x{k} | {label} | {config} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
+                      f"{cublas / us:.2f}x | {err:.1e} |", flush=True)
+                step[label][0] += LAYERS * us
+                step[label][1] += LAYERS * nbytes
+            del q, dense, refs
+            torch.cuda.empty_cache()
+        print(f"\nOne decode step's four products at batch {m} ({LAYERS} layers):\n")
+        sweep.print_step(step, copy_gbs, "fp16 cuBLAS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Weight-only W4A16 / W8A16 product for a decode batch (1..64 rows) on the tensor cores, each code decoded once.
+
+y [M, N] = a [M, K] @ dequant(qw, scales)^T, in the layout of automp.kernels.quant. A batch of 8-32 sequences is
+still a weight stream (2 * M flops per weight), so the kernel's speed is how cheaply each weight byte turns into a
+tensor-core operand:
+- the rows kernel (quant_batched) multiplies on the CUDA cores, M fp32 multiply-adds per weight;
+- the tiled GEMM (quant.quant_gemm) decodes bytes and interleaves the two nibbles of each byte back into K order
+  (a join and a transpose: a register shuffle per tile).
+This kernel reads the codes as int32 words and never reorders them. Nibble (int4) or byte (int8) P of every word
+forms a "plane": the codes k = word * C + P, C codes per word. A plane is a [BLOCK_N, words] operand as loaded, and
+the activations it meets are the columns k = word * C + P of `a`, loaded with stride C. The K-tile's product is then
+the sum of C small dots, one per plane, so no code moves from where the load put it.
+
+Decoding (exact): a code u is dropped into the mantissa of an fp16 whose exponent makes a mantissa step worth 1
+(0x6400 | u is 1024 + u), and one subtraction leaves the signed code. On the GPU with fp16 activations this runs in
+f16x2 inline assembly: one lop3 decodes two planes at once (the nibbles P and P + 4 of a word share one mask
+0x000F000F after a shift by 4P; bytes P and P + 2 under 0x00FF00FF), one sub.f16x2 signs both. The interpreter has
+no inline assembly; it runs the same planes in plain Triton. bf16 activations decode through fp32 (0x4B000000 | u is
+2^23 + u), in plain Triton on the GPU too.
+
+The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns): BLOCK_N of 64-128 weight rows
+fill the tensor core's M side, and the batch (padded to 16, tl.dot's least) its N side. A K-tile lies inside one
+scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
+(`quant._gemm_split`), fp32 partials summed in a fixed order by `quant._split_sum_kernel`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from automp.kernels.gemm import INTERPRET
+from automp.kernels.gemv import half_dot, k_range, num_sms
+from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, kernel_group
+
+MAX_ROWS = 64
+X_SPLIT = True
+_MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded to it, and a plane has >= 16 words
+
+
+def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
+    if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3),
+                                 (32, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 4)]]
+
+
+def fits(config: triton.Config, args: dict) -> bool:
+    """A tile inside one scale group, dividing a split's K range, whose planes are at least 16 words deep."""
+    bk = config.kwargs["BLOCK_K"]
+    return (bk <= args["GROUP"] and bk * args["BITS"] // 32 >= _MIN_DOT
+            and (args["K_SPAN"] >= args["K"] or args["K_SPAN"] % bk == 0))
+
+
+def _prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
+    fit = [c for c in configs if fits(c, {**nargs, **kw})]
+    return fit[:1] if INTERPRET else fit
+
+
+def unsupported(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> str | None:
+    """Why this kernel cannot compute a @ dequant(qw, scales)^T (one line), or None where it can: it reads whole
+    4-byte words of codes and needs planes 16 words deep inside one scale group. Shapes, dtypes and strides only
+    (fake tensors have no address); `misaligned` checks the addresses."""
+    m, k = a.shape
+    bits = 4 if qw.dtype == torch.uint8 else 8
+    per_word = 32 // bits
+    if not 1 <= m <= MAX_ROWS:
+        return f"a has {m} rows, outside 1..{MAX_ROWS}"
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return f"activations are {a.dtype}, not float16 or bfloat16"
+    if k % per_word:
+        return f"K={k} is not a whole number of {per_word}-code words"
+    if qw.stride(0) % 4:
+        return "the packed weight rows are not a whole number of 4-byte words apart"
+    if kernel_group(k, scales.shape[1]) < _MIN_DOT * per_word:
+        return f"scale groups are shorter than {_MIN_DOT * per_word} codes"
+    return None
+
+
+def misaligned(qw: torch.Tensor) -> bool:
+    return qw.data_ptr() % 4 != 0
+
+
+# Two planes per lop3: int4 nibbles (P, P + 4) of w >> 4P; int8 bytes (P, P + 2) of w >> 8P, whose XOR with 0x80
+# makes the stored two's-complement byte q + 128. $0, $1: the two planes' fp16 codes; $2: the shifted word.
+_W4_PLANES = tl.constexpr("""{
+.reg .b32 t, m;
+mov.b32 m, 0x64086408;
+lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, m;
+mov.b32 {$0, $1}, t;
+}""")
+_W8_PLANES = tl.constexpr("""{
+.reg .b32 t, m;
+mov.b32 m, 0x64806480;
+lop3.b32 t, $2, 0x00FF00FF, 0x64806480, 0x6A;
+sub.f16x2 t, t, m;
+mov.b32 {$0, $1}, t;
+}""")
+
+
+@triton.jit
+def _plane(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr):
+    """The signed codes of nibble / byte P of every word of w, exactly, in the activation dtype."""
+    if BITS == 4:
+        u = (w >> (4 * P)) & 15  # stored as code + 8
+        if A_FP16:
+            c = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        else:
+            c = ((u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0).to(tl.bfloat16)
+    else:
+        u = ((w >> (8 * P)) & 255) ^ 128  # q + 128
+        if A_FP16:
+            c = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+        else:
+            c = ((u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0).to(tl.bfloat16)
+    return c
+
+
+@triton.jit
+def _plane_pair(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr):
+    """Planes P and P + C/2 (C codes per word)."""
+    HALF: tl.constexpr = 16 // BITS
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_W4_PLANES if BITS == 4 else _W8_PLANES, "=h,=h,r", [w >> (BITS * P)],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo = _plane(w, P, BITS, A_FP16)
+        hi = _plane(w, P + HALF, BITS, A_FP16)
+    return lo, hi
+
+
+@triton.jit
+def _pair_dot(w, P: tl.constexpr, x_lo, x_hi, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr):
+    """part + planes P and P + C/2 of w times their activation columns x_lo, x_hi [M_P2, words]."""
+    lo, hi = _plane_pair(w, P, BITS, A_FP16, ASM)
+    part = half_dot(lo, tl.trans(x_lo), part)
+    return half_dot(hi, tl.trans(x_hi), part)
+
+
+@triton.jit
+def _columns(a_rows, rw, P: tl.constexpr, CPW: tl.constexpr, KW, stride_ak, EVEN_K: tl.constexpr):
+    """The activations plane P meets, loaded apart: a[m, word * CPW + P] as [M_P2, words] (zero past K)."""
+    ptrs = a_rows + ((rw * CPW + P) * stride_ak)[None, :]
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(rw < KW)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _tile_dot_strided(w, a_rows, rw, KW, stride_ak, part, BITS: tl.constexpr, A_FP16: tl.constexpr,
+                      ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    """_tile_dot with each plane's activations loaded with stride C."""
+    CPW: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = CPW // 2
+    for P in tl.static_range(HALF):
+        part = _pair_dot(w, P, _columns(a_rows, rw, P, CPW, KW, stride_ak, EVEN_K),
+                         _columns(a_rows, rw, P + HALF, CPW, KW, stride_ak, EVEN_K), part, BITS, A_FP16, ASM)
+    return part
+
+
+@triton.jit
+def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr, M_P2: tl.constexpr,
+              W: tl.constexpr):
+    """part + one K-tile's unscaled product: words w [BLOCK_N, W] against x [M_P2, W * C] as loaded (contiguous,
+    C values per thread). x's planes are split out of each thread's registers: k = word * C + P, with P's bits
+    as trailing size-2 dimensions (int4: P = 4 * b2 + 2 * b1 + b0), so no value moves between threads."""
+    if BITS == 4:
+        e, o = tl.split(tl.reshape(x, (M_P2, W, 2, 2, 2)))  # b0: even P, odd P
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        part = _pair_dot(w, 0, x0, x4, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 1, x1, x5, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 2, x2, x6, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 3, x3, x7, part, BITS, A_FP16, ASM)
+    else:
+        e, o = tl.split(tl.reshape(x, (M_P2, W, 2, 2)))
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        part = _pair_dot(w, 0, x0, x2, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 1, x1, x3, part, BITS, A_FP16, ASM)
+    return part
+
+
+@triton.autotune(configs=_configs(), key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM", "X_SPLIT"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
+                      GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
+                      A_FP16: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
+    SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N]."""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // CPW
+    pid_k = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_P2)
+    rows = rn % N  # padding rows and batch columns wrap to real ones (never stored), so loads need no row mask
+    q_words = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * stride_qw
+    s_rows = s_ptr + rows * stride_sn
+    a_rows = a_ptr + ((rm % M) * stride_am)[:, None]
+    KW = K // CPW
+    tiles = tl.cdiv(K_SPAN, BLOCK_K)
+    t_lo = pid_k * tiles
+    t_hi = tl.minimum(t_lo + tiles, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros((BLOCK_N, M_P2), dtype=tl.float32)
+    for t in k_range(t_lo, t_hi, 1):
+        rw = t * W + tl.arange(0, W)
+        if EVEN_K:
+            w = tl.load(q_words + rw[None, :])
+        else:  # K is whole words, so a word mask is exact; the activations past K are zero
+            w = tl.load(q_words + rw[None, :], mask=(rw < KW)[None, :], other=0)
+        part = tl.zeros((BLOCK_N, M_P2), dtype=tl.float32)
+        if X_SPLIT:
+            rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(a_rows + rk[None, :] * stride_ak)
+            else:
+                x = tl.load(a_rows + rk[None, :] * stride_ak, mask=(rk < K)[None, :], other=0.0)
+            part = _tile_dot(w, x, part, BITS, A_FP16, ASM, M_P2, W)
+        else:
+            part = _tile_dot_strided(w, a_rows, rw, KW, stride_ak, part, BITS, A_FP16, ASM, EVEN_K)
+        s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)  # the tile lies in one group
+        acc += part * s[:, None]
+    offs = rm[None, :] * N + rn[:, None]
+    mask = (rn < N)[:, None] & (rm < M)[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * M * N + offs, acc, mask=mask)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_k: int | None = None,
+                 asm: bool | None = None, x_split: bool = X_SPLIT) -> torch.Tensor:
+    """y [M, N] = a [M, K] @ dequant(qw, scales)^T in a's dtype (inputs validated by ops.py; `a` may have any
+    strides). `split_k` forces the K split; `asm` forces the decoding (default: the f16x2 assembly for fp16 on the
+    GPU, plain Triton otherwise); both for tests and sweeps."""
+    why = unsupported(qw, scales, a) or ("the packed weights do not start on a 4-byte boundary" if misaligned(qw)
+                                         else None)
+    if why is not None:
+        raise ValueError(f"automp.kernels.quant_planes: {why}")
+    m, k = a.shape
+    n = qw.shape[0]
+    bits = 4 if qw.dtype == torch.uint8 else 8
+    fp16 = a.dtype == torch.float16
+    use_asm = fp16 and not INTERPRET if asm is None else asm
+    if use_asm and (INTERPRET or not fp16):
+        raise ValueError("automp.kernels.quant_planes: the f16x2 decoding needs fp16 activations on the GPU")
+    group = kernel_group(k, scales.shape[1])
+    split, span = _gemm_split(m, n, k, group, num_sms(a.device, cpu=_CPU_SMS), split_k)
+    y = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+    _wq_planes_kernel[grid](qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0),
+                            a.stride(1), group, bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16,
+                            use_asm, x_split)
+    if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
+        _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
+                                                             BLOCK=_SUM_BLOCK)
+    return y
