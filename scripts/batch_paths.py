@@ -22,7 +22,7 @@ import qgemv_sweep as sweep  # noqa: E402  (exits without a GPU)
 import triton  # noqa: E402
 
 import automp.kernels as K  # noqa: E402
-from automp.kernels import quant, quant_batched, quant_planes  # noqa: E402
+from automp.kernels import planes, quant, quant_batched  # noqa: E402
 
 LAYERS = 32
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -44,8 +44,8 @@ def cases(m: int, bits: list[int], variants: list[str]) -> list[tuple[str, int, 
                         quant_batched._wq_rows_kernel))
         out.append((f"int{b} gemm", b, lambda qw, s, a: quant.quant_gemm(a, qw, s), quant._wq_gemm_kernel))
         for v in variants:
-            out.append((f"int{b} planes {v}", b, lambda qw, s, a, kw=VARIANTS[v]: quant_planes.quant_planes(
-                qw, s, a, **kw), quant_planes._wq_planes_kernel))
+            out.append((f"int{b} planes {v}", b, lambda qw, s, a, kw=VARIANTS[v]: planes.quant_planes(
+                qw, s, a, **kw), planes._wq_planes_kernel))
     return out
 
 

@@ -20,12 +20,12 @@ from typing import Callable
 import torch
 
 from automp.kernels import ops  # noqa: F401 - registers torch.ops.automp.*
-from automp.kernels import quant_batched, quant_planes
+from automp.kernels import planes, quant_batched
 from automp.kernels.quant import kernel_group
 from automp.timing import time_fn
 
 WARMUP, REPS = 3, 5
-MIN_ROWS, MAX_ROWS = 2, quant_planes.MAX_ROWS
+MIN_ROWS, MAX_ROWS = 2, planes.MAX_ROWS
 Timer = Callable[[str, Callable[[], object]], float]
 TIMER: Timer | None = None
 # label -> the call timed under that label, (a, qw, scales) -> y; a table so a test can make one of them fail
@@ -71,7 +71,7 @@ def shape_key(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> tuple:
 def candidates(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> list[str]:
     """The kernels besides the GEMM that can compute this product."""
     out = ["rows"] if a.shape[0] <= quant_batched.MAX_ROWS else []
-    if quant_planes.unsupported(qw, scales, a) is None and not quant_planes.misaligned(qw):
+    if planes.unsupported(qw, scales, a) is None and not planes.misaligned(qw):
         out.append("planes")
     return out
 

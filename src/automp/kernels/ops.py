@@ -18,7 +18,7 @@ from automp.kernels import gemm as _gemm
 from automp.kernels import gemv as _gemv
 from automp.kernels import quant as _quant
 from automp.kernels import quant_batched as _quant_batched
-from automp.kernels import quant_planes as _quant_planes
+from automp.kernels import planes as _planes
 from automp.kernels import gemv_quant as _gemv_quant
 from automp.kernels import reduce as _reduce
 from automp.kernels.gemv import INTERPRET
@@ -169,7 +169,7 @@ def _check_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> No
     op = "quant_planes"
     _require(a.dim() == 2, op, f"a must be [M, K], got shape {tuple(a.shape)}")
     _check_quant(op, qw, scales, a, a.shape[1])
-    why = _quant_planes.unsupported(qw, scales, a)
+    why = _planes.unsupported(qw, scales, a)
     _require(why is None, op, f"{why} (quant_gemm takes any shape)")
 
 
@@ -177,7 +177,7 @@ def _check_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> No
 def quant_planes_op(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     _check_planes(qw, scales, a)
     if use_triton(a):
-        return _quant_planes.quant_planes(qw, scales.contiguous(), a)
+        return _planes.quant_planes(qw, scales.contiguous(), a)
     return (a.float() @ _quant.dequantize_weight(qw, scales, a.shape[1]).T).to(a.dtype)
 
 

@@ -11,7 +11,7 @@ import torch
 
 import automp.kernels as K
 from automp.kernels import quant
-from automp.kernels.quant_planes import MAX_ROWS, _configs, fits, misaligned, quant_planes, unsupported
+from automp.kernels.planes import MAX_ROWS, _configs, fits, misaligned, quant_planes, unsupported
 from kernel_testutil import DEVICE, TOL, rel_err
 
 F16, BF16 = torch.float16, torch.bfloat16
