@@ -1,9 +1,9 @@
 """Weight-only products for a decode batch at Llama-3-8B shapes (fused q/k/v and gate/up, as automp.llm runs them):
 the rows kernel (CUDA cores), the tiled GEMM and the planes kernel (tensor cores, each code decoded once; with the
-f16x2 assembly or plain Triton, activations split from one load or loaded plane by plane), beside cuBLAS fp16 on the
+f16x2 assembly or plain Triton), beside cuBLAS fp16 on the
 dense weight, at each batch size.
 
-    python scripts/batch_paths.py --batches 8,32 [--bits 4,8] [--variants asm,asm-strided,plain]
+    python scripts/batch_paths.py --batches 8,32 [--bits 4,8] [--variants asm,plain]
 
 Timings as scripts/qgemv_sweep.py: "graph" is the per-call median of a CUDA graph over enough weight copies to
 overflow L2; GB/s counts the weights and scales a call reads. The step rows sum 32 layers' four products.
@@ -26,8 +26,7 @@ from automp.kernels import planes, quant, quant_batched  # noqa: E402
 
 LAYERS = 32
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-VARIANTS = {"asm": dict(asm=True, x_split=True), "asm-strided": dict(asm=True, x_split=False),
-            "plain": dict(asm=False, x_split=True)}
+VARIANTS = {"asm": dict(asm=True), "plain": dict(asm=False)}
 
 
 def _config(kernel) -> str:
@@ -53,7 +52,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="8,32")
     p.add_argument("--bits", default="4,8")
-    p.add_argument("--variants", default="asm,asm-strided,plain")
+    p.add_argument("--variants", default="asm,plain")
     args = p.parse_args()
     batches = [int(v) for v in args.batches.split(",")]
     bits = [int(v) for v in args.bits.split(",")]

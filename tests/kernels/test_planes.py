@@ -36,17 +36,16 @@ def _asm_choices(dtype):
     return [None, False] if DEVICE == "cuda" and dtype == F16 else [None]
 
 
-@pytest.mark.parametrize("x_split", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n,k,group,m,dtype,split_k", CASES)
-def test_planes_match_float64_reference(poison, bits, n, k, group, m, dtype, split_k, x_split):
+def test_planes_match_float64_reference(poison, bits, n, k, group, m, dtype, split_k):
     qw, s, a = _operands(bits, n, k, group, m, dtype)
     if split_k is not None:  # the case really splits K (else it would test the unsplit path twice)
         assert quant._gemm_split(m, n, k, quant.kernel_group(k, s.shape[1]), 132, split_k)[0] > 1
     for asm in _asm_choices(dtype):
-        y = quant_planes(qw, s, a, split_k=split_k, asm=asm, x_split=x_split)
+        y = quant_planes(qw, s, a, split_k=split_k, asm=asm)
         assert y.dtype == dtype and y.shape == (m, n)
-        assert rel_err(y, _reference(qw, s, a)) < TOL[dtype], (asm, x_split)
+        assert rel_err(y, _reference(qw, s, a)) < TOL[dtype], asm
 
 
 def test_int8_takes_groups_of_64(poison):

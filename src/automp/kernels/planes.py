@@ -8,8 +8,9 @@ tensor-core operand:
   (a join and a transpose: a register shuffle per tile).
 This kernel reads the codes as int32 words and never reorders them. Nibble (int4) or byte (int8) P of every word
 forms a "plane": the codes k = word * C + P, C codes per word. A plane is a [BLOCK_N, words] operand as loaded, and
-the activations it meets are the columns k = word * C + P of `a`, loaded with stride C. The K-tile's product is then
-the sum of C small dots, one per plane, so no code moves from where the load put it.
+the activations it meets are the columns k = word * C + P of `a`, split out of one contiguous load of the tile (each
+thread holds C consecutive values, so the split moves nothing between threads). The K-tile's product is then the sum
+of C small dots, one per plane, so no code moves from where the load put it.
 
 Decoding (exact): a code u is dropped into the mantissa of an fp16 whose exponent makes a mantissa step worth 1
 (0x6400 | u is 1024 + u), and one subtraction leaves the signed code. On the GPU with fp16 activations this runs in
@@ -34,7 +35,6 @@ from automp.kernels.gemv import half_dot, k_range, num_sms
 from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, kernel_group
 
 MAX_ROWS = 64
-X_SPLIT = True
 _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded to it, and a plane has >= 16 words
 
 
@@ -42,8 +42,9 @@ def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3),
-                                 (32, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 4)]]
+            for bn, bk, w, s in [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 4, 3),
+                                 (128, 128, 4, 5), (128, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 4), (64, 64, 4, 6),
+                                 (128, 64, 4, 4)]]
 
 
 def fits(config: triton.Config, args: dict) -> bool:
@@ -140,29 +141,6 @@ def _pair_dot(w, P: tl.constexpr, x_lo, x_hi, part, BITS: tl.constexpr, A_FP16: 
 
 
 @triton.jit
-def _columns(a_rows, rw, P: tl.constexpr, CPW: tl.constexpr, KW, stride_ak, EVEN_K: tl.constexpr):
-    """The activations plane P meets, loaded apart: a[m, word * CPW + P] as [M_P2, words] (zero past K)."""
-    ptrs = a_rows + ((rw * CPW + P) * stride_ak)[None, :]
-    if EVEN_K:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=(rw < KW)[None, :], other=0.0)
-    return x
-
-
-@triton.jit
-def _tile_dot_strided(w, a_rows, rw, KW, stride_ak, part, BITS: tl.constexpr, A_FP16: tl.constexpr,
-                      ASM: tl.constexpr, EVEN_K: tl.constexpr):
-    """_tile_dot with each plane's activations loaded with stride C."""
-    CPW: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = CPW // 2
-    for P in tl.static_range(HALF):
-        part = _pair_dot(w, P, _columns(a_rows, rw, P, CPW, KW, stride_ak, EVEN_K),
-                         _columns(a_rows, rw, P + HALF, CPW, KW, stride_ak, EVEN_K), part, BITS, A_FP16, ASM)
-    return part
-
-
-@triton.jit
 def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr, M_P2: tl.constexpr,
               W: tl.constexpr):
     """part + one K-tile's unscaled product: words w [BLOCK_N, W] against x [M_P2, W * C] as loaded (contiguous,
@@ -189,14 +167,14 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
     return part
 
 
-@triton.autotune(configs=_configs(), key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM", "X_SPLIT"],
+@triton.autotune(configs=_configs(), key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
                       GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
-                      A_FP16: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                      A_FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
     SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N]."""
     CPW: tl.constexpr = 32 // BITS
@@ -204,10 +182,11 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_P2)
-    rows = rn % N  # padding rows and batch columns wrap to real ones (never stored), so loads need no row mask
+    rows = rn % N  # weight rows past N wrap to real ones (never stored), so their loads need no mask
     q_words = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * stride_qw
     s_rows = s_ptr + rows * stride_sn
-    a_rows = a_ptr + ((rm % M) * stride_am)[:, None]
+    a_rows = a_ptr + (rm * stride_am)[:, None]
+    row_mask = (rm < M)[:, None]  # the batch's padding rows: masked, so they cost no memory traffic
     KW = K // CPW
     tiles = tl.cdiv(K_SPAN, BLOCK_K)
     t_lo = pid_k * tiles
@@ -219,16 +198,12 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
             w = tl.load(q_words + rw[None, :])
         else:  # K is whole words, so a word mask is exact; the activations past K are zero
             w = tl.load(q_words + rw[None, :], mask=(rw < KW)[None, :], other=0)
-        part = tl.zeros((BLOCK_N, M_P2), dtype=tl.float32)
-        if X_SPLIT:
-            rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(a_rows + rk[None, :] * stride_ak)
-            else:
-                x = tl.load(a_rows + rk[None, :] * stride_ak, mask=(rk < K)[None, :], other=0.0)
-            part = _tile_dot(w, x, part, BITS, A_FP16, ASM, M_P2, W)
+        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask, other=0.0)
         else:
-            part = _tile_dot_strided(w, a_rows, rw, KW, stride_ak, part, BITS, A_FP16, ASM, EVEN_K)
+            x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask & (rk < K)[None, :], other=0.0)
+        part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W)
         s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)  # the tile lies in one group
         acc += part * s[:, None]
     offs = rm[None, :] * N + rn[:, None]
@@ -240,7 +215,7 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
 
 
 def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_k: int | None = None,
-                 asm: bool | None = None, x_split: bool = X_SPLIT) -> torch.Tensor:
+                 asm: bool | None = None) -> torch.Tensor:
     """y [M, N] = a [M, K] @ dequant(qw, scales)^T in a's dtype (inputs validated by ops.py; `a` may have any
     strides). `split_k` forces the K split; `asm` forces the decoding (default: the f16x2 assembly for fp16 on the
     GPU, plain Triton otherwise); both for tests and sweeps."""
@@ -262,7 +237,7 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     _wq_planes_kernel[grid](qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0),
                             a.stride(1), group, bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16,
-                            use_asm, x_split)
+                            use_asm)
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
                                                              BLOCK=_SUM_BLOCK)
