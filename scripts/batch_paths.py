@@ -26,7 +26,7 @@ from automp.kernels import planes, quant, quant_batched  # noqa: E402
 
 LAYERS = 32
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-VARIANTS = {"asm": dict(asm=True), "plain": dict(asm=False)}
+VARIANTS = {"asm": dict(asm=True), "plain": dict(asm=False), "asm-scaled": dict(asm=True, scale_w=True)}
 
 
 def _config(kernel) -> str:
@@ -38,7 +38,7 @@ def cases(m: int, bits: list[int], variants: list[str]) -> list[tuple[str, int, 
     """(label, bits, fn(qw, s, a), the kernel whose config is reported)."""
     out = []
     for b in bits:
-        if m <= quant_batched.MAX_ROWS:
+        if m <= quant_batched.MAX_ROWS and "rows" in variants:
             out.append((f"int{b} rows", b, lambda qw, s, a: quant_batched.quant_gemv_rows(qw, s, a),
                         quant_batched._wq_rows_kernel))
         out.append((f"int{b} gemm", b, lambda qw, s, a: quant.quant_gemm(a, qw, s), quant._wq_gemm_kernel))
