@@ -26,7 +26,7 @@ from automp.kernels import planes, quant, quant_batched  # noqa: E402
 
 LAYERS = 32
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-VARIANTS = {"asm": dict(asm=True), "plain": dict(asm=False), "asm-scaled": dict(asm=True, scale_w=True)}
+VARIANTS = {"asm": dict(asm=True), "plain": dict(asm=False)}
 
 
 def _config(kernel) -> str:

@@ -19,8 +19,10 @@ f16x2 inline assembly: one lop3 decodes two planes at once (the nibbles P and P 
 no inline assembly; it runs the same planes in plain Triton. bf16 activations decode through fp32 (0x4B000000 | u is
 2^23 + u), in plain Triton on the GPU too.
 
-The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns): BLOCK_N of 64-128 weight rows
-fill the tensor core's M side, and the batch (padded to 16, tl.dot's least) its N side. A K-tile lies inside one
+The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns), so a decoded plane stays in
+the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the dot's N side. On an H200 the
+configs of 1-2 warps won at Llama-3-8B shapes (scripts/batch_paths.py): Triton gives them mma.sync, which runs the
+eight small dots of a tile back to back, where its wgmma (4+ warps) waited for each before the next. A K-tile lies inside one
 scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
 (`quant._gemm_split`), fp32 partials summed in a fixed order by `quant._split_sum_kernel`.
 """
@@ -42,10 +44,9 @@ def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 4, 3),
-                                 (128, 128, 4, 5), (128, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 4), (64, 64, 4, 6),
-                                 (128, 64, 4, 4), (32, 128, 4, 3), (64, 128, 2, 3), (64, 128, 2, 4), (32, 128, 2, 3),
-                                 (32, 64, 2, 4)]]
+            for bn, bk, w, s in [(32, 128, 2, 3), (32, 128, 2, 4), (32, 128, 2, 5), (64, 128, 2, 3),
+                                 (64, 128, 2, 4), (64, 128, 2, 5), (16, 128, 1, 4), (32, 128, 1, 4), (32, 64, 2, 4),
+                                 (64, 64, 2, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3)]]
 
 
 def fits(config: triton.Config, args: dict) -> bool:
@@ -100,23 +101,6 @@ lop3.b32 t, $2, 0x00FF00FF, 0x64806480, 0x6A;
 sub.f16x2 t, t, m;
 mov.b32 {$0, $1}, t;
 }""")
-# The same, times the row's scale ($3: the fp16 scale in both halves): one mul.f16x2 after the exact subtraction.
-_W4_PLANES_SCALED = tl.constexpr("""{
-.reg .b32 t, m;
-mov.b32 m, 0x64086408;
-lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, m;
-mul.f16x2 t, t, $3;
-mov.b32 {$0, $1}, t;
-}""")
-_W8_PLANES_SCALED = tl.constexpr("""{
-.reg .b32 t, m;
-mov.b32 m, 0x64806480;
-lop3.b32 t, $2, 0x00FF00FF, 0x64806480, 0x6A;
-sub.f16x2 t, t, m;
-mul.f16x2 t, t, $3;
-mov.b32 {$0, $1}, t;
-}""")
 
 
 @triton.jit
@@ -138,40 +122,29 @@ def _plane(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr):
 
 
 @triton.jit
-def _plane_pair(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr, s, s2,
-                SCALE_W: tl.constexpr):
-    """Planes P and P + C/2 (C codes per word); SCALE_W: times the rows' scales s ([BLOCK_N, 1], activation dtype;
-    s2 the fp16 bits of s in both halves of an int32, for the assembly)."""
+def _plane_pair(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr):
+    """Planes P and P + C/2 (C codes per word)."""
     HALF: tl.constexpr = 16 // BITS
     if ASM:
-        if SCALE_W:
-            lo, hi = tl.inline_asm_elementwise(_W4_PLANES_SCALED if BITS == 4 else _W8_PLANES_SCALED, "=h,=h,r,r",
-                                               [w >> (BITS * P), tl.broadcast_to(s2, w.shape)],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_W4_PLANES if BITS == 4 else _W8_PLANES, "=h,=h,r", [w >> (BITS * P)],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(_W4_PLANES if BITS == 4 else _W8_PLANES, "=h,=h,r", [w >> (BITS * P)],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     else:
         lo = _plane(w, P, BITS, A_FP16)
         hi = _plane(w, P + HALF, BITS, A_FP16)
-        if SCALE_W:
-            lo = lo * s
-            hi = hi * s
     return lo, hi
 
 
 @triton.jit
-def _pair_dot(w, P: tl.constexpr, x_lo, x_hi, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr,
-              s, s2, SCALE_W: tl.constexpr):
+def _pair_dot(w, P: tl.constexpr, x_lo, x_hi, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr):
     """part + planes P and P + C/2 of w times their activation columns x_lo, x_hi [M_P2, words]."""
-    lo, hi = _plane_pair(w, P, BITS, A_FP16, ASM, s, s2, SCALE_W)
+    lo, hi = _plane_pair(w, P, BITS, A_FP16, ASM)
     part = half_dot(lo, tl.trans(x_lo), part)
     return half_dot(hi, tl.trans(x_hi), part)
 
 
 @triton.jit
 def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr, M_P2: tl.constexpr,
-              W: tl.constexpr, s, s2, SCALE_W: tl.constexpr):
+              W: tl.constexpr):
     """part + one K-tile's unscaled product: words w [BLOCK_N, W] against x [M_P2, W * C] as loaded (contiguous,
     C values per thread). x's planes are split out of each thread's registers: k = word * C + P, with P's bits
     as trailing size-2 dimensions (int4: P = 4 * b2 + 2 * b1 + b0), so no value moves between threads."""
@@ -183,27 +156,27 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
         x2, x6 = tl.split(e1)
         x1, x5 = tl.split(o0)
         x3, x7 = tl.split(o1)
-        part = _pair_dot(w, 0, x0, x4, part, BITS, A_FP16, ASM, s, s2, SCALE_W)
-        part = _pair_dot(w, 1, x1, x5, part, BITS, A_FP16, ASM, s, s2, SCALE_W)
-        part = _pair_dot(w, 2, x2, x6, part, BITS, A_FP16, ASM, s, s2, SCALE_W)
-        part = _pair_dot(w, 3, x3, x7, part, BITS, A_FP16, ASM, s, s2, SCALE_W)
+        part = _pair_dot(w, 0, x0, x4, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 1, x1, x5, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 2, x2, x6, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 3, x3, x7, part, BITS, A_FP16, ASM)
     else:
         e, o = tl.split(tl.reshape(x, (M_P2, W, 2, 2)))
         x0, x2 = tl.split(e)
         x1, x3 = tl.split(o)
-        part = _pair_dot(w, 0, x0, x2, part, BITS, A_FP16, ASM, s, s2, SCALE_W)
-        part = _pair_dot(w, 1, x1, x3, part, BITS, A_FP16, ASM, s, s2, SCALE_W)
+        part = _pair_dot(w, 0, x0, x2, part, BITS, A_FP16, ASM)
+        part = _pair_dot(w, 1, x1, x3, part, BITS, A_FP16, ASM)
     return part
 
 
-@triton.autotune(configs=_configs(), key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM", "SCALE_W"],
+@triton.autotune(configs=_configs(), key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
                       GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
-                      A_FP16: tl.constexpr, ASM: tl.constexpr, SCALE_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                      A_FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
     SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N]."""
     CPW: tl.constexpr = 32 // BITS
@@ -232,16 +205,9 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
             x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask, other=0.0)
         else:
             x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask & (rk < K)[None, :], other=0.0)
-        s = tl.load(s_rows + t * BLOCK_K // GROUP)  # the tile lies in one group
-        if SCALE_W:  # scaled weights: every dot accumulates into acc itself, so the dots can stay in flight
-            sw = s.to(a_ptr.dtype.element_ty)
-            sb = sw.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            acc = _tile_dot(w, x, acc, BITS, A_FP16, ASM, M_P2, W, sw[:, None], (sb | (sb << 16))[:, None],
-                            SCALE_W)
-        else:
-            part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W,
-                             s, s, SCALE_W)
-            acc += part * s.to(tl.float32)[:, None]
+        part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W)
+        s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)  # the tile lies in one group
+        acc += part * s[:, None]
     offs = rm[None, :] * N + rn[:, None]
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     if SPLIT:
@@ -251,7 +217,7 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
 
 
 def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_k: int | None = None,
-                 asm: bool | None = None, scale_w: bool = False) -> torch.Tensor:
+                 asm: bool | None = None) -> torch.Tensor:
     """y [M, N] = a [M, K] @ dequant(qw, scales)^T in a's dtype (inputs validated by ops.py; `a` may have any
     strides). `split_k` forces the K split; `asm` forces the decoding (default: the f16x2 assembly for fp16 on the
     GPU, plain Triton otherwise); both for tests and sweeps."""
@@ -273,7 +239,7 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     _wq_planes_kernel[grid](qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0),
                             a.stride(1), group, bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16,
-                            use_asm, scale_w)
+                            use_asm)
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
                                                              BLOCK=_SUM_BLOCK)
