@@ -4,8 +4,10 @@ Three kernels can: `quant_gemv_rows` (up to 16 rows) reads the packed weights on
 the CUDA cores; `quant_planes` decodes each int32 word of codes once onto the tensor cores (fp16 / bf16, whole words,
 groups of >= 128 int4 / 64 int8 codes); `quant_gemm` takes any shape, padding the rows to a tensor-core tile. Which
 wins depends on M, the shape, the bits and the GPU, so the first call of each (device, N, K, bits, group, M, dtype)
-outside CUDA graph capture and torch.compile tracing times every kernel that applies (CUDA events, a few warm-up and
-timed calls, median) and keeps the fastest for the life of the process. A candidate that raises (e.g. fails to
+outside CUDA graph capture and torch.compile tracing times every kernel that applies and keeps the fastest for the
+life of the process. The clock is a CUDA graph of CALLS calls, replayed REPS times (median per call), as the decode
+step runs them: timed one eager call at a time, a 10 us kernel measured the 100-300 us of its Python launch, and the
+choice followed launch overhead instead of the GPU. A candidate that raises (e.g. fails to
 compile), or whose result disagrees with the GEMM's on the measured input, is out, with its error kept in the
 decision. While capturing or tracing with no decision yet, the GEMM serves; nothing is recorded, so the next eager
 call measures.
@@ -24,7 +26,7 @@ from automp.kernels import planes, quant_batched
 from automp.kernels.quant import kernel_group
 from automp.timing import time_fn
 
-WARMUP, REPS = 3, 5
+WARMUP, CALLS, REPS = 3, 10, 5
 MIN_ROWS, MAX_ROWS = 2, planes.MAX_ROWS
 Timer = Callable[[str, Callable[[], object]], float]
 TIMER: Timer | None = None
@@ -37,9 +39,22 @@ KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 _DECISIONS: dict[tuple, dict] = {}
 
 
-def cuda_event_timer(label: str, fn: Callable[[], object]) -> float:
-    """Median milliseconds of `fn` over REPS calls after WARMUP (which also absorb autotuning and compilation)."""
-    return time_fn(fn, warmup=WARMUP, iters=REPS)
+def cuda_graph_timer(label: str, fn: Callable[[], object]) -> float:
+    """Milliseconds per call of `fn` on the GPU: WARMUP eager calls (autotuning and compilation happen there), then a
+    CUDA graph of CALLS calls replayed REPS times from a flushed L2, median. Where capture fails, CUDA events
+    around eager calls."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(CALLS):
+                fn()
+    except RuntimeError:
+        return time_fn(fn, warmup=0, iters=REPS)
+    graph.replay()
+    return time_fn(graph.replay, warmup=0, iters=REPS, flush_l2=True) / CALLS
 
 
 def decisions() -> dict[tuple, dict]:
@@ -110,7 +125,7 @@ def choose(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> str:
     key = shape_key(a, qw, scales)
     decision = _DECISIONS.get(key)
     if decision is None:
-        timer = TIMER if TIMER is not None else (cuda_event_timer if a.is_cuda else None)
+        timer = TIMER if TIMER is not None else (cuda_graph_timer if a.is_cuda else None)
         if timer is None or _deferred(a):
             return "gemm"
         decision = _DECISIONS[key] = _measure(timer, a, qw, scales)

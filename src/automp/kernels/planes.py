@@ -44,9 +44,8 @@ def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(32, 128, 2, 3), (32, 128, 2, 4), (32, 128, 2, 5), (64, 128, 2, 3),
-                                 (64, 128, 2, 4), (64, 128, 2, 5), (16, 128, 1, 4), (32, 128, 1, 4), (32, 64, 2, 4),
-                                 (64, 64, 2, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3)]]
+            for bn, bk, w, s in [(32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 2, 3), (64, 128, 2, 4),
+                                 (64, 128, 4, 3), (64, 128, 4, 4), (32, 64, 2, 4), (64, 64, 2, 4)]]
 
 
 def fits(config: triton.Config, args: dict) -> bool:
