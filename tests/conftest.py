@@ -10,6 +10,19 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 # Tests run from a checkout too (the package need not be installed).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "src"))
+_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _triton_probe_not_poisoned():
+    """torch caches whether Triton can run (torch.utils._triton.has_triton) on first use: a test that hides CUDA
+    (tests/gloo.py cpu_host) and compiles would leave "no Triton" cached for the rest of its worker, and a later
+    CUDA compile would fail with TritonMissing. Forget such a cached answer after each test on a GPU host."""
+    yield
+    if _CUDA:
+        from torch.utils._triton import has_triton
+        if has_triton.cache_info().currsize and not has_triton():
+            has_triton.cache_clear()
 
 
 @pytest.fixture
