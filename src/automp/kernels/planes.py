@@ -22,8 +22,8 @@ no inline assembly; it runs the same planes in plain Triton. bf16 activations de
 The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns), so a decoded plane stays in
 the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the dot's N side. On an H200 the
 configs of 1-2 warps won at Llama-3-8B shapes (scripts/batch_paths.py): Triton gives them mma.sync, which runs the
-eight small dots of a tile back to back, where its wgmma (4+ warps) waited for each before the next. A K-tile lies inside one
-scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
+eight small dots of a tile back to back, where its wgmma (4+ warps) waited for each before the next. A K-tile lies
+inside one scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
 (`quant._gemm_split`), fp32 partials summed in a fixed order by `quant._split_sum_kernel`.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded t
 def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
+    # The configs that won some Llama-3-8B product at 8 or 32 rows on an H200 (scripts/batch_paths.py), int4 and int8.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 2, 3), (64, 128, 2, 4),
                                  (64, 128, 4, 3), (64, 128, 4, 4), (32, 64, 2, 4), (64, 64, 2, 4)]]
