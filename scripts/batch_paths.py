@@ -3,7 +3,7 @@ the rows kernel (CUDA cores), the tiled GEMM and the planes kernel (tensor cores
 f16x2 assembly or plain Triton), beside cuBLAS fp16 on the
 dense weight, at each batch size.
 
-    python scripts/batch_paths.py --batches 8,32 [--bits 4,8] [--variants asm,plain]
+    python scripts/batch_paths.py --batches 8,32 [--bits 4,8] [--variants asm,plain] [--splits 1,2,4]
 
 Timings as scripts/qgemv_sweep.py: "graph" is the per-call median of a CUDA graph over enough weight copies to
 overflow L2; GB/s counts the weights and scales a call reads. The step rows sum 32 layers' four products.
@@ -34,8 +34,9 @@ def _config(kernel) -> str:
     return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']} w{c.num_warps} s{c.num_stages}" if c is not None else "?"
 
 
-def cases(m: int, bits: list[int], variants: list[str]) -> list[tuple[str, int, object, object]]:
-    """(label, bits, fn(qw, s, a), the kernel whose config is reported)."""
+def cases(m: int, bits: list[int], variants: list[str], splits: list[int]) -> list[tuple[str, int, object, object]]:
+    """(label, bits, fn(qw, s, a), the kernel whose config is reported); `splits`: the planes kernel (f16x2) again
+    with K forced into that many programs."""
     out = []
     for b in bits:
         if m <= quant_batched.MAX_ROWS and "rows" in variants:
@@ -45,6 +46,9 @@ def cases(m: int, bits: list[int], variants: list[str]) -> list[tuple[str, int, 
         for v in variants:
             out.append((f"int{b} planes {v}", b, lambda qw, s, a, kw=VARIANTS[v]: planes.quant_planes(
                 qw, s, a, **kw), planes._wq_planes_kernel))
+        for sk in splits:
+            out.append((f"int{b} planes split {sk}", b, lambda qw, s, a, sk=sk: planes.quant_planes(
+                qw, s, a, split_k=sk), planes._wq_planes_kernel))
     return out
 
 
@@ -53,10 +57,12 @@ def main() -> None:
     p.add_argument("--batches", default="8,32")
     p.add_argument("--bits", default="4,8")
     p.add_argument("--variants", default="asm,plain")
+    p.add_argument("--splits", default="", help="forced K splits of the planes kernel, e.g. 1,2,4")
     args = p.parse_args()
     batches = [int(v) for v in args.batches.split(",")]
     bits = [int(v) for v in args.bits.split(",")]
     variants = args.variants.split(",")
+    splits = [int(v) for v in args.splits.split(",") if v]
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     copy_gbs = sweep.copy_bandwidth()
@@ -75,7 +81,7 @@ def main() -> None:
             dense = K.dequantize_weight(*q[4], k).half()
             refs = {b: torch.nn.functional.linear(a.float(), K.dequantize_weight(*q[b], k)) for b in bits}
             cublas, _ = sweep.measure(torch.nn.functional.linear, (a, dense), dense.numel() * 2)
-            rows = [("fp16 cuBLAS", None, None, None)] + cases(m, bits, variants)
+            rows = [("fp16 cuBLAS", None, None, None)] + cases(m, bits, variants, splits)
             for label, b, fn, kernel in rows:
                 if b is None:
                     us, nbytes, err, config = cublas, dense.numel() * 2, 0.0, "-"
