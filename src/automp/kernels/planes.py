@@ -24,7 +24,8 @@ the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the
 configs of 1-2 warps won at Llama-3-8B shapes (scripts/batch_paths.py): Triton gives them mma.sync, which runs the
 eight small dots of a tile back to back, where its wgmma (4+ warps) waited for each before the next. A K-tile lies
 inside one scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
-(`quant._gemm_split`), fp32 partials summed in a fixed order by `quant._split_sum_kernel`.
+(`quant._gemm_split`, aiming at twice its programs), fp32 partials summed in a fixed order by
+`quant._split_sum_kernel`.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ from automp.kernels.gemv import half_dot, k_range, num_sms
 from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, kernel_group
 
 MAX_ROWS = 64
+# Programs the K split aims at, in SM counts (the tiled GEMM aims at 2). Forced splits on an H200 at Llama-3-8B shapes
+# (scripts/batch_paths.py --splits): the narrow products ran fastest in about 8 programs along K (o 4096 x 4096 at 8
+# rows: 9.1 us against 9.7 at the GEMM's 5; down 4096 x 14336: 20.0 against 23.6), which 4 waves of 64-row tiles give.
+_WAVES = 4
 _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded to it, and a plane has >= 16 words
 
 
@@ -233,7 +238,7 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     if use_asm and (INTERPRET or not fp16):
         raise ValueError("automp.kernels.quant_planes: the f16x2 decoding needs fp16 activations on the GPU")
     group = kernel_group(k, scales.shape[1])
-    split, span = _gemm_split(m, n, k, group, num_sms(a.device, cpu=_CPU_SMS), split_k)
+    split, span = _gemm_split(m, n, k, group, num_sms(a.device, cpu=_CPU_SMS), split_k, _WAVES)
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731

@@ -205,14 +205,15 @@ _Q_MAX_BK = max(c[2] for c in _Q_SQUARE + _Q_SKINNY)  # every BLOCK_K offered (p
 _SPLIT_TILE_N = 64  # tile width the split chooser counts programs with (the middle skinny BLOCK_N)
 
 
-def _gemm_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
+def _gemm_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | None = None,
+                waves: int = _WAVES) -> tuple[int, int]:
     """(programs along K, K range of each) for the [M, N, K] weight-only GEMM.
 
     A range is a whole number of scale groups and of _Q_MAX_BK, so every offered tile depth tiles it exactly and no
     two programs share a group. The heuristic splits only where the tile grid alone leaves SMs idle: M <= SKINNY_M (a
     decode batch: one row of min(next_pow2(M), 64) x _SPLIT_TILE_N tiles, a weight stream whose speed is the number
     of programs streaming), fewer tiles than SMs, and K >= _SPLIT_MIN_K (below it the second launch costs more than
-    the split gives, as measured for the GEMV). It then cuts K into even ranges for about _WAVES * sms programs.
+    the split gives, as measured for the GEMV). It then cuts K into even ranges for about `waves` * sms programs.
     Larger M is not split: its square tiles are tuned too, and it turns compute-bound (2 * M flops per weight).
     `split_k` asks for that many programs instead, as even as whole units allow (so possibly fewer).
     """
@@ -221,7 +222,7 @@ def _gemm_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | Non
         tiles = triton.cdiv(m, min(triton.next_power_of_2(m), SKINNY_M)) * triton.cdiv(n, _SPLIT_TILE_N)
         if m > SKINNY_M or k < _SPLIT_MIN_K or tiles >= sms:
             return 1, k
-        split_k = triton.cdiv(_WAVES * sms, tiles)
+        split_k = triton.cdiv(waves * sms, tiles)
     span = triton.cdiv(triton.cdiv(k, max(split_k, 1)), unit) * unit
     if span >= k:
         return 1, k
