@@ -140,3 +140,38 @@ def test_decisions_are_copies(monkeypatch, clean):
         value["kernel"] = "gemm"
         value["ms"]["rows"] = 9.0
     assert [(d["kernel"], d["ms"]["rows"]) for d in crossover.decisions().values()] == [("rows", 1.0)]
+
+
+class _FakeGraph:
+    replays = 0
+
+    def replay(self):
+        _FakeGraph.replays += 1
+
+
+def test_graph_clock_captures_calls_and_divides_by_them(monkeypatch):
+    """The CUDA clock: WARMUP eager calls (autotuning), then CALLS calls captured once and replayed; the time is per
+    captured call. Driven on the CPU with stand-ins for the CUDA graph API."""
+    import contextlib
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(crossover, "time_fn", lambda fn, warmup, iters, flush_l2=False: (fn(), 30.0)[1])
+    _FakeGraph.replays = 0
+    ms = crossover.cuda_graph_timer("planes", lambda: calls.append(1))
+    assert len(calls) == crossover.WARMUP + crossover.CALLS  # warm-up, then the captured calls: none while timing
+    assert ms == pytest.approx(30.0 / crossover.CALLS)
+    assert _FakeGraph.replays == 2  # once after capture, once (here) inside the timer
+
+
+def test_graph_clock_falls_back_to_eager_timing_where_capture_fails(monkeypatch):
+    def no_capture(g):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", no_capture)
+    monkeypatch.setattr(crossover, "time_fn", lambda fn, warmup, iters, flush_l2=False: (fn(), 7.0)[1])
+    assert crossover.cuda_graph_timer("rows", lambda: calls.append(1)) == 7.0  # not divided: eager calls
+    assert len(calls) == crossover.WARMUP + 1
