@@ -14,7 +14,7 @@ import triton.language as tl
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
 from automp.kernels.quant import (_CPU_SMS, _SPLIT_MIN_K, _SUM_BLOCK, _WAVES, _i8_to_f32, _split_sum_kernel,
-                                  _u4_to_f32, kernel_group)
+                                  _split_tiles, _u4_to_f32, kernel_group)
 
 _SUB = tl.constexpr(16)  # bytes of one thread's vector load, reduced in its registers and then scaled once
 _MIN_SPAN = 128  # fewest K per split program: the smallest BLOCK_K below, so some config always tiles a span exactly
@@ -225,9 +225,7 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
     s_rows = s_ptr + rows * stride_sn
     SUB_K: tl.constexpr = _SUB * 8 // BITS  # K per sub-block, <= MIN_GROUP: a sub-block never straddles groups
-    tiles = tl.cdiv(K_SPAN, BLOCK_K)
-    t_lo = pid_k * tiles
-    t_hi = tl.minimum(t_lo + tiles, tl.cdiv(K, BLOCK_K))
+    t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
         if WORDS:

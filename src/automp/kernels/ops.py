@@ -112,6 +112,16 @@ def _check_quant(op: str, qw: torch.Tensor, scales: torch.Tensor, act: torch.Ten
     _same_device(op, qw, scales, act)
 
 
+def _reference_product(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ dequant(qw, scales)^T in float32, in a's dtype: the CPU path of every batched weight-only op."""
+    return (a.float() @ _quant.dequantize_weight(qw, scales, a.shape[1]).T).to(a.dtype)
+
+
+def _product_like(qw: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The [M, N] output of a batched weight-only op, for its fake impl."""
+    return a.new_empty((a.shape[0], qw.shape[0]))
+
+
 @custom_op("automp::quant_gemv", mutates_args=())
 def quant_gemv_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     _require(x.dim() == 1, "quant_gemv", f"x must be [K], got shape {tuple(x.shape)}")
@@ -134,14 +144,14 @@ def quant_gemm_op(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> to
     _check_quant("quant_gemm", qw, scales, a, a.shape[1])
     if use_triton(a) and a.shape[0] > 0:
         return _quant.quant_gemm(a, qw, scales.contiguous())
-    return (a.float() @ _quant.dequantize_weight(qw, scales, a.shape[1]).T).to(a.dtype)
+    return _reference_product(qw, scales, a)
 
 
 @quant_gemm_op.register_fake
 def _(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     _require(a.dim() == 2, "quant_gemm", f"a must be [M, K], got shape {tuple(a.shape)}")
     _check_quant("quant_gemm", qw, scales, a, a.shape[1])
-    return a.new_empty((a.shape[0], qw.shape[0]))
+    return _product_like(qw, a)
 
 
 def _check_rows(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> None:
@@ -156,13 +166,13 @@ def quant_gemv_rows_op(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) 
     _check_rows(qw, scales, a)
     if use_triton(a):
         return _quant_batched.quant_gemv_rows(qw, scales.contiguous(), a)
-    return (a.float() @ _quant.dequantize_weight(qw, scales, a.shape[1]).T).to(a.dtype)
+    return _reference_product(qw, scales, a)
 
 
 @quant_gemv_rows_op.register_fake
 def _(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     _check_rows(qw, scales, a)
-    return a.new_empty((a.shape[0], qw.shape[0]))
+    return _product_like(qw, a)
 
 
 def _check_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> None:
@@ -178,13 +188,13 @@ def quant_planes_op(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> 
     _check_planes(qw, scales, a)
     if use_triton(a):
         return _planes.quant_planes(qw, scales.contiguous(), a)
-    return (a.float() @ _quant.dequantize_weight(qw, scales, a.shape[1]).T).to(a.dtype)
+    return _reference_product(qw, scales, a)
 
 
 @quant_planes_op.register_fake
 def _(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     _check_planes(qw, scales, a)
-    return a.new_empty((a.shape[0], qw.shape[0]))
+    return _product_like(qw, a)
 
 
 # ----------------------------------------------------------------------------------------------- W8A8

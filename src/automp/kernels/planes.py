@@ -35,7 +35,7 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import half_dot, k_range, num_sms
-from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, kernel_group
+from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, _split_tiles, kernel_group
 
 MAX_ROWS = 64
 # Programs the K split aims at, in SM counts (the tiled GEMM aims at 2). Forced splits on an H200 at Llama-3-8B shapes
@@ -195,9 +195,7 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
     a_rows = a_ptr + (rm * stride_am)[:, None]
     row_mask = (rm < M)[:, None]  # the batch's padding rows: masked, so they cost no memory traffic
     KW = K // CPW
-    tiles = tl.cdiv(K_SPAN, BLOCK_K)
-    t_lo = pid_k * tiles
-    t_hi = tl.minimum(t_lo + tiles, tl.cdiv(K, BLOCK_K))
+    t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((BLOCK_N, M_P2), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
         rw = t * W + tl.arange(0, W)

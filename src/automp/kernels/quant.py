@@ -152,6 +152,14 @@ def _split_sum_kernel(part_ptr, y_ptr, N, SPLIT_K: tl.constexpr, SPLIT_P2: tl.co
     tl.store(y_ptr + rn, tl.sum(part, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
+@triton.jit
+def _split_tiles(pid_k, K, K_SPAN, BLOCK_K: tl.constexpr):
+    """The K-tiles [t_lo, t_hi) of split program pid_k: K_SPAN is a whole number of tiles, the last range ends at K."""
+    tiles = tl.cdiv(K_SPAN, BLOCK_K)
+    t_lo = pid_k * tiles
+    return t_lo, tl.minimum(t_lo + tiles, tl.cdiv(K, BLOCK_K))
+
+
 # ----------------------------------------------------------------------------------------------- weight-only GEMM
 def _qgemm_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
     """Skinny/square family by M, and tiles no deeper than a group (one scale per column per tile) nor, when K is

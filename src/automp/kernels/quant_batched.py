@@ -21,7 +21,8 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
-from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _i8_to_f32, _split_sum_kernel, _u4_to_f32, kernel_group
+from automp.kernels.quant import (_CPU_SMS, _SUM_BLOCK, _i8_to_f32, _split_sum_kernel, _split_tiles, _u4_to_f32,
+                                  kernel_group)
 from automp.kernels.gemv_quant import _gemv_split
 
 MAX_ROWS = 16
@@ -102,9 +103,7 @@ def _wq_rows_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, KP, K_SPAN, stride_qn
     q_rows = q_ptr + rows[:, None] * stride_qn
     s_rows = s_ptr + rows * stride_sn
     a_rows = a_ptr + (rm % M)[:, None] * stride_am
-    tiles = tl.cdiv(K_SPAN, BLOCK_K)
-    t_lo = pid_k * tiles
-    t_hi = tl.minimum(t_lo + tiles, tl.cdiv(K, BLOCK_K))
+    t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
         part = _rows_tile_dots(q_rows, a_rows, t, K, KP, stride_ak, BITS, BLOCK_K, EVEN_K)
