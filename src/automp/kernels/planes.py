@@ -90,22 +90,22 @@ def misaligned(qw: torch.Tensor) -> bool:
     return qw.data_ptr() % 4 != 0
 
 
-# Two planes per lop3: int4 nibbles (P, P + 4) of w >> 4P; int8 bytes (P, P + 2) of w >> 8P, whose XOR with 0x80
-# makes the stored two's-complement byte q + 128. $0, $1: the two planes' fp16 codes; $2: the shifted word.
-_W4_PLANES = tl.constexpr("""{
+def _planes_asm(mask: str, magic: str, lut: str, bias: str) -> tl.constexpr:
+    """Two planes per lop3 (codes under `mask`, combined with the fp16 exponent bits `magic` by `lut`), signed by one
+    sub.f16x2 of `bias`. $0, $1: the two planes' fp16 codes; $2: the shifted word."""
+    return tl.constexpr(f"""{{
 .reg .b32 t, m;
-mov.b32 m, 0x64086408;
-lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
+mov.b32 m, {bias};
+lop3.b32 t, $2, {mask}, {magic}, {lut};
 sub.f16x2 t, t, m;
-mov.b32 {$0, $1}, t;
-}""")
-_W8_PLANES = tl.constexpr("""{
-.reg .b32 t, m;
-mov.b32 m, 0x64806480;
-lop3.b32 t, $2, 0x00FF00FF, 0x64806480, 0x6A;
-sub.f16x2 t, t, m;
-mov.b32 {$0, $1}, t;
-}""")
+mov.b32 {{$0, $1}}, t;
+}}""")
+
+
+# int4: nibbles (P, P + 4) of w >> 4P, (u | 0x6400) - 1032 = u - 8. int8: bytes (P, P + 2) of w >> 8P, whose XOR with
+# 0x80 makes the stored two's-complement byte q + 128: ((w & 0xFF) ^ 0x6480) - 1152 = q.
+_W4_PLANES = _planes_asm("0x000F000F", "0x64006400", "0xEA", "0x64086408")
+_W8_PLANES = _planes_asm("0x00FF00FF", "0x64806480", "0x6A", "0x64806480")
 
 
 @triton.jit
