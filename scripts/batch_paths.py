@@ -11,6 +11,7 @@ overflow L2; GB/s counts the weights and scales a call reads. The step rows sum 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections import defaultdict
@@ -81,25 +82,11 @@ def main() -> None:
             dense = K.dequantize_weight(*q[4], k).half()
             refs = {b: torch.nn.functional.linear(a.float(), K.dequantize_weight(*q[b], k)) for b in bits}
             cublas, _ = sweep.measure(torch.nn.functional.linear, (a, dense), dense.numel() * 2)
-            rows = [("fp16 cuBLAS", None, None, None)] + cases(m, bits, variants, splits)
-            for label, b, fn, kernel in rows:
-                if b is None:
-                    us, nbytes, err, config = cublas, dense.numel() * 2, 0.0, "-"
-                else:
-                    qw, s = q[b]
-                    try:
-                        err = sweep.rel_err(fn(qw, s, a), refs[b])
-                    except Exception as e:  # noqa: BLE001  (a path that does not compile is a row, not a crash)
-                        print(f"| {name} {n}x{k} | {label} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
-                        continue
-                    config = _config(kernel)
-                    nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
-                    us, _ = sweep.measure(fn, (qw, s, a), nbytes)
-                gbs = nbytes / us / 1e3
-                print(f"| {name} {n}x{k} | {label} | {config} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
-                      f"{cublas / us:.2f}x | {err:.1e} |", flush=True)
-                step[label][0] += LAYERS * us
-                step[label][1] += LAYERS * nbytes
+            shape = f"{name} {n}x{k}"
+            sweep.record(step, shape, "fp16 cuBLAS", "-", cublas, dense.numel() * 2, cublas, 0.0, copy_gbs, LAYERS)
+            for label, b, fn, kernel in cases(m, bits, variants, splits):
+                sweep.time_case(step, shape, label, fn, *q[b], a, refs[b], functools.partial(_config, kernel),
+                                cublas, copy_gbs, LAYERS)
             del q, dense, refs
             torch.cuda.empty_cache()
         print(f"\nOne decode step's four products at batch {m} ({LAYERS} layers):\n")

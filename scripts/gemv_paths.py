@@ -47,30 +47,14 @@ def main() -> None:
         refs = {id(q4): torch.nn.functional.linear(x, dense),
                 id(q8): torch.nn.functional.linear(x, K.dequantize_weight(*q8, k).half())}
         cublas, _ = sweep.measure(torch.nn.functional.linear, (x, dense), dense.numel() * 2)
-        cases = [("fp16 cuBLAS", None, None, None), ("int8 bytes", q8, "bytes", None),
-                 ("int8 f16x2", q8, "f16x2", None), ("int4 bytes", q4, "bytes", None),
-                 ("int4 f16x2", q4, "f16x2", None)]
+        cases = [("int8 bytes", q8, "bytes", None), ("int8 f16x2", q8, "f16x2", None),
+                 ("int4 bytes", q4, "bytes", None), ("int4 f16x2", q4, "f16x2", None)]
         cases += [(f"int{b} f16x2 split {sk}", q, "f16x2", sk) for b, q in ((8, q8), (4, q4)) for sk in FORCED]
+        shape = f"{name} {n}x{k}"
+        sweep.record(step, shape, "fp16 cuBLAS", "-", cublas, dense.numel() * 2, cublas, 0.0, copy_gbs, count)
         for label, q, path, split_k in cases:
-            if q is None:
-                us, nbytes, err, config = cublas, dense.numel() * 2, 0.0, "-"
-            else:
-                qw, s = q
-                fn = (lambda a, b, c, p=path, sk=split_k: gemv_quant.quant_gemv(a, b, c, split_k=sk, path=p))
-                try:
-                    out = fn(qw, s, x)
-                except Exception as e:  # noqa: BLE001  (a path that does not compile is a row, not a crash)
-                    print(f"| {name} {n}x{k} | {label} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
-                    continue
-                err = sweep.rel_err(out, refs[id(q)])
-                config = sweep.picked_config()
-                nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
-                us, _ = sweep.measure(fn, (qw, s, x), nbytes)
-            gbs = nbytes / us / 1e3
-            print(f"| {name} {n}x{k} | {label} | {config} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
-                  f"{cublas / us:.2f}x | {err:.1e} |", flush=True)
-            step[label][0] += count * us
-            step[label][1] += count * nbytes
+            fn = (lambda a, b, c, p=path, sk=split_k: gemv_quant.quant_gemv(a, b, c, split_k=sk, path=p))
+            sweep.time_case(step, shape, label, fn, *q, x, refs[id(q)], sweep.picked_config, cublas, copy_gbs, count)
         del q4, q8, dense, refs
         torch.cuda.empty_cache()
     print(f"\nOne decode step's linears ({LAYERS} layers + lm_head):\n")

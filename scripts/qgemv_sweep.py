@@ -145,6 +145,32 @@ def main() -> None:
     print_step(step, copy_gbs, "cuBLAS fp16")
 
 
+def record(step: dict[str, list[float]], shape: str, label: str, config: str, us: float, nbytes: int,
+           cublas_us: float, err: float, copy_gbs: float, count: int) -> None:
+    """One row of the per-shape table of scripts/gemv_paths.py and batch_paths.py, also added `count` times (calls
+    per decode step) to step[label]: [µs, bytes]."""
+    gbs = nbytes / us / 1e3
+    print(f"| {shape} | {label} | {config} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | "
+          f"{cublas_us / us:.2f}x | {err:.1e} |", flush=True)
+    step[label][0] += count * us
+    step[label][1] += count * nbytes
+
+
+def time_case(step: dict[str, list[float]], shape: str, label: str, fn: Callable, qw: torch.Tensor, s: torch.Tensor,
+              act: torch.Tensor, ref: torch.Tensor, config: Callable[[], str], cublas_us: float, copy_gbs: float,
+              count: int) -> None:
+    """fn(qw, s, act) checked against ref (its first call autotunes), timed as `measure` does, and recorded; a path
+    that raises (does not compile) is a row saying so, not a crash."""
+    try:
+        err = rel_err(fn(qw, s, act), ref)
+    except Exception as e:  # noqa: BLE001
+        print(f"| {shape} | {label} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
+        return
+    nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
+    us, _ = measure(fn, (qw, s, act), nbytes)
+    record(step, shape, label, config(), us, nbytes, cublas_us, err, copy_gbs, count)
+
+
 def print_step(step: dict[str, list[float]], copy_gbs: float, anchor: str) -> None:
     """The per-step table: for each case its summed [µs, bytes] over a decode step's calls, against `anchor`'s."""
     print("| weights | ms per step | MB read | GB/s | % copy | vs cuBLAS |")
