@@ -54,16 +54,18 @@ def forced(a_q, b_q, sa, sb, bias, cfg):
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
 
     def call():
-        quant._int8_gemm_kernel.fn[grid](a_q, b_q, c, sa, sb, bias, sa, sa, m, n, k, a_q.stride(0), a_q.stride(1),
-                                         b_q.stride(0), b_q.stride(1), True, False, BLOCK_M=bm, BLOCK_N=bn,
-                                         BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
+        quant._int8_gemm_kernel.fn[grid](a_q, b_q, c, sa, sb, bias, sa, sa, sa, sa, m, n, k, a_q.stride(0),
+                                         a_q.stride(1), b_q.stride(0), b_q.stride(1), 1, 1, True, False, False,
+                                         False, False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w,
+                                         num_stages=s, EVEN_K=k % bk == 0)
     return call
 
 
 def sweep(shapes: dict, batches: list[int], seq: int) -> None:
     rowq = torch.compile(lambda x: kernels.quantize_rowwise_int8(x), dynamic=False)
+    gelu_lin = torch.compile(lambda x, w, b: F.gelu(F.linear(x, w, b)), dynamic=False)
     print(f"\n{'M':>6} {'K':>5} {'N':>5} {'n':>3} | {'fp16 lin':>8} {'i8 auto':>8} {'i8 best':>8} {'best cfg':>20} "
-          f"{'_int_mm':>8} {'rowquant':>8} | auto/fp16 best/fp16")
+          f"{'_int_mm':>8} {'rowquant':>8} {'lin+gelu':>8} {'i8 rq':>8} | auto/fp16 best/fp16 rq/(lin+gelu)")
     for b in batches:
         m = b * seq
         for (k, n), count in shapes.items():
@@ -93,9 +95,14 @@ def sweep(shapes: dict, batches: list[int], seq: int) -> None:
                 t_im = float("nan")
             rowq(x)
             t_q = graph_ms(lambda: (lambda: rowq(x)), m * k * 3)
+            gelu_lin(x, w, bias.half())
+            t_lg = graph_ms(lambda: (lambda: gelu_lin(x, w, bias.half())), bytes_)
+            mult = torch.rand(n, device="cuda") + 20.0
+            t_rq = graph_ms(lambda: (lambda: kernels.int8_gemm_requant(a_q, qw.t(), sa, ws, bias, mult, gelu=True)),
+                            bytes_)
             print(f"{m:6d} {k:5d} {n:5d} {count:3d} | {t_lin * 1e3:7.1f}u {t_auto * 1e3:7.1f}u {best * 1e3:7.1f}u "
-                  f"{str(best_cfg):>20} {t_im * 1e3:7.1f}u {t_q * 1e3:7.1f}u | {t_lin / t_auto:6.2f}x "
-                  f"{t_lin / best:6.2f}x", flush=True)
+                  f"{str(best_cfg):>20} {t_im * 1e3:7.1f}u {t_q * 1e3:7.1f}u {t_lg * 1e3:7.1f}u {t_rq * 1e3:7.1f}u | "
+                  f"{t_lin / t_auto:6.2f}x {t_lin / best:6.2f}x {t_lg / t_rq:6.2f}x", flush=True)
 
 
 def profile(fn, label: str, out: str | None, steps: int = 10) -> None:

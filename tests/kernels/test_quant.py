@@ -133,6 +133,45 @@ def test_int8_gemm_rejects_bad_inputs():
         K.int8_gemm(a, b, sa, sb, a_zero=torch.ones(4, device=DEVICE))
 
 
+def _requant_reference(a, b, sa, sb, bias, gelu, mult, zero):
+    y = (a.double() @ b.double()) * sa.double()[:, None] * sb.double() + bias.double()
+    if gelu:
+        y = torch.nn.functional.gelu(y)
+    q = torch.round(y * mult.double()) + (zero.double() if zero is not None else 0)
+    return y, q.clamp(-128 if zero is not None else -127, 127)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("per_channel,zero", [(False, None), (True, None), (True, -128), (False, 5)])
+def test_int8_gemm_requant_matches_float64_then_quantize(poison, gelu, per_channel, zero):
+    m, n, k = 23, 45, 70  # odd sizes: partial tiles in every direction
+    a, b = _int8_operands(m, n, k)
+    sa, sb = torch.rand(m, device=DEVICE) * 1e-2 + 1e-3, torch.rand(n, device=DEVICE) * 1e-2 + 1e-3
+    bias = torch.randn(n, device=DEVICE)
+    mult = (torch.rand(n if per_channel else 1, device=DEVICE) + 0.5) * 40  # codes well spread over -127..127
+    z = None if zero is None else torch.tensor([zero], dtype=torch.int32, device=DEVICE)
+    out = K.int8_gemm_requant(a, b, sa, sb, bias, mult, z, gelu=gelu)
+    y, ref = _requant_reference(a, b, sa, sb, bias, gelu, mult, z)
+    assert out.dtype == torch.int8 and out.shape == (m, n)
+    diff = (out.double() - ref).abs()
+    # fp32 against float64: a value within rounding of a half step may round the other way, never further
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01
+    assert ref.max() == 127 and ref.std() > 10  # some codes clipped, the rest spread
+    near = ((y * mult.double()) - (y * mult.double()).round()).abs() > 0.49
+    assert not ((diff > 0) & ~near).any()  # only near-ties may differ
+
+
+def test_int8_gemm_requant_rejects_bad_scales():
+    a, b = _int8_operands(4, 6, 8)
+    sa, sb = torch.ones(4, device=DEVICE), torch.ones(6, device=DEVICE)
+    with pytest.raises(TypeError, match="out_mult"):
+        K.int8_gemm_requant(a, b, sa, sb, None, torch.ones(5, device=DEVICE))
+    with pytest.raises(TypeError, match="out_mult"):
+        K.int8_gemm_requant(a, b, sa, sb, None, torch.ones(6, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="out_zero"):
+        K.int8_gemm_requant(a, b, sa, sb, None, torch.ones(1, device=DEVICE), torch.ones(1, device=DEVICE))
+
+
 def _gpu_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in quant._Q_SQUARE + quant._Q_SKINNY]

@@ -13,7 +13,7 @@ from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quan
                                   quantize_weight_int8)
 
 __all__ = ["gemv", "gemm", "quant_gemv", "quant_gemv_rows", "quant_planes", "quant_gemm", "int8_gemm",
-           "unscale_and_check_", "cast", "quantize_weight_int8", "quantize_weight_int4", "quantize_rowwise_int8",
+           "int8_gemm_requant", "unscale_and_check_", "cast", "quantize_weight_int8", "quantize_weight_int4", "quantize_rowwise_int8",
            "dequantize_weight"]
 
 
@@ -58,6 +58,15 @@ def int8_gemm(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.
     activations, see quantize_rowwise_int8(..., asymmetric=True)).
     """
     return torch.ops.automp.int8_gemm(a_q, b_q, sa, sb, bias, a_zero, out_dtype)
+
+
+def int8_gemm_requant(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                      bias: torch.Tensor | None, out_mult: torch.Tensor, out_zero: torch.Tensor | None = None,
+                      gelu: bool = False, a_zero: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 [M, N]: int8_gemm's output (then GELU if asked) quantized as the next layer's static input,
+    clamp(round(y * out_mult) + out_zero, -127 (-128 with a zero point), 127); out_mult float32 [N] or one element
+    (1 / scale, times the next layer's SmoothQuant factors), out_zero a one-element integer tensor or None."""
+    return torch.ops.automp.int8_gemm_requant(a_q, b_q, sa, sb, bias, a_zero, gelu, out_mult, out_zero)
 
 
 def unscale_and_check_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:

@@ -231,8 +231,9 @@ def int8_gemm_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: tor
     zero = a_zero.reshape(-1).to(torch.int32).expand(m).contiguous() if a_zero is not None else None
     if use_triton(a_q) and a_q.numel() and b_q.numel():
         return _quant.int8_gemm(a_q, b_q, sa, sb, bias, zero, out_dtype)
-    a_int = a_q.long() - (zero.long()[:, None] if zero is not None else 0)
-    out = (a_int @ b_q.long()).double() * sa.double()[:, None] * sb.double()[None, :]
+    # float64 products of int8 codes are exact (integer sums below 2^53) and use BLAS, unlike int64 matmul
+    a_int = a_q.double() - (zero.double()[:, None] if zero is not None else 0)
+    out = (a_int @ b_q.double()) * sa.double()[:, None] * sb.double()[None, :]
     return (out + bias.double() if bias is not None else out).to(out_dtype)
 
 
@@ -241,6 +242,48 @@ def _(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
       a_zero: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     _check_int8(a_q, b_q, sa, sb, bias, a_zero, out_dtype)
     return a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=out_dtype)
+
+
+def _check_requant(out_mult: torch.Tensor, out_zero: torch.Tensor | None, n: int) -> None:
+    op = "int8_gemm_requant"
+    _require(out_mult.dtype in FLOATS and out_mult.numel() in (1, n) and out_mult.dim() <= 1, op,
+             f"out_mult must be a float [N] or one element, got {tuple(out_mult.shape)} {out_mult.dtype}", TypeError)
+    if out_zero is not None:
+        _require(not out_zero.is_floating_point() and out_zero.numel() == 1, op,
+                 f"out_zero must be a one-element integer tensor, got {tuple(out_zero.shape)} {out_zero.dtype}",
+                 TypeError)
+
+
+@custom_op("automp::int8_gemm_requant", mutates_args=())
+def int8_gemm_requant_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                         bias: torch.Tensor | None, a_zero: torch.Tensor | None, gelu: bool, out_mult: torch.Tensor,
+                         out_zero: torch.Tensor | None) -> torch.Tensor:
+    _check_int8(a_q, b_q, sa, sb, bias, a_zero, torch.float32)
+    _check_requant(out_mult, out_zero, b_q.shape[1])
+    _same_device("int8_gemm_requant", a_q, out_mult, out_zero)
+    m = a_q.shape[0]
+    sa, sb = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
+    bias = bias.reshape(-1).contiguous() if bias is not None else None
+    zero = a_zero.reshape(-1).to(torch.int32).expand(m).contiguous() if a_zero is not None else None
+    mult = out_mult.reshape(-1).contiguous()
+    qz = out_zero.reshape(1).to(torch.int32) if out_zero is not None else None
+    if use_triton(a_q) and a_q.numel() and b_q.numel():
+        return _quant.int8_gemm(a_q, b_q, sa, sb, bias, zero, torch.float32, gelu=gelu, requant=(mult, qz))
+    y = int8_gemm_op(a_q, b_q, sa, sb, bias, a_zero, torch.float32)
+    if gelu:
+        y = torch.nn.functional.gelu(y)
+    q = torch.round(y * mult.float())
+    if qz is not None:
+        return (q + qz.float()).clamp_(-128, 127).to(torch.int8)
+    return q.clamp_(-127, 127).to(torch.int8)
+
+
+@int8_gemm_requant_op.register_fake
+def _(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
+      a_zero: torch.Tensor | None, gelu: bool, out_mult: torch.Tensor, out_zero: torch.Tensor | None) -> torch.Tensor:
+    _check_int8(a_q, b_q, sa, sb, bias, a_zero, torch.float32)
+    _check_requant(out_mult, out_zero, b_q.shape[1])
+    return a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=torch.int8)
 
 
 # ----------------------------------------------------------------------------------------------- loss scaling

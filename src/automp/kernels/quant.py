@@ -18,6 +18,9 @@ splits it (`_gemm_split`): fp32 partials, summed in a fixed order by `_split_sum
 W8A8 (`int8_gemm`): int8 a [M, K] @ int8 b [K, N] accumulated in int32 on the tensor cores, then one fused
 epilogue: out = sa[m] * sb[n] * (acc - za[m] * sum_k b[k, n]) + bias[n]. za is the activation zero point of the
 asymmetric scheme (a = sa * (a_q - za), e.g. za = -128 for post-ReLU activations spread over the full int8 range).
+The epilogue may go on with GELU and with the next layer's static input quantization (`int8_gemm_requant`), so that
+an MLP's 4x-wide hidden activation leaves the first GEMM as int8 for the second: one write of one byte per element
+instead of a half-precision write, a GELU kernel's read and write, and a quantization kernel's read and write.
 """
 from __future__ import annotations
 
@@ -297,10 +300,12 @@ _I8_SKINNY = [(16, 64, 256, 4, 4), (32, 64, 256, 4, 3), (32, 128, 128, 4, 4), (6
                  prune_configs_by={"early_config_prune": prune_by_m})
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, M, N, K,
-                      stride_am, stride_ak, stride_bk, stride_bn, stride_sa,
-                      HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_qm,
+                      HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, GELU: tl.constexpr, QUANT_OUT: tl.constexpr,
+                      HAS_QZ: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      EVEN_K: tl.constexpr):
     pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -329,21 +334,35 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, col
     out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GELU:  # exact (erf) GELU, nn.GELU()'s default
+        out = 0.5 * out * (1.0 + tl.erf(out * 0.7071067811865476))
+    if QUANT_OUT:  # the next layer's static quantization: q = clamp(round(out * qm[n]) + qz, -127 | -128, 127)
+        qm = tl.load(qm_ptr + rn * stride_qm, mask=n_mask, other=0.0).to(tl.float32)
+        out = out * qm[None, :]
+        out = (out + 12582912.0) - 12582912.0  # + 1.5 * 2^23 rounds to an integer, half to even, as torch.round
+        if HAS_QZ:  # asymmetric: the zero point shifts the codes, and all 256 levels are used
+            out = tl.minimum(tl.maximum(out + tl.load(qz_ptr).to(tl.float32), -128.0), 127.0)
+        else:
+            out = tl.minimum(tl.maximum(out, -127.0), 127.0)
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], out.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
 def int8_gemm(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
-              a_zero: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+              a_zero: torch.Tensor | None, out_dtype: torch.dtype, gelu: bool = False,
+              requant: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Launch with sa [M] (or [1]: one scale for all rows), sb [N] contiguous, optional bias [N] and per-row int32
-    zero point a_zero [M]."""
+    zero point a_zero [M]. gelu: GELU after the bias. requant (float mult [N] or [1], optional one-element int32 zero
+    point): the output is int8, quantized as the next layer's static input (out_dtype is then ignored)."""
     m, k = a_q.shape
     n = b_q.shape[1]
-    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    c = torch.empty((m, n), dtype=torch.int8 if requant is not None else out_dtype, device=a_q.device)
     colsum = b_q.sum(dim=0, dtype=torch.int32) if a_zero is not None else None
+    qm, qz = requant if requant is not None else (sa, None)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _int8_gemm_kernel[grid](a_q, b_q, c, sa, sb, bias if bias is not None else sa,
-                            a_zero if a_zero is not None else sa, colsum if colsum is not None else sa,
-                            m, n, k, a_q.stride(0), a_q.stride(1), b_q.stride(0), b_q.stride(1),
-                            0 if sa.numel() == 1 else 1, bias is not None, a_zero is not None)
+                            a_zero if a_zero is not None else sa, colsum if colsum is not None else sa, qm,
+                            qz if qz is not None else sa, m, n, k, a_q.stride(0), a_q.stride(1), b_q.stride(0),
+                            b_q.stride(1), 0 if sa.numel() == 1 else 1, 0 if qm.numel() == 1 else 1,
+                            bias is not None, a_zero is not None, gelu, requant is not None, qz is not None)
     return c

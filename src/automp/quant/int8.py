@@ -61,23 +61,28 @@ class Int8Linear(nn.Module):
         if act_qparams is None:
             self.register_buffer("act_scale", None)
             self.register_buffer("act_zero", None)
+            self.register_buffer("act_mult", None)
         else:
             s, z = act_qparams
             self.register_buffer("act_scale", torch.tensor(float(s), dtype=torch.float32, device=weight.device))
             self.register_buffer("act_zero", None if z == 0 else
                                  torch.tensor(int(z), dtype=torch.int32, device=weight.device))
+            # one multiplier per input channel (or one in all) maps x to its code: the quantization is then a
+            # single elementwise formula, the form automp.deploy.quantized.requant moves into the producing GEMM
+            mult = (self.inv_smooth if self.inv_smooth is not None else torch.ones(1, device=weight.device)) / s
+            self.register_buffer("act_mult", mult.float().contiguous())
 
     @property
     def mode(self) -> str:
         return "dynamic" if self.act_scale is None else "static"
 
     def _quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_smooth is not None:
-            x2 = x2.float() * self.inv_smooth
         if self.act_scale is None:
+            if self.inv_smooth is not None:
+                x2 = x2.float() * self.inv_smooth
             return kernels().quantize_rowwise_int8(x2)
         lo, hi = (-127, 127) if self.act_zero is None else (-128, 127)
-        q = torch.round(x2.float() * (1.0 / self.act_scale))  # a multiply per element, see quantize_rowwise_int8
+        q = torch.round(x2.float() * self.act_mult)  # a multiply per element, see quantize_rowwise_int8
         if self.act_zero is not None:
             q = q + self.act_zero
         return q.clamp_(lo, hi).to(torch.int8), self.act_scale.reshape(1)  # one scale, read by every row

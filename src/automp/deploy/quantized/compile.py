@@ -13,6 +13,9 @@ multi-kernel mode also compiles the one-read version for rows up to 16x that wid
 faster on the first call: on an H100 the int8 BERT-base forward at batch 64, seq 128 went from 5.34 to 4.89 ms
 (BENCHMARKS.md, "Quantized inference"). It is set per compiled model (compile options), not globally.
 
+Static activations: the requant pass (automp.deploy.quantized.requant) lets a GEMM whose output only feeds the next
+layer's static quantization (an MLP's first GEMM, through its GELU) write that int8 input from its epilogue.
+
 Shapes are static (dynamic=False): each new input shape compiles and records once, as the anchor
 `torch.compile(model.half(), mode="reduce-overhead")` does. CUDA-graph outputs are overwritten by the next call of
 the same graph: clone an output you keep across calls.
@@ -23,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from automp.deploy.quantized.requant import RequantPass
 
 MODES = ("reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -45,9 +50,10 @@ def compile_module(model: nn.Module, mode: str = "reduce-overhead", backend: str
 
 def inductor_options(mode: str) -> dict[str, Any]:
     """The options `mode` stands for (torch.compile takes a mode or options, not both), plus multi-kernel
-    reductions for the wide rows of dynamic activation quantization (see the module docstring)."""
+    reductions for the wide rows of dynamic activation quantization and the requant pass for static ones (see the
+    module docstring)."""
     from torch._inductor import list_mode_options
-    return {**list_mode_options(mode), "triton.multi_kernel": 1}
+    return {**list_mode_options(mode), "triton.multi_kernel": 1, "post_grad_custom_post_pass": RequantPass()}
 
 
 def graph_breaks(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[int, list[str]]:
