@@ -157,8 +157,9 @@ def test_int8_gemm_requant_matches_float64_then_quantize(poison, gelu, per_chann
     # fp32 against float64: a value within rounding of a half step may round the other way, never further
     assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01
     assert ref.max() == 127 and ref.std() > 10  # some codes clipped, the rest spread
-    near = ((y * mult.double()) - (y * mult.double()).round()).abs() > 0.49
-    assert not ((diff > 0) & ~near).any()  # only near-ties may differ
+    # only near-ties may differ (on the GPU GELU is the tanh form, within ~1e-3 of exact: < 0.1 code here)
+    frac = ((y * mult.double()) - (y * mult.double()).round()).abs()
+    assert not ((diff > 0) & (frac < 0.4)).any()
 
 
 def test_int8_gemm_requant_rejects_bad_scales():

@@ -76,6 +76,8 @@ def test_inductor_options_keep_the_mode_and_add_multi_kernel_reductions(mode, cu
     assert opts.get("max_autotune", False) is mode.startswith("max-autotune")
     with torch._inductor.config.patch(opts):  # every key is a real Inductor setting (an unknown one raises)
         assert torch._inductor.config.triton.multi_kernel == 1
+    static = inductor_options(mode, dynamic_rows=False)
+    assert "triton.multi_kernel" not in static and static["post_grad_custom_post_pass"] is not None
 
 
 def test_inductor_options_name_real_settings():

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from automp.deploy.quantized.convert import SMOOTH_GRID
 from automp.deploy.quantized import (Int8Linear, Rule, TorchQuantConfig, WeightOnlyLinear, optimize_torch,
                                      quantize_module)
 
@@ -104,9 +105,15 @@ def test_smoothing_fixes_the_outlier_layer_without_fallback():
     net = _outlier_mlp()
     calib = [randn(8, 48, seed=4).to(DEVICE)]
     _, plain = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, smooth=None))
-    _, smooth = quantize_module(net, "int8", calib, EAGER)
-    assert smooth.smooth == 0.5 and "SmoothQuant" in smooth.layers[0].reason
-    assert smooth.max_rel_error < plain.max_rel_error / 3
+    _, half = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, smooth=0.5))
+    assert half.smooth == 0.5 and "SmoothQuant alpha 0.5" in half.layers[0].reason and not half.smooth_search
+    assert half.max_rel_error < plain.max_rel_error / 3
+    _, auto = quantize_module(net, "int8", calib, EAGER)  # smooth="auto": every alpha of the grid measured
+    assert set(auto.smooth_search) == set(SMOOTH_GRID)
+    assert auto.smooth == min(auto.smooth_search, key=auto.smooth_search.get)
+    assert auto.max_rel_error == pytest.approx(auto.smooth_search[auto.smooth])
+    assert auto.max_rel_error <= half.max_rel_error + 1e-9 and f"alpha {auto.smooth}" in auto.layers[0].reason
+    assert auto.to_dict()["smooth_search"]
 
 
 def test_static_int8_activations():

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from automp.deploy.quantized.requant import RequantPass
+from automp.quant import Int8Linear
 
 MODES = ("reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -45,15 +46,17 @@ def compile_module(model: nn.Module, mode: str = "reduce-overhead", backend: str
         return torch.compile(model, backend=backend, dynamic=False)
     if _device_type(model) != "cuda":
         return model
-    return torch.compile(model, dynamic=False, options=inductor_options(mode))
+    rows = any(isinstance(m, Int8Linear) and m.mode == "dynamic" for m in model.modules())
+    return torch.compile(model, dynamic=False, options=inductor_options(mode, dynamic_rows=rows))
 
 
-def inductor_options(mode: str) -> dict[str, Any]:
-    """The options `mode` stands for (torch.compile takes a mode or options, not both), plus multi-kernel
-    reductions for the wide rows of dynamic activation quantization and the requant pass for static ones (see the
-    module docstring)."""
+def inductor_options(mode: str, dynamic_rows: bool = True) -> dict[str, Any]:
+    """The options `mode` stands for (torch.compile takes a mode or options, not both), plus the requant pass for
+    static activations and, where some activations are dynamic, multi-kernel reductions for their wide rows (see the
+    module docstring; static-only models do not pay multi-kernel's extra compiles)."""
     from torch._inductor import list_mode_options
-    return {**list_mode_options(mode), "triton.multi_kernel": 1, "post_grad_custom_post_pass": RequantPass()}
+    opts = {**list_mode_options(mode), "post_grad_custom_post_pass": RequantPass()}
+    return {**opts, "triton.multi_kernel": 1} if dynamic_rows else opts
 
 
 def graph_breaks(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[int, list[str]]:

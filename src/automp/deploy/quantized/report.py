@@ -44,6 +44,7 @@ class QuantReport:
     device: str
     budget: float | None
     smooth: float | None = None        # SmoothQuant alpha the int8 layers were built with (None: off)
+    smooth_search: dict[float, float] = field(default_factory=dict)  # smooth="auto": alpha -> model error measured
     layers: list[LayerDecision] = field(default_factory=list)
     error: dict[str, Error] = field(default_factory=dict)  # per model output, vs the FP32 module
     error_data: str = "no calibration data: error not measured"
@@ -66,6 +67,7 @@ class QuantReport:
     def to_dict(self) -> dict:
         return {"precision": self.precision, "activations": self.activations, "dtype": self.dtype,
                 "device": self.device, "budget": self.budget, "smooth": self.smooth,
+                "smooth_search": {str(a): e for a, e in self.smooth_search.items()},
                 "layers": [d.to_dict() for d in self.layers],
                 "rules": self.counts(), "error_vs_fp32": {k: e.to_dict() for k, e in self.error.items()},
                 "max_rel_error": self.max_rel_error, "error_data": self.error_data,
