@@ -57,7 +57,7 @@ def forced(a_q, b_q, sa, sb, bias, cfg):
         quant._int8_gemm_kernel.fn[grid](a_q, b_q, c, sa, sb, bias, sa, sa, sa, sa, m, n, k, a_q.stride(0),
                                          a_q.stride(1), b_q.stride(0), b_q.stride(1), 1, 1, True, False, False,
                                          False, False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w,
-                                         num_stages=s, EVEN_K=k % bk == 0, PROGRAMS_PER_SM=0)
+                                         num_stages=s, EVEN_K=k % bk == 0)
     return call
 
 

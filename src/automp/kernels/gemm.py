@@ -65,12 +65,7 @@ _SKINNY = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (32, 
 @triton.jit
 def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Grouped program ordering: GROUP_M row-tiles share each column tile of b while it is hot in L2."""
-    return tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-
-@triton.jit
-def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of tile number `pid` in the grouped ordering of tile_ids."""
+    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from automp.kernels.gemm import SKINNY_M, mm_configs, prune_by_m, tile_ids, tile_of
-from automp.kernels.gemv import INTERPRET, _interpreted_range, half_dot, k_range, num_sms
+from automp.kernels.gemm import SKINNY_M, mm_configs, prune_by_m, tile_ids
+from automp.kernels.gemv import INTERPRET, half_dot, k_range, num_sms
 
 MIN_GROUP = 32
 
@@ -293,10 +293,6 @@ def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, split_k:
 _FAST_GELU = tl.constexpr(not INTERPRET)
 
 
-def _interpreted_tiles(start: object, stop: object, step: object, flatten: bool = False) -> range:
-    return _interpreted_range(start, stop, step)
-
-
 @triton.jit
 def _gelu_for_int8(x):
     """GELU of an output about to be quantized to int8. erf costs dozens of instructions per element, and an
@@ -318,56 +314,17 @@ _I8_SKINNY = [(16, 64, 256, 4, 4), (32, 64, 256, 4, 3), (32, 128, 128, 4, 4), (6
               (64, 128, 128, 4, 4), (64, 64, 128, 4, 4)]
 
 
-def _i8_configs() -> list[triton.Config]:
-    """The tile configs, each also as a persistent kernel (PROGRAMS_PER_SM > 0) for the large-M family: with K as
-    short as an encoder's (768), a tile's main loop is a few steps and its prologue and epilogue are a large part of
-    its time; a persistent program's flattened loop starts loading its next tile while it stores this one."""
-    plain = mm_configs(_I8_SQUARE, _I8_SKINNY, (16, 16, 32, 4, 1))
-    for c in plain:
-        c.kwargs["PROGRAMS_PER_SM"] = 0
-    if INTERPRET:
-        return plain
-    persistent = []
-    for bm, bn, bk, warps, stages in _I8_PERSISTENT:
-        for per_sm in (1, 2):
-            persistent.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-                                             "PROGRAMS_PER_SM": per_sm}, num_warps=warps, num_stages=stages))
-    return plain + persistent
-
-
-_I8_PERSISTENT = [(128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 256, 64, 8, 3)]
-_tile_range = _interpreted_tiles if INTERPRET else tl.range
-
-
-@triton.autotune(configs=_i8_configs(), key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_by_m})
+@triton.autotune(configs=mm_configs(_I8_SQUARE, _I8_SKINNY, (16, 16, 32, 4, 1)), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_by_m})
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
                       stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_qm,
                       HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, GELU: tl.constexpr, QUANT_OUT: tl.constexpr,
-                      HAS_QZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
-    if PROGRAMS_PER_SM > 0:  # persistent: program p does tiles p, p + programs, ...
-        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in _tile_range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
-                       stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_qm, pid_m, pid_n,
-                       HAS_BIAS, HAS_ZP, GELU, QUANT_OUT, HAS_QZ, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-    else:
-        pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
-                   stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_qm, pid_m, pid_n,
-                   HAS_BIAS, HAS_ZP, GELU, QUANT_OUT, HAS_QZ, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-
-
-@triton.jit
-def _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
-               stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_qm, pid_m, pid_n,
-               HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, GELU: tl.constexpr, QUANT_OUT: tl.constexpr,
-               HAS_QZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr):
-    """One output tile: the int32 main loop and the epilogue."""
+                      HAS_QZ: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -420,12 +377,7 @@ def int8_gemm(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.
     c = torch.empty((m, n), dtype=torch.int8 if requant is not None else out_dtype, device=a_q.device)
     colsum = b_q.sum(dim=0, dtype=torch.int32) if a_zero is not None else None
     qm, qz = requant if requant is not None else (sa, None)
-    sms = num_sms(a_q.device)
-
-    def grid(meta: dict) -> tuple[int]:
-        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-        per_sm = meta["PROGRAMS_PER_SM"]
-        return (min(tiles, per_sm * sms) if per_sm else tiles,)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _int8_gemm_kernel[grid](a_q, b_q, c, sa, sb, bias if bias is not None else sa,
                             a_zero if a_zero is not None else sa, colsum if colsum is not None else sa, qm,
                             qz if qz is not None else sa, m, n, k, a_q.stride(0), a_q.stride(1), b_q.stride(0),
