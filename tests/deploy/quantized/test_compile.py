@@ -68,16 +68,16 @@ def test_compile_module_on_cpu_is_eager_and_checks_mode():
 
 @pytest.mark.parametrize("mode,cudagraphs", [("reduce-overhead", True), ("default", False),
                                              ("max-autotune-no-cudagraphs", False)])
-def test_inductor_options_keep_the_mode_and_add_multi_kernel_reductions(mode, cudagraphs):
+def test_inductor_options_keep_the_mode_and_add_the_requant_pass(mode, cudagraphs):
     from automp.deploy.quantized.compile import inductor_options
+    from automp.deploy.quantized.requant import RequantPass
     opts = inductor_options(mode)
-    assert opts["triton.multi_kernel"] == 1
+    assert isinstance(opts["post_grad_custom_post_pass"], RequantPass)
+    assert "triton.multi_kernel" not in opts  # fails on a warm Inductor cache with torch 2.11 (module docstring)
     assert opts.get("triton.cudagraphs", False) is cudagraphs
     assert opts.get("max_autotune", False) is mode.startswith("max-autotune")
     with torch._inductor.config.patch(opts):  # every key is a real Inductor setting (an unknown one raises)
-        assert torch._inductor.config.triton.multi_kernel == 1
-    static = inductor_options(mode, dynamic_rows=False)
-    assert "triton.multi_kernel" not in static and static["post_grad_custom_post_pass"] is not None
+        assert isinstance(torch._inductor.config.post_grad_custom_post_pass, RequantPass)
 
 
 def test_inductor_options_name_real_settings():

@@ -6,11 +6,12 @@ random token ids; both mean-pooled into one embedding per sequence. Cases, all i
 - fp32-eager:   the model as trained (the accuracy reference)
 - anchor:       torch.compile(model.half(), mode="reduce-overhead", dynamic=False) - static shapes like the
                 automp modes, so that the second batch size is not a dynamic-shape recompile for the anchor only
-- int8:         W8A8 (dynamic per-token activations, SmoothQuant alpha 0.5)
-- int8-static:  W8A8 with one calibrated scale per activation tensor (SmoothQuant alpha 0.5): the quantization of
-                an input becomes elementwise, so Inductor fuses it into the kernel that produces the input; dynamic
-                scales need a row reduction first, and over the 3072-wide MLP rows Inductor's looped reduction
-                reads (and recomputes GELU over) each row twice
+- int8:         W8A8 (dynamic per-token activations)
+- int8-static:  W8A8 with one calibrated scale per activation tensor: the quantization of an input becomes
+                elementwise, so Inductor fuses it into the kernel that produces the input, and an MLP's first GEMM
+                writes the second's int8 input from its epilogue, GELU included (deploy.quantized.requant);
+                dynamic scales need a row reduction first, which no producer can do for a 3072-wide row
+                (both int8 modes: SmoothQuant alpha chosen from 0.5-0.9 by the calibration error, smooth="auto")
 - int8-weight:  W8A16 (groups of 128)
 - int4-weight:  W4A16 (groups of 128)
                 the three by automp.deploy.quantized.quantize_module (2 calibration batches, no budget), compiled

@@ -9,9 +9,10 @@ them as single opaque nodes (no graph break); `graph_breaks` checks that for a g
 Wide rows: a dynamic int8 activation needs its row's absmax before any element can be quantized. Inductor keeps a
 row in registers (one read) only up to 1024 elements; a wider row (BERT's 3072-wide MLP activation, fused with the
 GELU that produces it) becomes a looped reduction that reads the row and recomputes the GELU twice. Inductor's
-multi-kernel mode also compiles the one-read version for rows up to 16x that width and keeps whichever measures
-faster on the first call: on an H100 the int8 BERT-base forward at batch 64, seq 128 went from 5.34 to 4.89 ms
-(BENCHMARKS.md, "Quantized inference"). It is set per compiled model (compile options), not globally.
+multi-kernel mode would compile the one-read version too (an H100 measured 5.34 -> 4.89 ms for the int8 BERT-base
+forward at batch 64), but with torch 2.11 and Triton 3.6 it fails to compile a model whose kernels come from a warm
+Inductor cache (a TypeError in multi_kernel's cache_file_path: the second process on a machine crashes), so it is
+left off. Static activations have no row reduction at all.
 
 Static activations: the requant pass (automp.deploy.quantized.requant) lets a GEMM whose output only feeds the next
 layer's static quantization (an MLP's first GEMM, through its GELU) write that int8 input from its epilogue.
@@ -28,7 +29,6 @@ import torch
 import torch.nn as nn
 
 from automp.deploy.quantized.requant import RequantPass
-from automp.quant import Int8Linear
 
 MODES = ("reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -46,17 +46,14 @@ def compile_module(model: nn.Module, mode: str = "reduce-overhead", backend: str
         return torch.compile(model, backend=backend, dynamic=False)
     if _device_type(model) != "cuda":
         return model
-    rows = any(isinstance(m, Int8Linear) and m.mode == "dynamic" for m in model.modules())
-    return torch.compile(model, dynamic=False, options=inductor_options(mode, dynamic_rows=rows))
+    return torch.compile(model, dynamic=False, options=inductor_options(mode))
 
 
-def inductor_options(mode: str, dynamic_rows: bool = True) -> dict[str, Any]:
+def inductor_options(mode: str) -> dict[str, Any]:
     """The options `mode` stands for (torch.compile takes a mode or options, not both), plus the requant pass for
-    static activations and, where some activations are dynamic, multi-kernel reductions for their wide rows (see the
-    module docstring; static-only models do not pay multi-kernel's extra compiles)."""
+    static activations (see the module docstring)."""
     from torch._inductor import list_mode_options
-    opts = {**list_mode_options(mode), "post_grad_custom_post_pass": RequantPass()}
-    return {**opts, "triton.multi_kernel": 1} if dynamic_rows else opts
+    return {**list_mode_options(mode), "post_grad_custom_post_pass": RequantPass()}
 
 
 def graph_breaks(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[int, list[str]]:
