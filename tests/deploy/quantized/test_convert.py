@@ -192,8 +192,8 @@ def test_bad_arguments():
         quantize_module(net, "int8", None, TorchQuantConfig(activations="static"))
     with pytest.raises(ValueError, match="no nn.Linear"):
         quantize_module(nn.Sequential(nn.LayerNorm(4)), "int8")
-    for bad in ({"activations": "per-channel"}, {"smooth": 2.0}, {"budget": -1.0}, {"sensitivity": "random"},
-                {"dtype": torch.float32}):
+    for bad in ({"activations": "per-channel"}, {"smooth": 2.0}, {"smooth": "best"}, {"budget": -1.0},
+                {"sensitivity": "random"}, {"dtype": torch.float32}):
         with pytest.raises(ValueError):
             TorchQuantConfig(**bad)
 
