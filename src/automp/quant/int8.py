@@ -100,6 +100,37 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, activations={self.mode}{smooth}"
 
 
+class Int8Slice(nn.Module):
+    """Output columns [start, stop) of a shared Int8Linear: layers that read the same input (attention's query, key
+    and value) as one GEMM over their concatenated weights, with one quantization of that input.
+
+    Every slice calls the shared layer on its input; automp.deploy.quantized.requant.dedupe merges the repeated
+    calls when the model is compiled, so the GEMM runs once per input. Eagerly each slice recomputes it (correct,
+    not fast)."""
+
+    def __init__(self, shared: Int8Linear, start: int, stop: int) -> None:
+        super().__init__()
+        if not 0 <= start < stop <= shared.out_features:
+            raise ValueError(f"Int8Slice: columns [{start}, {stop}) outside the shared layer's "
+                             f"{shared.out_features}")
+        self.shared, self.start, self.stop = shared, start, stop
+        self.in_features, self.out_features = shared.in_features, stop - start
+
+    @property
+    def mode(self) -> str:
+        return self.shared.mode
+
+    @property
+    def inv_smooth(self) -> torch.Tensor | None:
+        return self.shared.inv_smooth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x)[..., self.start:self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns [{self.start}, {self.stop}) of a shared {self.shared.out_features}-wide int8 GEMM"
+
+
 def smooth_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's m_k = max|x_k|^alpha / max|W_:,k|^(1 - alpha): alpha 0.5 splits each channel's range evenly
     between activation and weight. Dead channels (never seen non-zero) get m = 1."""

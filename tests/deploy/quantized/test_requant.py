@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from automp.deploy.quantized import TorchQuantConfig, quantize_module
-from automp.deploy.quantized.requant import fuse_requant
+from automp.deploy.quantized.requant import dedupe, fuse_requant
 from automp.quant import Int8Linear
 
 from .helpers import DEVICE, bert_batch, randn, rel_err, tiny_bert
@@ -28,7 +28,7 @@ def _compiled(model: nn.Module, fuse: bool) -> tuple[object, list[list[str]]]:
 
     def fw(gm: torch.fx.GraphModule, example_inputs):
         if fuse:
-            fuse_requant(gm)
+            fuse_requant(dedupe(gm))
         graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
         return gm.forward
 
@@ -98,3 +98,29 @@ def test_static_bert_fuses_each_mlp_and_keeps_its_output():
         out = fused(**batch).last_hidden_state
     assert graphs[-1].count(REQUANT) == 2 and graphs[-1].count(GEMM) == 2 * 6 - 2  # one per layer's MLP
     assert rel_err(out, eager) < 2e-2
+
+
+def test_dedupe_runs_a_shared_layer_once_per_input():
+    """Three slices of one layer's output, each computed by its own call: one GEMM and one input quantization
+    remain; two calls on another input stay a separate GEMM; a random op is never merged."""
+    shared = Int8Linear(randn(96, 32, seed=3), randn(96, seed=4), (0.05, 0), None).to(DEVICE)
+
+    class ThreeCalls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.lin(x)[..., :32], self.lin(x)[..., 32:64], self.lin(x)[..., 64:]
+            noise = torch.rand_like(q) + torch.rand_like(q)  # two draws: merging them would change the result
+            return q * k + v + self.lin(2 * x)[..., :32] + 0 * noise
+
+    model = ThreeCalls()
+    x = randn(4, 32, seed=5).to(DEVICE)
+    with torch.no_grad():
+        ref = model(x)
+        fused, graphs = _compiled(model, fuse=True)
+        out = fused(x)
+    assert graphs[-1].count(GEMM) == 2 and graphs[-1].count("aten.round.default") == 2
+    assert graphs[-1].count("aten.rand.default") + graphs[-1].count("aten.rand_like.default") == 2
+    assert rel_err(out, ref) < 1e-6

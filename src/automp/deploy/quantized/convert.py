@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from automp.deploy import runtime
-from automp.deploy.quantized import boundary, speed
+from automp.deploy.quantized import boundary, shared, speed
 from automp.deploy.quantized.compile import compile_module
 from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
 from automp.quant.api import W8A8Config, WeightOnlyConfig, quantize_layer
@@ -310,11 +310,14 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     module.eval()
     try:
         with torch.no_grad():
+            # one GEMM for the layers that read one input: it pays once compiled (requant.dedupe merges the calls)
+            groups = shared.input_groups(module, names, calls[0]) if (
+                precision == "int8" and config.compile and calls) else []
             ref_outs = _reference(module, calls)
             absmax = _input_absmax(module, names, calls) if (
                 precision == "int8" and config.smooth is not None and calls) else {}
             alphas = (SMOOTH_GRID if config.smooth == "auto" else (config.smooth,)) if absmax else (None,)
-            qmods = _layers(module, names, decided, calls, precision, config, alphas[0], absmax)
+            qmods = _layers(module, names, decided, calls, precision, config, alphas[0], absmax, groups)
             io_dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             # inference only: the custom ops have no backward, and no_grad need not be the caller's job
             inner = copy.deepcopy(module).to(config.dtype).requires_grad_(False)
@@ -325,7 +328,8 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
             alpha, smooth_errors = alphas[0], {}
             if len(alphas) > 1:
                 alpha, smooth_errors, qmods = _choose_smoothing(
-                    swap, alphas, lambda a: _layers(module, names, decided, calls, precision, config, a, absmax))
+                    swap, alphas,
+                    lambda a: _layers(module, names, decided, calls, precision, config, a, absmax, groups))
             sens = _sensitivities(module, qmods, calls) if calls else {}
             quantized, kept, steps, model_sens = set(names), [], [], {}
             if calls:
@@ -350,7 +354,8 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
         report.layers.append(LayerDecision(
             name, lin.in_features, lin.out_features, precision if rule is None else DTYPES[config.dtype],
             rule or Rule.QUANTIZED, _reason(rule, precision, config, lin, alpha if smoothed else None),
-            getattr(qmods.get(name), "group", None), sens.get(name)))
+            getattr(qmods.get(name), "group", None), sens.get(name),
+            next((g for g in groups if name in g), ()) if rule is None else ()))
     def build(m: nn.Module) -> nn.Module:
         return compile_module(m, config.compile_mode) if config.compile else m
 
@@ -362,13 +367,24 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
 
 
 def _layers(module: nn.Module, names: list[str], decided: dict, calls: list[boundary.Call], precision: str,
-            config: TorchQuantConfig, alpha: float | None, absmax: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-    """The quantized module of every candidate layer, smoothed with `alpha` (None: not smoothed)."""
+            config: TorchQuantConfig, alpha: float | None, absmax: dict[str, torch.Tensor],
+            groups: list[tuple[str, ...]]) -> dict[str, nn.Module]:
+    """The quantized module of every candidate layer, smoothed with `alpha` (None: not smoothed); the layers of a
+    group are slices of one shared layer, with factors over their concatenated weights (see shared)."""
     smooth = {} if alpha is None else {n: smooth_factors(absmax[n], module.get_submodule(n).weight, alpha)
                                        for n in names if n in absmax}
+    for g in groups:
+        if g[0] in smooth:
+            joint = smooth_factors(absmax[g[0]], shared.concatenated(module, g)[0], alpha)
+            smooth.update({n: joint for n in g})
     static = precision == "int8" and config.activations == "static"
     acts = _static_ranges(module, names, calls, config, smooth) if static else {}
-    return {n: _quantized_linear(decided[n][0], precision, config, acts.get(n), smooth.get(n)) for n in names}
+    grouped = {n for g in groups for n in g}
+    out = {n: _quantized_linear(decided[n][0], precision, config, acts.get(n), smooth.get(n))
+           for n in names if n not in grouped}
+    for g in groups:
+        out.update(shared.shared_layers(module, g, acts.get(g[0]), smooth.get(g[0])))
+    return {n: out[n] for n in names}
 
 
 def _choose_smoothing(swap: _Swapper, alphas: tuple, build: Callable[[float], dict[str, nn.Module]]

@@ -29,6 +29,7 @@ class LayerDecision:
     reason: str
     group: int | None = None         # weight-only group along K (None: per output channel)
     sensitivity: float | None = None  # this layer's own relative output error, quantized, on calib activations
+    shares: tuple[str, ...] = ()     # the layers (this one included) that read one input through one int8 GEMM
 
     def to_dict(self) -> dict:
         d = asdict(self)

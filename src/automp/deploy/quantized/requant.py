@@ -14,11 +14,19 @@ A chain that does not have exactly this shape, or whose intermediate values have
 the pass only ever removes work that nothing else reads.
 
     fuse_requant(gm) -> gm            the pass (GraphModule -> GraphModule, in place); gm.meta["requant"] = fused count
-    RequantPass()                     the same, as Inductor's post_grad_custom_post_pass (see compile.inductor_options)
+    dedupe(gm) -> gm                  common subexpressions of pure ops computed once; gm.meta["deduped"] = removed
+    RequantPass()                     dedupe, then fuse_requant, as Inductor's post_grad_custom_post_pass (see
+                                      compile.inductor_options)
+
+Why dedupe: layers that read one input share one int8 GEMM (automp.quant.Int8Slice, e.g. attention's query, key
+and value as one 768 -> 2304 product). Each of them still calls the shared layer, and neither AOTAutograd nor
+Inductor merges repeated calls of a custom op, so without it the shared GEMM and its input quantization would run
+once per slice.
 """
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -179,6 +187,46 @@ def _erase_chain(graph: fx.Graph, last: fx.Node) -> None:
         todo += inputs
 
 
+def _pure(target: object) -> bool:
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _key(v: object) -> object:
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _key(x)) for k, x in v.items())))
+    return v
+
+
+def dedupe(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every pure call that repeats an earlier one (same op, same inputs, same arguments) replaced by it (in place).
+    Walking in graph order makes the merge transitive: once two calls are one node, their consumers compare equal."""
+    seen: dict[object, fx.Node] = {}
+    removed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not _pure(n.target) or not n.all_input_nodes:
+            continue  # a factory call (empty, full) may stand for a buffer written later: never merge those
+        key = (n.target, _key(n.args), _key(n.kwargs))
+        try:
+            first = seen.setdefault(key, n)
+        except TypeError:  # an unhashable argument: leave the node as it is
+            continue
+        if first is not n:
+            n.replace_all_uses_with(first)
+            gm.graph.erase_node(n)
+            removed += 1
+    if removed:
+        gm.graph.lint()
+        gm.recompile()
+    gm.meta["deduped"] = gm.meta.get("deduped", 0) + removed
+    return gm
+
+
 def _post_grad_pass_base() -> type:
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -188,10 +236,10 @@ def _post_grad_pass_base() -> type:
 
 
 class RequantPass(_post_grad_pass_base()):
-    """fuse_requant as Inductor's post_grad_custom_post_pass; uuid() keys Inductor's cache on this file's text."""
+    """dedupe + fuse_requant as Inductor's post_grad_custom_post_pass; uuid() keys Inductor's cache on this file."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        fuse_requant(graph.owning_module)
+        fuse_requant(dedupe(graph.owning_module))
 
     def uuid(self) -> bytes:
         from torch._inductor.custom_graph_pass import get_hash_for_files
