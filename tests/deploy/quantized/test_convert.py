@@ -125,6 +125,16 @@ def test_static_int8_activations():
     assert 0 < rep.max_rel_error < 3e-2
 
 
+def test_activations_auto_are_static_with_calibration_data_and_dynamic_without():
+    net = mlp(40, 56, 24)
+    calib = [randn(16, 40, seed=k).to(DEVICE) for k in range(2)]
+    with_data, rep = quantize_module(net, "int8", calib, EAGER)
+    without, rep0 = quantize_module(net, "int8", None, EAGER)
+    assert rep.activations == "static" and rep0.activations == "dynamic"
+    assert {m.mode for m in with_data.modules() if isinstance(m, Int8Linear)} == {"static"}
+    assert {m.mode for m in without.modules() if isinstance(m, Int8Linear)} == {"dynamic"}
+
+
 def test_static_int8_scales_round_trip_through_save_and_load(tmp_path):
     """A model quantized with static activation scales, saved and loaded into one quantized from other calibration
     data: the loaded model carries the saved scales and computes what the saved one did."""

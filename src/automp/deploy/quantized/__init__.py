@@ -4,8 +4,10 @@
     y = model(*same_inputs_as_before)          # float32 in, float32 out; fp16 + int8 kernels inside
 
 precision:
-  "int8"         W8A8: int8 weights per output channel, int8 activations per row (dynamic, default) or per tensor
-                 (static, calibrated), int32 accumulation with dequant + bias fused (automp.kernels.int8_gemm).
+  "int8"         W8A8: int8 weights per output channel, int8 activations per tensor (static, calibrated: the
+                 default with calibration data) or per row (dynamic), int32 accumulation with dequant + bias fused
+                 (automp.kernels.int8_gemm); with static activations an MLP's first GEMM writes the second's int8
+                 input (requant) and query / key / value share one GEMM (shared).
   "int8-weight"  W8A16: int8 weights in groups of 128/64/32 along K (else per channel), fp16 activations.
   "int4-weight"  W4A16: int4 weights in groups of 128/64/32 along K; a Linear whose K is not a multiple of 32 stays
                  fp16 (rule NO_INT4_GROUP).

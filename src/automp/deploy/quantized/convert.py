@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -44,8 +44,10 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 @dataclass
 class TorchQuantConfig:
-    """activations: int8 only - "dynamic" (per-row scales taken in the forward; the accurate choice for
-    transformers) or "static" (one scale per tensor from `observer` over the calibration data).
+    """activations: int8 only - "static" (one scale per tensor from `observer` over the calibration data: the fast
+    form, see automp.deploy.quantized.requant), "dynamic" (per-row scales taken in the forward: no calibration
+    needed, a little more accurate, slower than fp16 on an H200) or "auto" (static with calibration data, else
+    dynamic).
     dtype: compute dtype of everything not quantized. budget: max relative output error vs the FP32 module on the
     calibration data (None: no fallback). exclude: fnmatch patterns of module names kept in float.
     smooth: int8 only, with calib - SmoothQuant migration strength alpha in [0, 1], "auto" (each of SMOOTH_GRID
@@ -59,7 +61,7 @@ class TorchQuantConfig:
     max_calib_batches: calibration batches used (the rest of the iterable is not read). compile: torch.compile the
     result with `compile_mode` on CUDA (eager on CPU). measure: on CUDA with calib, time the result against the
     same module in `dtype`, built the same way, and report which is faster (see speed)."""
-    activations: str = "dynamic"
+    activations: str = "auto"
     smooth: float | str | None = "auto"
     sensitivity: str = "isolate"
     group_size: int = 128
@@ -73,8 +75,8 @@ class TorchQuantConfig:
     measure: bool = True
 
     def __post_init__(self) -> None:
-        if self.activations not in ("dynamic", "static"):
-            raise ValueError(f"activations must be 'dynamic' or 'static', got {self.activations!r}")
+        if self.activations not in ("auto", "dynamic", "static"):
+            raise ValueError(f"activations must be 'auto', 'dynamic' or 'static', got {self.activations!r}")
         if not isinstance(self.observer, ObserverConfig) or self.observer.axis is not None:
             raise ValueError("observer must be an ObserverConfig with axis=None (static activations are per tensor)")
         if self.dtype not in DTYPES:
@@ -300,6 +302,8 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     _check_args(module, precision, config)
     device = _device(module)
     calls = boundary.calib_calls(calib, device, config.max_calib_batches)
+    if config.activations == "auto":
+        config = replace(config, activations="static" if calls else "dynamic")
     if precision == "int8" and config.activations == "static" and not calls:
         raise ValueError("static int8 activations need calibration data (calib=[batch, ...])")
     if config.budget is not None and not calls:
