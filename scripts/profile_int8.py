@@ -137,7 +137,7 @@ def whole(name: str, batches: list[int], seq: int, out: str | None) -> None:
     inputs = {b: {k: v.cuda() for k, v in make(b, seq, 7).items()} for b in batches}
     with torch.no_grad():
         anchor = torch.compile(copy.deepcopy(fp32).half(), mode="reduce-overhead", dynamic=False)
-        int8, _ = quantize_module(fp32, "int8", calib, TorchQuantConfig(measure=False))
+        int8, _ = quantize_module(fp32, "int8", calib, TorchQuantConfig(measure=False, activations="dynamic"))
         static, _ = quantize_module(fp32, "int8", calib, TorchQuantConfig(measure=False, activations="static"))
         for label, model in (("anchor", anchor), ("int8", int8), ("int8-static", static)):
             for b in batches:

@@ -11,7 +11,7 @@ uniform quantizer's error step/sqrt(12) with step = absmax / qmax (absmax of n G
 import pytest
 import torch
 
-from automp.quant.int8 import Int8Linear, int8_static_qparams, nbytes, smooth_factors, weight_group
+from automp.quant.int8 import Int8Linear, Int8Slice, int8_static_qparams, nbytes, smooth_factors, weight_group
 from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
 from automp.quant.weight_only import WeightOnlyLinear
 from tests.deploy.quantized.helpers import DEVICE, randn, rel_err
@@ -120,3 +120,15 @@ def test_weight_only_bytes_shrink():
 
 def test_weight_group_choice():
     assert [weight_group(k) for k in (768, 3072, 384, 192, 96, 100, 7)] == [128, 128, 128, 64, 32, None, None]
+
+
+def test_int8_slice_is_its_columns_of_the_shared_layer():
+    w, b = randn(30, 24, seed=11).to(DEVICE), randn(30, seed=12).to(DEVICE)
+    shared = Int8Linear(w, b, (0.02, 0))
+    part = Int8Slice(shared, 10, 25)
+    x = randn(2, 3, 24, seed=13).to(DEVICE)
+    assert part.out_features == 15 and part.in_features == 24 and part.mode == "static"
+    assert torch.equal(part(x), shared(x)[..., 10:25])
+    for start, stop in ((5, 5), (-1, 4), (20, 31)):
+        with pytest.raises(ValueError, match="outside the shared layer"):
+            Int8Slice(shared, start, stop)
