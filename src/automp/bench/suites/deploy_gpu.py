@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from automp.bench.harness import Result, command_line, time_fn, write_results
+from automp.bench.harness import Result, command_line, device_name, gpu_slug, time_fn, write_results
+from automp.files import write_json_and_markdown
 from automp.bench.sentences import template_sentences
 
 MODES = ("fp32-eager", "anchor", "int8", "int8-static", "int8-weight", "int4-weight")
@@ -235,8 +236,37 @@ def main(argv: list[str] | None = None) -> int:
             torch._dynamo.reset()
     cmd = command_line("automp bench deploy_gpu", argv)
     json_path, md_path = write_results(results, args.out, "deploy_gpu", cmd)
-    print(f"wrote {json_path} and {md_path}")
+    rows = encoder_rows(results)
+    enc_json, _ = write_json_and_markdown(args.out, f"encoders-{gpu_slug(device_name())}", rows,
+                                          encoder_markdown(rows, cmd))
+    print(f"wrote {json_path}, {md_path} and {enc_json}")
     return 0
+
+
+def encoder_rows(results: list[Result]) -> list[dict]:
+    """The int8 rows as {"model", "case", "activations", "batch", "ms", "anchor_ms", "cos_min"} (case "int8"; the
+    other modes keep their own names), the form BENCHMARKS.md's encoder table is read from."""
+    rows = []
+    for r in results:
+        mode = r.name.split()[-1]
+        if mode in ("fp32-eager", "anchor") or math.isnan(r.ms) or r.anchor_ms is None:
+            continue
+        model = "minilm" if r.name.startswith("minilm") else "bert-base" if r.name.startswith("bert-base") else \
+            r.name.split()[0]
+        case, acts = ("int8", mode.removeprefix("int8").lstrip("-") or "dynamic") if mode in ("int8", "int8-static") \
+            else (mode, None)
+        rows.append({"model": model, "case": case, "activations": acts, "batch": r.extra["batch"],
+                     "ms": round(r.ms, 4), "anchor_ms": round(r.anchor_ms, 4), "cos_min": round(r.extra["cos_min"], 5)})
+    return rows
+
+
+def encoder_markdown(rows: list[dict], cmd: str) -> str:
+    lines = [f"{time.strftime('%Y-%m-%d')} · {device_name()} · `{cmd}`", "",
+             "| model | case | activations | batch | ms | anchor ms | vs anchor | cosine min |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['case']} | {r['activations'] or ''} | {r['batch']} | {r['ms']:.3f} | "
+              f"{r['anchor_ms']:.3f} | {r['anchor_ms'] / r['ms']:.2f}x | {r['cos_min']:.5f} |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
