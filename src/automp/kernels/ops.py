@@ -220,21 +220,32 @@ def _check_int8(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torc
     _same_device(op, a_q, b_q, sa, sb, bias, a_zero)
 
 
+def _int8_epilogue_args(a_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
+                        a_zero: torch.Tensor | None) -> tuple:
+    """(sa, sb, bias, zero) flat and contiguous as the kernel reads them; zero as int32 [M]. One activation scale
+    (static) stays one element, read by every row (no [M] copy per call)."""
+    bias = bias.reshape(-1).contiguous() if bias is not None else None
+    zero = a_zero.reshape(-1).to(torch.int32).expand(a_q.shape[0]).contiguous() if a_zero is not None else None
+    return sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(), bias, zero
+
+
+def _int8_reference(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                    bias: torch.Tensor | None, zero: torch.Tensor | None) -> torch.Tensor:
+    """The int8 GEMM and its dequantization on the CPU, in float64: products of int8 codes are exact there (integer
+    sums below 2^53) and use BLAS, unlike an int64 matmul."""
+    a_int = a_q.double() - (zero.double()[:, None] if zero is not None else 0)
+    out = (a_int @ b_q.double()) * sa.double()[:, None] * sb.double()[None, :]
+    return out + bias.double() if bias is not None else out
+
+
 @custom_op("automp::int8_gemm", mutates_args=())
 def int8_gemm_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                  bias: torch.Tensor | None, a_zero: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     _check_int8(a_q, b_q, sa, sb, bias, a_zero, out_dtype)
-    m = a_q.shape[0]
-    # one activation scale (static) stays one element, read by every row (no [M] copy per call)
-    sa, sb = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
-    bias = bias.reshape(-1).contiguous() if bias is not None else None
-    zero = a_zero.reshape(-1).to(torch.int32).expand(m).contiguous() if a_zero is not None else None
+    sa, sb, bias, zero = _int8_epilogue_args(a_q, sa, sb, bias, a_zero)
     if use_triton(a_q) and a_q.numel() and b_q.numel():
         return _quant.int8_gemm(a_q, b_q, sa, sb, bias, zero, out_dtype)
-    # float64 products of int8 codes are exact (integer sums below 2^53) and use BLAS, unlike int64 matmul
-    a_int = a_q.double() - (zero.double()[:, None] if zero is not None else 0)
-    out = (a_int @ b_q.double()) * sa.double()[:, None] * sb.double()[None, :]
-    return (out + bias.double() if bias is not None else out).to(out_dtype)
+    return _int8_reference(a_q, b_q, sa, sb, bias, zero).to(out_dtype)
 
 
 @int8_gemm_op.register_fake
@@ -261,21 +272,15 @@ def int8_gemm_requant_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor,
     _check_int8(a_q, b_q, sa, sb, bias, a_zero, torch.float32)
     _check_requant(out_mult, out_zero, b_q.shape[1])
     _same_device("int8_gemm_requant", a_q, out_mult, out_zero)
-    m = a_q.shape[0]
-    sa, sb = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
-    bias = bias.reshape(-1).contiguous() if bias is not None else None
-    zero = a_zero.reshape(-1).to(torch.int32).expand(m).contiguous() if a_zero is not None else None
+    sa, sb, bias, zero = _int8_epilogue_args(a_q, sa, sb, bias, a_zero)
     mult = out_mult.reshape(-1).contiguous()
     qz = out_zero.reshape(1).to(torch.int32) if out_zero is not None else None
     if use_triton(a_q) and a_q.numel() and b_q.numel():
         return _quant.int8_gemm(a_q, b_q, sa, sb, bias, zero, torch.float32, gelu=gelu, requant=(mult, qz))
-    y = int8_gemm_op(a_q, b_q, sa, sb, bias, a_zero, torch.float32)
+    y = _int8_reference(a_q, b_q, sa, sb, bias, zero).float()  # fp32, as the kernel's epilogue
     if gelu:
         y = torch.nn.functional.gelu(y)
-    q = torch.round(y * mult.float())
-    if qz is not None:
-        return (q + qz.float()).clamp_(-128, 127).to(torch.int8)
-    return q.clamp_(-127, 127).to(torch.int8)
+    return _quant.quantize_static_int8(y, mult, qz)
 
 
 @int8_gemm_requant_op.register_fake

@@ -106,6 +106,18 @@ def quantize_rowwise_int8(x: torch.Tensor, asymmetric: bool = False):
     return q, s, z
 
 
+def quantize_static_int8(x: torch.Tensor, mult: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Static (calibrated) int8: clamp(round(x * mult) + zero, -127 (-128 with a zero point), 127). mult: one
+    multiplier per channel (last dim) or one for all (1 / scale, times SmoothQuant's factors); zero: an integer
+    tensor, or None for the symmetric scheme. The one formula of static activation quantization: Int8Linear
+    quantizes its input with it, the requant op's CPU reference uses it, and automp.deploy.quantized.requant
+    matches the form it traces to."""
+    q = torch.round(x.float() * mult)  # a multiply per element, see quantize_rowwise_int8
+    if zero is None:
+        return q.clamp_(-127, 127).to(torch.int8)
+    return (q + zero).clamp_(-128, 127).to(torch.int8)
+
+
 # ----------------------------------------------------------------------------------------------- dequantization
 @triton.jit
 def _i8_to_f32(q):

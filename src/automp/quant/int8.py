@@ -81,11 +81,8 @@ class Int8Linear(nn.Module):
             if self.inv_smooth is not None:
                 x2 = x2.float() * self.inv_smooth
             return kernels().quantize_rowwise_int8(x2)
-        lo, hi = (-127, 127) if self.act_zero is None else (-128, 127)
-        q = torch.round(x2.float() * self.act_mult)  # a multiply per element, see quantize_rowwise_int8
-        if self.act_zero is not None:
-            q = q + self.act_zero
-        return q.clamp_(lo, hi).to(torch.int8), self.act_scale.reshape(1)  # one scale, read by every row
+        # one scale, read by every row
+        return kernels().quantize_static_int8(x2, self.act_mult, self.act_zero), self.act_scale.reshape(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

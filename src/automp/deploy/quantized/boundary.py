@@ -9,7 +9,7 @@ positional arguments, or a dict of keyword arguments (a tokenizer's output).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -92,6 +92,18 @@ def calib_calls(calib: Iterable | None, device: torch.device, limit: int) -> lis
     if not calls:
         raise ValueError("calib is empty: give at least one batch, or calib=None")
     return calls
+
+
+def hooked_pass(module: nn.Module, names: Iterable[str], hook: Callable[[str, torch.Tensor, torch.Tensor], None],
+                calls: list[Call]) -> None:
+    """Run every call through `module` with hook(name, input, output) on each named submodule."""
+    handles = [module.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(n, a[0], o)) for n in names]
+    try:
+        for args, kwargs in calls:
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def run_checked(model: nn.Module, call: Call, index: int) -> Any:

@@ -142,18 +142,6 @@ def _quantized_linear(linear: nn.Linear, precision: str, config: TorchQuantConfi
     return quantize_layer(linear, scheme)
 
 
-def _hooked_pass(module: nn.Module, names: Iterable[str], hook: Callable[[str, torch.Tensor, torch.Tensor], None],
-                 calls: list[boundary.Call]) -> None:
-    """Run every batch through `module` with hook(name, input, output) on each named Linear."""
-    handles = [module.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(n, a[0], o)) for n in names]
-    try:
-        for args, kwargs in calls:
-            module(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-
-
 SMOOTH_GRID = (0.5, 0.65, 0.8, 0.9)  # SmoothQuant alphas smooth="auto" measures
 
 
@@ -174,7 +162,7 @@ def _input_absmax(module: nn.Module, names: list[str], calls: list[boundary.Call
     def hook(name: str, x: torch.Tensor, _: torch.Tensor) -> None:
         m = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
-    _hooked_pass(module, names, hook, calls)
+    boundary.hooked_pass(module, names, hook, calls)
     return absmax
 
 
@@ -188,7 +176,7 @@ def _static_ranges(module: nn.Module, names: list[str], calls: list[boundary.Cal
         if name in smooth:
             x = x / smooth[name]
         observers[name].update(x.cpu().numpy())
-    _hooked_pass(module, names, hook, calls)
+    boundary.hooked_pass(module, names, hook, calls)
     out = {}
     for n, obs in observers.items():
         scale, zero = activation_qparams(obs)  # one-signed data: asymmetric, all 256 levels on the used side
@@ -204,7 +192,7 @@ def _sensitivities(module: nn.Module, qmods: dict[str, nn.Module], calls: list[b
         ref = out.float()
         sq[name][0] += float((qmods[name](x).float() - ref).square().sum())
         sq[name][1] += float(ref.square().sum())
-    _hooked_pass(module, list(qmods), hook, calls)
+    boundary.hooked_pass(module, list(qmods), hook, calls)
     return {n: math.sqrt(e / r) if r > 0 else math.sqrt(e) for n, (e, r) in sq.items()}
 
 

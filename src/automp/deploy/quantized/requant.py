@@ -30,6 +30,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -227,20 +228,11 @@ def dedupe(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _post_grad_pass_base() -> type:
-    try:
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-        return CustomGraphPass
-    except ImportError:  # pragma: no cover - torch < 2.6; automp needs 2.11+
-        return object
-
-
-class RequantPass(_post_grad_pass_base()):
+class RequantPass(CustomGraphPass):
     """dedupe + fuse_requant as Inductor's post_grad_custom_post_pass; uuid() keys Inductor's cache on this file."""
 
     def __call__(self, graph: fx.Graph) -> None:
         fuse_requant(dedupe(graph.owning_module))
 
     def uuid(self) -> bytes:
-        from torch._inductor.custom_graph_pass import get_hash_for_files
         return get_hash_for_files((__file__,))

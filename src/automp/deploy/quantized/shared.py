@@ -24,15 +24,8 @@ def input_groups(module: nn.Module, names: list[str], call: boundary.Call) -> li
     """Groups (2 or more, in `names` order) of the named Linears whose input is one and the same tensor in a run of
     `call`. A layer called more than once per run (shared weights, a loop) is never grouped."""
     inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    hooks = [module.get_submodule(n).register_forward_hook(
-        lambda mod, args, out, n=n: inputs[n].append(args[0])) for n in names]
-    try:
-        args, kwargs = call
-        with torch.no_grad():
-            module(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
+    with torch.no_grad():
+        boundary.hooked_pass(module, names, lambda n, x, _: inputs[n].append(x), [call])
     groups: list[list[str]] = []
     for n in names:
         if len(inputs[n]) != 1:
