@@ -172,6 +172,8 @@ def test_the_summary_line_says_how_many_layers_ran_fp8_and_when_the_run_left_fp8
               "fp8": {"Llama": {"fp8_layers": 49, "layers_seen": 113}}, "fp8_fallback": None}
     config = AutoMPConfig(dtype="fp8", cache_dir=".")
     assert "Llama fp8-graphed (bf16, 49 of 113 linear layers FP8)" in summary(report, config)
+    report["fp8"]["Llama"]["all_gather"] = {"rules": {"fp8-all-gather": 48, "bf16-all-gather-unsupported": 1}}
+    assert "(bf16, 49 of 113 linear layers FP8, 48 all-gathered in FP8)" in summary(report, config)
     report["fp8_fallback"] = {"step": 40, "rule": "loss-spike", "loss": 9.0, "median": 3.0}
     assert summary(report, config).endswith("left FP8 for bf16 at backward 40 (loss-spike)")
 

@@ -106,6 +106,8 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
         else:
             fp8 = report.get("fp8", {}).get(module) if path.startswith("fp8-") else None
             layers = f", {fp8['fp8_layers']} of {fp8['layers_seen']} linear layers FP8" if fp8 else ""
+            gathered = (fp8 or {}).get("all_gather", {}).get("rules", {}).get("fp8-all-gather")
+            layers += f", {gathered} all-gathered in FP8" if gathered else ""
             parts.append(f"{module} {path}" + ("" if path == "fp32-eager" else f" ({low}{layers})"))
     line = "; ".join(parts) or "no module ran under automp (none was called as model(x) while it was on)"
     left = report.get("fp8_fallback")

@@ -164,3 +164,27 @@ def test_compiled_gradients_match_float64(recipe: str, autocast_outside: bool, d
     assert rel(y, x.detach().double() @ w.t()) < FWD_TOL + 0.02  # bf16 output rounding on top of FP8's
     assert rel(x.grad, g.double() @ w) < GRAD_TOL
     assert rel(layer.weight.grad, g.double().t() @ x.detach().double()) < GRAD_TOL
+
+
+def test_fp8_weight_is_cast_as_is_and_reads_dequantized_elsewhere() -> None:
+    """An FP8-gathered weight (what FSDP2 gives a layer under the FP8 all-gather): `cast` returns its FP8 values and
+    scale untouched, which are the values `cast` gives the weight it came from; any other op sees it dequantized;
+    an in-place op fails in one line instead of updating a copy that the next all-gather overwrites."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 80, generator=gen).to(torch.bfloat16)
+    w8, inv = fp8.cast(w, fp8.E4M3)
+    fw = fp8.Fp8Weight(w8, inv, torch.bfloat16)
+    assert fw.dtype == torch.bfloat16 and fw.shape == w.shape
+    got8, got_inv = fp8.cast(fw, fp8.E4M3)
+    assert got8 is w8 and got_inv is inv
+    deq = (w8.double() * inv.double())
+    assert rel(fw.dequantized(), deq) < 1e-2  # bf16 rounding of the dequantized value only
+    assert rel(fw.dequantized(), w.double()) < FWD_TOL  # FP8's rounding of the weight
+    x = torch.randn(5, 80, generator=gen).to(torch.bfloat16)
+    y = F.linear(x, fw)
+    assert type(y) is torch.Tensor and torch.equal(y, F.linear(x, fw.dequantized()))
+    view = fw.detach()
+    assert isinstance(view, fp8.Fp8Weight) and view.data8 is not w8 and torch.equal(view.data8.view(torch.uint8),
+                                                                                     w8.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="all-gathers in FP8"):
+        fw.add_(1)

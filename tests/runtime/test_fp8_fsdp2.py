@@ -1,6 +1,7 @@
 """dtype="fp8" on an FSDP2 model under torch.distributed (gloo, 2 processes, the FP8 check and GEMM table emulated
 as in test_fp8_session): every rank installs rank 0's FP8 layers although rank 1's own table would choose none, the
-step runs the FP8 path on every rank, and the losses match the same FSDP2 model in bf16 closely."""
+step runs the FP8 path on every rank, FSDP2 all-gathers those layers' weights in FP8 once the path is settled (in bf16
+again after automp.disable), and the losses match the same FSDP2 model in bf16 closely."""
 import os
 
 import torch
@@ -40,7 +41,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(10 + rank)
-        losses = []
+        losses, seen = [], []
+        model[1][0].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
         automp.enable(dtype=dtype, path="fp8-compile" if dtype == "fp8" else "autocast-compile",
                       cache_dir=os.path.join(out, f"cache{rank}"), fp8_output=True)
         try:
@@ -53,6 +55,8 @@ def _worker(rank: int, port: int, out: str) -> None:
                 losses.append(loss.item())
         finally:
             report = automp.disable()
+        model(torch.randn(48, 32, generator=gen))  # after disable: FSDP2's own gather again
+        report["seen"] = seen
         return losses, report
 
     try:
@@ -71,6 +75,9 @@ def test_every_rank_runs_rank0s_fp8_layers_under_fsdp2(tmp_path):
     assert chosen[0] == chosen[1] == {"1.0", "2"}  # rank 0's table's choice, on rank 1 too
     assert [c["path"] for c in r0["report"]["choices"]] == [c["path"] for c in r1["report"]["choices"]] == \
         ["fp8-compiled"]
+    for r in (r0, r1):  # the first call probes and settles; from the second on, FP8 weights arrive from FSDP2
+        assert r["report"]["seen"][-1] == "Parameter" and "Fp8Weight" in r["report"]["seen"][:-1]
+        assert next(iter(r["report"]["fp8"].values()))["all_gather"]["rules"] == {"fp8-all-gather": 2}
     for r in (r0, r1):  # FP8 against bf16 on the same data: close, and not identical (FP8 did run)
         rel = [abs(a - b) / abs(b) for a, b in zip(r["fp8"], r["bf16"])]
         assert max(rel) < 0.05 and max(rel) > 0, rel

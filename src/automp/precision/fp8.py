@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -78,11 +79,70 @@ def fits(m: int, k: int, n: int) -> bool:
 def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(t in `dtype`, its fp32 inverse scale): scaled so that its amax (of the whole tensor, or along `dim`, kept as a
     size-1 dimension) lands on the format's largest value. Multiplying the FP8 values by the inverse scale gives t
-    back up to FP8 rounding."""
+    back up to FP8 rounding. A weight FSDP2 all-gathered in FP8 (Fp8Weight) arrives cast already: the same values
+    this cast would give it, computed on each rank's shard before the all-gather (automp.precision.fp8_gather)."""
+    if isinstance(t, Fp8Weight) and dim is None and dtype == t.data8.dtype:
+        return t.data8, t.inv_scale
     amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    return cast_scaled(t, dtype, amax)
+
+
+def cast_scaled(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cast` with the amax given: the one formula, shared with the FP8 all-gather, whose amax is a reduction over
+    every rank's shard."""
     scale = _MAX[dtype] / amax.float().clamp(min=_EPS)
     t8 = (t.float() * scale).clamp(-_MAX[dtype], _MAX[dtype]).to(dtype)
     return t8, scale.reciprocal().contiguous()
+
+
+class Fp8Weight(torch.Tensor):
+    """A weight in float8 with its tensorwise inverse scale, reading as its high-precision dtype: what FSDP2 gives a
+    layer whose weight it all-gathers in FP8. `cast` takes its FP8 values as they are; any other op sees the weight
+    dequantized (bf16 paths stay correct, at FP8's precision). A traceable wrapper subclass, so torch.compile takes
+    the FP8 values and the scale as two graph inputs."""
+
+    data8: torch.Tensor
+    inv_scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data8: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype) -> "Fp8Weight":
+        return torch.Tensor._make_wrapper_subclass(cls, data8.shape, strides=data8.stride(), dtype=dtype,
+                                                   storage_offset=data8.storage_offset(), device=data8.device)
+
+    def __init__(self, data8: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.data8, self.inv_scale = data8, inv_scale
+
+    def __repr__(self) -> str:
+        return f"Fp8Weight({self.data8.dtype} {tuple(self.shape)} as {self.dtype})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
+        return ["data8", "inv_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any,
+                             outer_stride: Any) -> "Fp8Weight":
+        return Fp8Weight(inner["data8"], inner["inv_scale"], dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.data8.float() * self.inv_scale).to(self.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _VIEWS and isinstance(args[0], Fp8Weight):  # FSDP's as_strided, nn.Parameter's detach
+            w = args[0]
+            return Fp8Weight(func(w.data8, *args[1:], **kwargs), w.inv_scale, w.dtype)
+        if func._schema.is_mutable:
+            raise RuntimeError(f"{func} would modify a weight FSDP2 all-gathers in FP8 (automp dtype fp8); its "
+                               f"gathered copy is read-only: modify the sharded parameter between steps")
+        args, kwargs = tree_map_only(Fp8Weight, Fp8Weight.dequantized, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+_VIEWS = {torch.ops.aten.as_strided.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+          torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 def col_major(t: torch.Tensor) -> torch.Tensor:

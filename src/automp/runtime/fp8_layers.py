@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from automp.config import AutoMPConfig
-from automp.precision import fp8, fp8_choice, fp8_table
+from automp.precision import fp8, fp8_choice, fp8_gather, fp8_table
 from automp.runtime.fp8_guard import Divergence, LossWatch
 from automp.runtime.report import Recorder
 from automp.runtime.ranks import from_rank0
@@ -38,6 +38,7 @@ class Fp8Layers:
                  table: Table = fp8_table.load_or_measure) -> None:
         self.config, self.recorder, self.check, self.table = config, recorder, check, table
         self.installed: list[nn.Module] = []
+        self.gathers: dict[str, fp8_gather.Fp8Gather] = {}  # per root label, under FSDP2
         self.watch: LossWatch | None = None
         self._unwatch: Callable[[], None] | None = None
         self.diverged: Divergence | None = None  # set by the watch; the session moves the model at its next call
@@ -84,7 +85,21 @@ class Fp8Layers:
         self.recorder.fp8[label] = {"recipe": recipe, "fp8_layers": len(chosen), "layers_seen": len(choices),
                                     "rules": fp8_choice.summary(choices),
                                     "layers": {n: c.as_dict() for n, c in choices.items()}}
+        if shared and chosen:
+            gather = fp8_gather.Fp8Gather(module, {n: layers[n] for n in chosen}, recipe)
+            if gather.rules:  # FSDP2 shards some of them
+                self.gathers[label] = gather
+                self.recorder.fp8[label]["all_gather"] = {"rules": gather.summary(),
+                                                          "why": dict(gather.why)}
         return chosen
+
+    def gather(self, label: str, on: bool) -> None:
+        """Between steps, on every rank alike: FSDP2 all-gathers the root's FP8 layers' weights in FP8 while the root
+        runs its settled FP8 path (automp.precision.fp8_gather), and in bf16 while it is timed against its bf16 twin
+        or after it left FP8, so that neither the trial nor the bf16 step runs on FP8-rounded weights."""
+        gather = self.gathers.get(label)
+        if gather is not None:
+            gather.set(on)
 
     @staticmethod
     def key(chosen: tuple[str, ...], recipe: str) -> str:
@@ -124,6 +139,9 @@ class Fp8Layers:
                 self.recorder.add_fallback("fp8", f"{skipped} optimizer step(s) skipped: their loss was not finite")
             self._unwatch()
             self.watch = self._unwatch = None
+        for gather in self.gathers.values():
+            gather.set(False)
+        self.gathers.clear()
         for module in self.installed:
             fp8.uninstall(module)
         self.installed.clear()

@@ -346,11 +346,13 @@ class Session:
         return root
 
     def _fp8_guard(self, root: Root) -> None:
-        """Between steps: a root on FP8 has its loss watched; after a divergence every root on FP8 goes bf16."""
+        """Between steps: a root on FP8 has its loss watched; after a divergence every root on FP8 goes bf16. Under
+        FSDP2, a root settled on FP8 has its FP8 layers' weights all-gathered in FP8 (Fp8Layers.gather)."""
         if root.path in FP8_PATHS:
             self.fp8.watch_loss(root.lockstep)
         if self.fp8.diverged is not None:
             self.fp8.leave(self.roots.values(), self.paths.move)
+        self.fp8.gather(root.label, root.path in FP8_PATHS and root.confirm is None)
 
     def script_failed(self, error: BaseException) -> str | None:
         """The script ended with `error`. A double backward through a compiled graph (automp.runtime.input_grads) is

@@ -1,0 +1,115 @@
+"""FP8 all-gather under FSDP2 (gloo, 3 CPU processes: one weight sharded unevenly, 80 rows over 3 ranks): FSDP2 hands
+the FP8 layers Fp8Weight while it is on; a training run with it gives bitwise the losses of the same FP8 run gathering
+bf16 (the same FP8 values, cast on each shard with the whole weight's scale, all-reduced once per optimizer step);
+state_dict stays plain tensors;
+load_state_dict's new weights are what the next step gathers; switching it off restores FSDP2's own gather."""
+import os
+
+import torch
+import torch.nn as nn
+
+from automp.precision import fp8, fp8_gather
+from tests import gloo
+from tests.precision.test_fp8 import needs_scaled_mm
+
+RANKS = 3
+
+
+def _model(recipe: str) -> tuple[nn.Module, dict[str, nn.Module]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(32, 80), nn.GELU()), nn.Sequential(nn.Linear(80, 48), nn.GELU()),
+                          nn.Linear(48, 16))
+    layers = {"0.0": model[0][0], "1.0": model[1][0], "2": model[2]}
+    for layer in layers.values():
+        fp8.install(layer, recipe)
+    return model, layers
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    gloo.join(rank, port, world_size=RANKS)
+    mesh = init_device_mesh("cpu", (RANKS,))
+
+    def run(gather: bool) -> dict:
+        model, layers = _model("tensorwise")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for block in model[:2]:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(10 + rank)
+        seen: list[str] = []
+        model[0][0].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+
+        all_reduce, reduces = torch.distributed.all_reduce, []
+
+        def counted(*args, **kwargs):
+            reduces[-1] += 1
+            return all_reduce(*args, **kwargs)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            reduces.append(0)  # all-reduces in this forward (its all-gathers)
+            torch.distributed.all_reduce = counted
+            try:
+                with fp8.active(), torch.autocast("cpu", torch.bfloat16):
+                    return model(x).float()
+            finally:
+                torch.distributed.all_reduce = all_reduce
+
+        losses = []
+        for i in range(4):
+            if i == 1:
+                switch.set(gather)
+            x, y = torch.randn(48, 32, generator=gen), torch.randn(48, 16, generator=gen)
+            loss = ((step(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        state = model.state_dict()
+        local_types = sorted({type(v._local_tensor).__name__ for v in state.values()})
+        model.load_state_dict({k: v * 2 for k, v in state.items()})
+        reloaded = step(x)
+        switch.set(False)
+        after_off = step(x)
+        return {"losses": losses, "seen": seen, "reduces": reduces, "rules": switch.rules, "local_types": local_types,
+                "reloaded": reloaded, "after_off": after_off}
+
+    def rowwise() -> dict[str, str]:
+        model, layers = _model("rowwise")
+        fully_shard(model, mesh=mesh)
+        return fp8_gather.Fp8Gather(model, layers, "rowwise").rules
+
+    try:
+        torch.save({"off": run(False), "on": run(True), "rowwise": rowwise()}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@needs_scaled_mm
+def test_fp8_all_gather_gives_the_same_steps_as_bf16_gather(tmp_path):
+    for r in gloo.spawn(_worker, tmp_path, nprocs=RANKS):
+        on, off = r["on"], r["off"]
+        assert on["rules"] == {n: fp8_gather.FP8_GATHER for n in ("0.0", "1.0", "2")}
+        assert off["seen"] == ["Parameter"] * 6
+        assert on["seen"] == ["Parameter"] + ["Fp8Weight"] * 4 + ["Parameter"]  # off again for the last call
+        # one amax all-reduce per FP8 weight at the first FP8 gather and after load_state_dict; after an optimizer
+        # step, none: the step's hook all-reduced every weight's amax at once
+        assert off["reduces"] == [0] * 6 and on["reduces"] == [0, 3, 0, 0, 3, 0]
+        assert on["losses"] == off["losses"]  # bitwise: the same FP8 values and scales reach the same GEMMs
+        assert on["local_types"] == ["Tensor"]  # checkpoints hold plain tensors, loadable without automp
+        assert torch.equal(on["reloaded"], off["reloaded"])  # the loaded (doubled) weights, gathered in FP8
+        assert torch.equal(on["after_off"], off["after_off"])
+        assert r["rowwise"] == {n: fp8_gather.ROWWISE for n in ("0.0", "1.0", "2")}
+
+
+def test_layers_fsdp2_does_not_shard_are_left_alone():
+    """Without fully_shard (one process, or DDP) there is nothing to gather: no rule, and switching on is a no-op."""
+    model, layers = _model("tensorwise")
+    switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
+    assert switch.rules == {} and switch.summary() == {}
+    switch.set(True)  # nothing to switch: a no-op, not an error
+    assert all(type(layer.weight) is nn.Parameter for layer in layers.values())
+
