@@ -67,8 +67,11 @@ def test_ratios_and_scaling_efficiency():
     assert got[("m", "automp-fp8", 2)] == (2.2, None)  # no 1-GPU row of its own
     assert got[("n", "automp-bf16", 2)] == (None, None)  # no anchor, no 1-GPU row
     assert got[("m", "torchao-float8", 2)] == (None, None)
+    rows[4]["fp8_layers"] = {"LlamaForCausalLM": {"fp8_layers": 28, "layers_seen": 29,
+                                                  "all_gather": {"rules": {"fp8-all-gather": 28}}}}
     md = dist.markdown(rows)
     assert "| 2 | automp-bf16 | 100.00 |" in md and "skipped: pip install torchao" in md
+    assert "LlamaForCausalLM: 28 of 29 layers FP8, 28 all-gathered in FP8 |" in md
 
 
 def test_usage_errors_exit_2_before_any_launch(tmp_path, capsys, monkeypatch):

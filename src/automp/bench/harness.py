@@ -153,10 +153,16 @@ def header(suite: str, rows: list[dict[str, Any]], legend: list[str]) -> list[st
 
 
 def row_notes(row: dict[str, Any]) -> str:
-    """A training row's notes cell: why it was skipped, the paths automp ran, whether it had settled."""
+    """A training row's notes cell: why it was skipped, the paths automp ran, how many of each model's linear layers
+    ran FP8 (and, under FSDP2, were all-gathered in FP8), whether it had settled."""
     notes = [f"skipped: {row['skipped']}"] if "skipped" in row else []
     if row.get("automp_paths"):
         notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in row["automp_paths"].items()))
+    fp8 = row.get("fp8_layers")
+    for module, per in (fp8.items() if isinstance(fp8, dict) else ()):  # the report's `fp8`, per model
+        gathered = per.get("all_gather", {}).get("rules", {}).get("fp8-all-gather")
+        notes.append(f"{module}: {per.get('fp8_layers')} of {per.get('layers_seen')} layers FP8"
+                     + (f", {gathered} all-gathered in FP8" if gathered else ""))
     if row.get("settled") is False:
         notes.append("automp not settled")
     return "; ".join(notes)
