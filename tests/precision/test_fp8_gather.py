@@ -2,7 +2,9 @@
 the FP8 layers Fp8Weight while it is on; a training run with it gives bitwise the losses of the same FP8 run gathering
 bf16 (the same FP8 values, cast on each shard with the whole weight's scale, all-reduced once per optimizer step);
 state_dict stays plain tensors;
-load_state_dict's new weights are what the next step gathers; switching it off restores FSDP2's own gather."""
+load_state_dict's new weights are what the next step gathers; switching it off restores FSDP2's own gather. The same
+bitwise agreement with FP32 parameters, unsharded-after-forward blocks, a checkpointed block and gradient
+accumulation."""
 import os
 
 import torch
@@ -23,6 +25,15 @@ def _model(recipe: str) -> tuple[nn.Module, dict[str, nn.Module]]:
     for layer in layers.values():
         fp8.install(layer, recipe)
     return model, layers
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -77,13 +88,41 @@ def _worker(rank: int, port: int, out: str) -> None:
         return {"losses": losses, "seen": seen, "reduces": reduces, "rules": switch.rules, "local_types": local_types,
                 "reloaded": reloaded, "after_off": after_off}
 
+    def variant(gather: bool) -> list[float]:
+        """FP32 parameters (no mixed-precision policy: the gather dtype is FP32), blocks kept unsharded after forward,
+        the middle block checkpointed (recomputed in backward), two micro-batches per optimizer step."""
+        model, layers = _model("tensorwise")
+        model[1] = _Checkpointed(model[1])
+        for block in model[:2]:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
+        switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(20 + rank)
+        losses, seen = [], []
+        layers["1.0"].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+        for i in range(3):
+            if i == 1:
+                switch.set(gather)
+            for _ in range(2):
+                x, y = torch.randn(48, 32, generator=gen), torch.randn(48, 16, generator=gen)
+                with fp8.active():  # the checkpointed block recomputes in backward: FP8 there too
+                    with torch.autocast("cpu", torch.bfloat16):
+                        loss = ((model(x).float() - y) ** 2).mean()
+                    (loss / 2).backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        return losses + [float("Fp8Weight" in seen)]
+
     def rowwise() -> dict[str, str]:
         model, layers = _model("rowwise")
         fully_shard(model, mesh=mesh)
         return fp8_gather.Fp8Gather(model, layers, "rowwise").rules
 
     try:
-        torch.save({"off": run(False), "on": run(True), "rowwise": rowwise()}, os.path.join(out, f"{rank}.pt"))
+        torch.save({"off": run(False), "on": run(True), "variant": (variant(False), variant(True)),
+                    "rowwise": rowwise()}, os.path.join(out, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -102,6 +141,7 @@ def test_fp8_all_gather_gives_the_same_steps_as_bf16_gather(tmp_path):
         assert on["local_types"] == ["Tensor"]  # checkpoints hold plain tensors, loadable without automp
         assert torch.equal(on["reloaded"], off["reloaded"])  # the loaded (doubled) weights, gathered in FP8
         assert torch.equal(on["after_off"], off["after_off"])
+        assert r["variant"][0][:-1] == r["variant"][1][:-1] and r["variant"][1][-1] == 1.0  # FP8 gathered there
         assert r["rowwise"] == {n: fp8_gather.ROWWISE for n in ("0.0", "1.0", "2")}
 
 
