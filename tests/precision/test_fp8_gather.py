@@ -71,8 +71,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
         losses = []
         for i in range(4):
-            if i == 1:
-                switch.set(gather)
+            if i == 1:  # takes effect after this iteration's optimizer step
+                switch.want(gather)
             x, y = torch.randn(48, 32, generator=gen), torch.randn(48, 16, generator=gen)
             loss = ((step(x) - y) ** 2).mean()
             opt.zero_grad()
@@ -101,19 +101,21 @@ def _worker(rank: int, port: int, out: str) -> None:
         gen = torch.Generator().manual_seed(20 + rank)
         losses, seen = [], []
         layers["1.0"].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
-        for i in range(3):
+        for i in range(4):
             if i == 1:
-                switch.set(gather)
-            for _ in range(2):
+                switch.want(gather, now=True)  # no backward pending here
+            for micro in range(2):
                 x, y = torch.randn(48, 32, generator=gen), torch.randn(48, 16, generator=gen)
                 with fp8.active():  # the checkpointed block recomputes in backward: FP8 there too
                     with torch.autocast("cpu", torch.bfloat16):
                         loss = ((model(x).float() - y) ** 2).mean()
+                    if i == 2 and micro == 0:  # a backward is pending: off only after the step
+                        switch.want(False)
                     (loss / 2).backward()
                 losses.append(loss.item())
             opt.step()
             opt.zero_grad()
-        return losses + [float("Fp8Weight" in seen)]
+        return losses, seen
 
     def rowwise() -> dict[str, str]:
         model, layers = _model("rowwise")
@@ -133,15 +135,19 @@ def test_fp8_all_gather_gives_the_same_steps_as_bf16_gather(tmp_path):
         on, off = r["on"], r["off"]
         assert on["rules"] == {n: fp8_gather.FP8_GATHER for n in ("0.0", "1.0", "2")}
         assert off["seen"] == ["Parameter"] * 6
-        assert on["seen"] == ["Parameter"] + ["Fp8Weight"] * 4 + ["Parameter"]  # off again for the last call
-        # one amax all-reduce per FP8 weight at the first FP8 gather and after load_state_dict; after an optimizer
-        # step, none: the step's hook all-reduced every weight's amax at once
-        assert off["reduces"] == [0] * 6 and on["reduces"] == [0, 3, 0, 0, 3, 0]
+        # asked for in the second iteration, on from the third (after its optimizer step); off for the last call
+        assert on["seen"] == ["Parameter"] * 2 + ["Fp8Weight"] * 3 + ["Parameter"]
+        # after an optimizer step no all-reduce in the all-gathers: the step's hook all-reduced every weight's amax
+        # at once; after load_state_dict one per FP8 weight
+        assert off["reduces"] == [0] * 6 and on["reduces"] == [0, 0, 0, 0, 3, 0]
         assert on["losses"] == off["losses"]  # bitwise: the same FP8 values and scales reach the same GEMMs
         assert on["local_types"] == ["Tensor"]  # checkpoints hold plain tensors, loadable without automp
         assert torch.equal(on["reloaded"], off["reloaded"])  # the loaded (doubled) weights, gathered in FP8
         assert torch.equal(on["after_off"], off["after_off"])
-        assert r["variant"][0][:-1] == r["variant"][1][:-1] and r["variant"][1][-1] == 1.0  # FP8 gathered there
+        (off_losses, off_seen), (on_losses, on_seen) = r["variant"]
+        # per iteration two forwards and their two recomputations; on from the second, off after the third's step
+        assert off_seen == ["Parameter"] * 16 and on_seen == ["Parameter"] * 4 + ["Fp8Weight"] * 8 + ["Parameter"] * 4
+        assert on_losses == off_losses
         assert r["rowwise"] == {n: fp8_gather.ROWWISE for n in ("0.0", "1.0", "2")}
 
 

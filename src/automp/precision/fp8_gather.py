@@ -14,7 +14,7 @@ the script sharded it. So it rewraps FSDP2's parameters in place: each chosen we
 `_Fp8Shard` (FSDP2's all-gather extension: fsdp_pre_all_gather / fsdp_post_all_gather), and FSDP2's per-parameter
 all-gather state is reset so that its buffers are made again for FP8. That reaches into FSDP2's parameter objects
 (`FSDPParam`), whose layout torch 2.11 to 2.13 share; a torch where they differ gets `unsupported` (bf16 all-gather,
-reported), never a wrong gather. Off again (`Fp8Gather.set(False)`) whenever the model leaves its FP8 path.
+reported), never a wrong gather. Off again whenever the model leaves its FP8 path.
 """
 from __future__ import annotations
 
@@ -151,8 +151,13 @@ def _why_not(layer: nn.Module, param: Any) -> str | None:
 
 
 class Fp8Gather:
-    """The FP8 all-gather of one root's FP8 layers under FSDP2, off until `set(True)`. `rules`: per layer name, the
-    rule that decided its all-gather (FP8_GATHER, ROWWISE or UNSUPPORTED), for the report."""
+    """The FP8 all-gather of one root's FP8 layers under FSDP2, off until asked for. `rules`: per layer name, the
+    rule that decided its all-gather (FP8_GATHER, ROWWISE or UNSUPPORTED), for the report.
+
+    A switch replaces FSDP2's all-gather buffers of those weights, and a forward whose backward is still to run has
+    saved views of the old ones: so a switch waits for a point where no backward is pending. `want` takes effect at
+    once where the caller knows it is such a point (the root's first call), else after the next optimizer step,
+    where a training iteration ends; `set` switches at once (tests, and the end of the run)."""
 
     def __init__(self, root: nn.Module, layers: dict[str, nn.Module], recipe: str) -> None:
         by_layer = {id(p._module_info.module): (owner, p) for owner, p in _fsdp_params(root)
@@ -171,13 +176,27 @@ class Fp8Gather:
                 self._params.append((owner, param))
             else:
                 self.why[name] = why
-        self.on = False
+        self.on = self.wanted = False
         self._hooks: list[Any] = []
+        self._step_hook = register_optimizer_step_post_hook(self._after_step) if self._params else None
+
+    def want(self, on: bool, now: bool = False) -> None:
+        """On every rank alike: gather the FP8 layers' weights in FP8 (on) or in FSDP2's parameter dtype (off), from
+        now (`now`: no backward is pending) or from the next optimizer step."""
+        self.wanted = on
+        if now:
+            self.set(on)
+
+    def _after_step(self, *_: Any) -> None:
+        if self.wanted != self.on:
+            self.set(self.wanted)
+        if self.on:
+            precompute(self.shards())
 
     def set(self, on: bool) -> None:
-        """Between steps, on every rank alike: gather the FP8 layers' weights in FP8 (on) or in FSDP2's parameter
-        dtype (off). Each change resets FSDP2's all-gather buffers of those weights; parameters held unsharded (the
-        root's, after a forward without backward) are resharded first, through FSDP2's public `reshard`."""
+        """Switch now, on every rank alike, with no backward pending. Parameters held unsharded (the root's, after a
+        forward without backward) are resharded first, through FSDP2's public `reshard`."""
+        self.wanted = on
         if on == self.on or not self._params:
             self.on = on
             return
@@ -189,13 +208,18 @@ class Fp8Gather:
             self._hooks = [hook for _, p in self._params for hook in (
                 p._module_info.module.register_load_state_dict_pre_hook(_unwrapper(p)),
                 p._module_info.module.register_load_state_dict_post_hook(_rewrapper(p)))]
-            self._hooks.append(register_optimizer_step_post_hook(
-                lambda *_: precompute(self.shards())))
         else:
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
         self.on = on
+
+    def close(self) -> None:
+        """FSDP2's own gather again, for good (automp.disable)."""
+        self.set(False)
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def shards(self) -> list[_Fp8Shard]:
         return [p.sharded_param._local_tensor for _, p in self._params

@@ -39,6 +39,7 @@ class Fp8Layers:
         self.config, self.recorder, self.check, self.table = config, recorder, check, table
         self.installed: list[nn.Module] = []
         self.gathers: dict[str, fp8_gather.Fp8Gather] = {}  # per root label, under FSDP2
+        self._gathering: set[str] = set()  # the roots `gather` has been called for
         self.watch: LossWatch | None = None
         self._unwatch: Callable[[], None] | None = None
         self.diverged: Divergence | None = None  # set by the watch; the session moves the model at its next call
@@ -94,12 +95,15 @@ class Fp8Layers:
         return chosen
 
     def gather(self, label: str, on: bool) -> None:
-        """Between steps, on every rank alike: FSDP2 all-gathers the root's FP8 layers' weights in FP8 while the root
-        runs its settled FP8 path (automp.precision.fp8_gather), and in bf16 while it is timed against its bf16 twin
-        or after it left FP8, so that neither the trial nor the bf16 step runs on FP8-rounded weights."""
+        """At each call of a root, on every rank alike: FSDP2 all-gathers the root's FP8 layers' weights in FP8 while
+        the root runs its settled FP8 path (automp.precision.fp8_gather), and in bf16 while it is timed against its
+        bf16 twin or after it left FP8, so that the trial's bf16 step does not run on FP8-rounded weights. A change
+        takes effect after the next optimizer step (a backward may be pending now), or at once at the root's first
+        call: a run that starts on its cached FP8 verdict compiles its step once, with FP8 weights."""
         gather = self.gathers.get(label)
-        if gather is not None:
-            gather.set(on)
+        if gather is not None:  # at its first call a root has no backward pending: a switch may happen at once
+            gather.want(on, now=label not in self._gathering)
+            self._gathering.add(label)
 
     @staticmethod
     def key(chosen: tuple[str, ...], recipe: str) -> str:
@@ -140,8 +144,9 @@ class Fp8Layers:
             self._unwatch()
             self.watch = self._unwatch = None
         for gather in self.gathers.values():
-            gather.set(False)
+            gather.close()
         self.gathers.clear()
+        self._gathering.clear()
         for module in self.installed:
             fp8.uninstall(module)
         self.installed.clear()
