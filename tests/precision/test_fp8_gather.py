@@ -50,6 +50,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        other = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
         gen = torch.Generator().manual_seed(10 + rank)
         seen: list[str] = []
         model[0][0].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
@@ -78,6 +79,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if rank == 0:  # another optimizer's step on one rank: no collective may start there
+                other.step()
             losses.append(loss.item())
         state = model.state_dict()
         local_types = sorted({type(v._local_tensor).__name__ for v in state.values()})

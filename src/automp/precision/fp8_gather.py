@@ -178,6 +178,7 @@ class Fp8Gather:
                 self.why[name] = why
         self.on = self.wanted = False
         self._hooks: list[Any] = []
+        self._updates: dict[tuple[int, int], bool] = {}  # (optimizer, its groups): whether it updates these weights
         self._step_hook = register_optimizer_step_post_hook(self._after_step) if self._params else None
 
     def want(self, on: bool, now: bool = False) -> None:
@@ -187,7 +188,15 @@ class Fp8Gather:
         if now:
             self.set(on)
 
-    def _after_step(self, *_: Any) -> None:
+    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """After the step of an optimizer that updates these weights (a step of another one, which some ranks may
+        run alone, must not start a collective)."""
+        key = (id(optimizer), len(optimizer.param_groups))
+        if key not in self._updates:
+            mine = {id(p.sharded_param) for _, p in self._params}
+            self._updates[key] = any(id(q) in mine for group in optimizer.param_groups for q in group["params"])
+        if not self._updates[key]:
+            return
         if self.wanted != self.on:
             self.set(self.wanted)
         if self.on:
