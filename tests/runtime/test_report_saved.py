@@ -144,3 +144,26 @@ def test_text_in_a_report_is_printed_as_text_not_markup(tmp_path, capsys):
                  "--nodes"]) == 0
     out = capsys.readouterr().out
     assert "[/x] [bold]" in out and "[/v]" in out and "[/n]" in out
+
+
+def test_the_fp8_choice_is_printed_with_its_rules_and_all_gather(capsys, monkeypatch):
+    """Under dtype="fp8" the report says how many layers each rule decided, the FSDP2 all-gather's rules and why a
+    layer kept its gather, every layer's choice with --nodes, and when the run left FP8."""
+    from automp.runtime.report import print_report
+    monkeypatch.setenv("COLUMNS", "200")  # one line per message, whatever terminal runs the test
+    layers = {"mlp.up": {"dtype": "fp8", "predicted_gain": 1.42, "measured_error": 0.037, "rule": "fp8-predicted-gain",
+                         "shape": [8192, 2048, 8192]},
+              "lm_head": {"dtype": "bf16", "predicted_gain": None, "measured_error": None,
+                          "rule": "bf16-output-layer", "shape": None}}
+    fp8 = {"Llama": {"recipe": "tensorwise", "fp8_layers": 1, "layers_seen": 2,
+                     "rules": {"fp8-predicted-gain": 1, "bf16-output-layer": 1}, "layers": layers,
+                     "all_gather": {"rules": {"fp8-all-gather": 1}, "why": {}}}}
+    left = {"step": 40, "loss": "nan", "median": 3.1, "rule": "non-finite-loss"}
+    print_report(_report(fp8=fp8, fp8_fallback=left), show_nodes=True)
+    out = capsys.readouterr().out
+    assert "Llama FP8 (tensorwise): 1 of 2 linear layers (fp8-predicted-gain 1, bf16-output-layer 1)" in out
+    assert "FSDP2 all-gather of the FP8 layers: fp8-all-gather 1" in out
+    assert "mlp.up" in out and "1.42x" in out and "0.037" in out and "8192 x 2048 x 8192" in out
+    assert "left FP8 for bf16 at backward 40: non-finite-loss (loss nan, recent median 3.1)" in out
+    print_report(_report(fp8=fp8))
+    assert "mlp.up" not in capsys.readouterr().out  # the per-layer table only with --nodes

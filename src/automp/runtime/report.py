@@ -8,7 +8,7 @@ import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -195,6 +195,12 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
                           f"compiled graphs (no zero gradient of their size): {e(', '.join(u['detached']))}")
         if u.get("reattached"):
             console.print(f"[cyan]{e(module)}[/cyan]: {e(u['reattached'])}")
+    for module, fp8 in (report.get("fp8") or {}).items():
+        _print_fp8(console, e, module, fp8, show_nodes)
+    left = report.get("fp8_fallback")
+    if left:
+        console.print(f"[yellow]left FP8[/yellow] for bf16 at backward {e(left.get('step'))}: {e(left.get('rule'))} "
+                      f"(loss {e(left.get('loss'))}, recent median {e(left.get('median'))})")
     for fb in report.get("fallbacks", []):
         console.print(f"[yellow]FP32 fallback[/yellow] {e(fb['where'])}: {e(fb['reason'])}")
     if show_nodes:
@@ -239,6 +245,31 @@ def load_saved_report(path: str) -> dict[str, Any]:
     except ValueError as e:
         raise NotAReport(f"{path} is not an automp precision report: {e}") from None
     return report
+
+
+def _print_fp8(console: Any, e: Callable[[Any], str], module: str, fp8: dict[str, Any], per_layer: bool) -> None:
+    """A root's FP8 choice (automp.runtime.fp8_layers): how many layers each rule decided, the FSDP2 all-gather's
+    rules, and with --nodes every layer's choice."""
+    from rich.table import Table
+
+    rules = ", ".join(f"{rule} {n}" for rule, n in (fp8.get("rules") or {}).items())
+    console.print(f"[cyan]{e(module)}[/cyan] FP8 ({e(fp8.get('recipe'))}): {e(fp8.get('fp8_layers'))} of "
+                  f"{e(fp8.get('layers_seen'))} linear layers ({e(rules)})")
+    gather = fp8.get("all_gather") or {}
+    if gather:
+        why = "; ".join(f"{name}: {reason}" for name, reason in (gather.get("why") or {}).items())
+        console.print(f"[cyan]{e(module)}[/cyan] FSDP2 all-gather of the FP8 layers: "
+                      f"{e(', '.join(f'{r} {n}' for r, n in (gather.get('rules') or {}).items()))}"
+                      + (f" ({e(why)})" if why else ""))
+    if per_layer and fp8.get("layers"):
+        t = Table(title=f"{e(module)}: FP8 per linear layer")
+        for col in ("layer", "dtype", "rule", "predicted gain", "error vs bf16", "tokens x in x out"):
+            t.add_column(col)
+        for name, c in fp8["layers"].items():
+            gain, err, shape = c.get("predicted_gain"), c.get("measured_error"), c.get("shape")
+            t.add_row(e(name), e(c.get("dtype")), e(c.get("rule")), "-" if gain is None else f"{gain:.2f}x",
+                      "-" if err is None else f"{err:.3f}", "-" if not shape else " x ".join(map(str, shape)))
+        console.print(t)
 
 
 def print_saved_report(path: str, show_nodes: bool = False) -> None:
