@@ -162,3 +162,48 @@ def test_layers_fsdp2_does_not_shard_are_left_alone():
     switch.set(True)  # nothing to switch: a no-op, not an error
     assert all(type(layer.weight) is nn.Parameter for layer in layers.values())
 
+
+
+def _hsdp_worker(rank: int, port: int, out: str) -> None:
+    """HSDP: 4 ranks as 2 replicas x 2 shards; each shard group all-reduces its own weights' amax."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    gloo.join(rank, port, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def run(gather: bool) -> tuple[list[float], list[str], dict[str, str]]:
+        model, layers = _model("tensorwise")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for block in model[:2]:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(30 + rank)
+        losses, seen = [], []
+        model[1][0].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+        for i in range(3):
+            switch.want(gather and i > 0, now=True)
+            x, y = torch.randn(48, 32, generator=gen), torch.randn(48, 16, generator=gen)
+            with fp8.active(), torch.autocast("cpu", torch.bfloat16):
+                loss = ((model(x).float() - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        switch.close()
+        return losses, seen, switch.rules
+
+    try:
+        torch.save({"off": run(False), "on": run(True)}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@needs_scaled_mm
+def test_fp8_all_gather_under_hsdp(tmp_path):
+    for r in gloo.spawn(_hsdp_worker, tmp_path, nprocs=4):
+        (off, off_seen, _), (on, on_seen, rules) = r["off"], r["on"]
+        assert rules == {n: fp8_gather.FP8_GATHER for n in ("0.0", "1.0", "2")}
+        assert off_seen == ["Parameter"] * 3 and on_seen == ["Parameter"] + ["Fp8Weight"] * 2
+        assert on == off

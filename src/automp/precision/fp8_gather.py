@@ -31,7 +31,7 @@ from automp.precision import fp8
 # rules, per FP8 layer (report data)
 FP8_GATHER = "fp8-all-gather"
 ROWWISE = "bf16-all-gather-rowwise"  # no single FP8 copy of the weight serves both directions
-UNSUPPORTED = "bf16-all-gather-unsupported"  # tied weight, CPU offload, HSDP/TP mesh, uneven dim-1 sharding, ...
+UNSUPPORTED = "bf16-all-gather-unsupported"  # tied weight, CPU offload, tensor parallelism, dim-1 sharding, ...
 
 
 class _Fp8Shard(torch.Tensor):
@@ -143,8 +143,10 @@ def _why_not(layer: nn.Module, param: Any) -> str | None:
         return "the weight is shared with another module (tied)"
     if getattr(param, "offload_to_cpu", False) or getattr(param, "is_dtensor", False):
         return "CPU offload or tensor parallelism"
-    if param.post_forward_mesh_info not in (None, param.mesh_info) or param.mesh_info.mesh.ndim != 1:
-        return "resharded to another mesh after forward, or a 2-D (HSDP) mesh"
+    if param.post_forward_mesh_info not in (None, param.mesh_info):
+        return "resharded to another mesh after forward"
+    if param.mesh_info.mesh.ndim > 2:
+        return "a mesh of more than two dimensions"
     if param.fsdp_placement.dim != 0:
         return "sharded along dim 1"
     return None
