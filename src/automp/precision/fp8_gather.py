@@ -14,7 +14,8 @@ the script sharded it. So it rewraps FSDP2's parameters in place: each chosen we
 `_Fp8Shard` (FSDP2's all-gather extension: fsdp_pre_all_gather / fsdp_post_all_gather), and FSDP2's per-parameter
 all-gather state is reset so that its buffers are made again for FP8. That reaches into FSDP2's parameter objects
 (`FSDPParam`), whose layout torch 2.11 to 2.13 share; a torch where they differ gets `unsupported` (bf16 all-gather,
-reported), never a wrong gather. Off again whenever the model leaves its FP8 path.
+reported), never a wrong gather. Off again when the model leaves its FP8 path (`Fp8Gather` says when a switch
+takes effect).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class _Fp8Shard(torch.Tensor):
     optimizer's in-place steps, state_dict and DTensor's collectives see plain tensors) and gives FSDP2's all-gather
     the shard cast to FP8 with the whole weight's scale.
 
-    dtype: the dtype FSDP2 gathers in (its MixedPrecisionPolicy's param_dtype, else the shard's own); group: the
+    gather_dtype: the dtype FSDP2 gathers in (its MixedPrecisionPolicy's param_dtype, else the shard's own); group: the
     shard group. amax: the whole weight's amax, all-reduced after the optimizer's step for every FP8 shard at once
     (`precompute`), or None: then the all-gather all-reduces this weight's own. Any in-place op on the shard (the
     next step, load_state_dict) clears it."""
