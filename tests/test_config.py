@@ -81,6 +81,17 @@ def test_fp8_output_is_off_unless_asked_for():
         AutoMPConfig(fp8_output="yes")
 
 
+def test_fp8_all_gather_is_on_unless_turned_off():
+    from automp.cli import build_parser
+    assert AutoMPConfig().fp8_all_gather is True
+    args = build_parser().parse_args(["run", "--dtype", "fp8", "--no-fp8-all-gather", "train.py"])
+    assert AutoMPConfig.from_cli(args, {}).fp8_all_gather is False
+    args = build_parser().parse_args(["run", "--dtype", "fp8", "train.py"])
+    assert AutoMPConfig.from_cli(args, {}).fp8_all_gather is True
+    with pytest.raises(TypeError, match="fp8_all_gather must be"):
+        AutoMPConfig(fp8_all_gather=0)
+
+
 def test_fp8_keep_is_parsed_once_from_every_source():
     assert AutoMPConfig(fp8_keep="lm_head, *.self_attn.*").fp8_keep == ("lm_head", "*.self_attn.*")
     assert AutoMPConfig(fp8_keep=["lm_head"]).fp8_keep == ("lm_head",) and AutoMPConfig(fp8_keep="").fp8_keep == ()

@@ -23,6 +23,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="under --dtype fp8, linear layers kept bf16 whatever their measurements: comma-separated "
                         "glob patterns over layer names, such as lm_head or '*.self_attn.*' (default: "
                         "$AUTOMP_FP8_KEEP, else none)")
+    p.add_argument("--no-fp8-all-gather", dest="fp8_all_gather", action="store_false", default=None,
+                   help="under --dtype fp8 with FSDP2, all-gather the FP8 layers' weights in FSDP2's own dtype "
+                        "instead of FP8")
     p.add_argument("--fp8-output-layer", dest="fp8_output", action="store_true", default=None,
                    help="under --dtype fp8, let the model's output layer (its last linear layer: the LM head) run FP8 "
                         "too where measured to pay (default: kept bf16, as FP8 there slowed learning)")

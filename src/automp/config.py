@@ -27,7 +27,7 @@ PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graph
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
                "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep", "RANK": "rank", "WORLD_SIZE": "world_size"}
-_FLAGS = ("fp8_output", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
+_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,9 @@ class AutoMPConfig:
     FP8 too where measured to pay. Off by default, as torchao's and Transformer Engine's recipes leave it: on an H200
     a 1.2B Llama whose tied LM head ran FP8 trailed bf16's loss from step ~550 on, and tracked it with the head kept
     bf16 (BENCHMARKS.md, "FP8 loss parity").
+    fp8_all_gather: under FSDP2, all-gather the FP8 layers' weights in FP8 once the model runs its FP8 path (the same
+    FP8 values, half the bytes of bf16; automp.precision.fp8_gather). Off: FSDP2 gathers them in its own dtype and
+    they are cast after the gather, an escape hatch, since the FP8 gather works inside FSDP2's parameter objects.
     loss_scale: "dynamic", "off" (or None/0) or a positive constant (a number or a numeric string such as "1024");
     stored as "dynamic", None (off) or a float. Only fp16 uses it.
     report: path of the JSON precision report (made absolute now: the script may chdir). Under torchrun each rank
@@ -72,6 +75,7 @@ class AutoMPConfig:
     fp8_recipe: str = "tensorwise"
     fp8_keep: Any = ()
     fp8_output: bool = False
+    fp8_all_gather: bool = True
     loss_scale: Any = "dynamic"
     report: str | None = None
     inner: str = "inductor"

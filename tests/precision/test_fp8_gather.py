@@ -194,8 +194,17 @@ def _hsdp_worker(rank: int, port: int, out: str) -> None:
         switch.close()
         return losses, seen, switch.rules
 
+    def configured_off() -> dict[str, str]:  # fp8_all_gather=False: reported, and asking for it switches nothing
+        model, layers = _model("tensorwise")
+        fully_shard(model, mesh=mesh)
+        switch = fp8_gather.Fp8Gather(model, layers, "tensorwise", enabled=False)
+        switch.set(True)
+        assert not switch.shards() and not switch.on
+        return switch.rules
+
     try:
-        torch.save({"off": run(False), "on": run(True)}, os.path.join(out, f"{rank}.pt"))
+        torch.save({"off": run(False), "on": run(True), "configured_off": configured_off()},
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -207,3 +216,4 @@ def test_fp8_all_gather_under_hsdp(tmp_path):
         assert rules == {n: fp8_gather.FP8_GATHER for n in ("0.0", "1.0", "2")}
         assert off_seen == ["Parameter"] * 3 and on_seen == ["Parameter"] + ["Fp8Weight"] * 2
         assert on == off
+        assert r["configured_off"] == {n: fp8_gather.OFF for n in ("0.0", "1.0", "2")}

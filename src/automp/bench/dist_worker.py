@@ -34,7 +34,8 @@ from automp.bench.zoo_modes import fuse_adam, time_limit
 from automp.files import atomic_output
 
 MODELS = ("llama-d2048-ddp", "llama-d4096-fsdp2")
-MODES = ("bf16-compile", "torchao-float8", "automp-bf16", "automp-fp8")
+MODES = ("bf16-compile", "torchao-float8", "automp-bf16", "automp-fp8", "automp-fp8-bf16-gather")
+DEFAULT_MODES = MODES[:4]
 ROW_KEYS = ("model", "mode", "gpus", "step_ms", "spread", "tokens_per_s_per_gpu", "scaling_eff", "ratio_vs_bf16",
             "peak_gib", "loss", "first_run_s", "automp_paths", "fp8_layers")
 
@@ -189,7 +190,8 @@ class Mode:
         try:
             if self.mode.startswith("automp"):
                 path, cache = shared_cache(self.rank)
-                automp.enable(dtype=self.mode.split("-")[1], cache_dir=path)
+                automp.enable(dtype=self.mode.split("-")[1], cache_dir=path,
+                              fp8_all_gather=self.mode != "automp-fp8-bf16-gather")
             with time_limit(self.opts.mode_timeout) as expired:
                 first_peak = list(self.measure())
                 if expired:  # swallowed by the code it interrupted
@@ -218,7 +220,7 @@ class Mode:
         if self.mode.startswith("automp") and automp.is_enabled():
             report = automp.disable() or {}
             self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
-            if self.mode == "automp-fp8":
+            if self.mode.startswith("automp-fp8"):
                 self.row["fp8_layers"] = report.get("fp8") or None
 
 

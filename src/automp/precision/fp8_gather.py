@@ -33,6 +33,7 @@ from automp.precision import fp8
 FP8_GATHER = "fp8-all-gather"
 ROWWISE = "bf16-all-gather-rowwise"  # no single FP8 copy of the weight serves both directions
 UNSUPPORTED = "bf16-all-gather-unsupported"  # tied weight, CPU offload, tensor parallelism, dim-1 sharding, ...
+OFF = "bf16-all-gather-configured"  # fp8_all_gather=False
 
 
 class _Fp8Shard(torch.Tensor):
@@ -162,7 +163,7 @@ class Fp8Gather:
     once where the caller knows it is such a point (the root's first call), else after the next optimizer step,
     where a training iteration ends; `set` switches at once (tests, and the end of the run)."""
 
-    def __init__(self, root: nn.Module, layers: dict[str, nn.Module], recipe: str) -> None:
+    def __init__(self, root: nn.Module, layers: dict[str, nn.Module], recipe: str, enabled: bool = True) -> None:
         by_layer = {id(p._module_info.module): (owner, p) for owner, p in _fsdp_params(root)
                     if p._module_info.param_name == "weight"}
         self.rules: dict[str, str] = {}
@@ -172,6 +173,9 @@ class Fp8Gather:
             if id(layer) not in by_layer:
                 continue  # not sharded by FSDP2 (DDP, or a layer outside every fully_shard)
             owner, param = by_layer[id(layer)]
+            if not enabled:
+                self.rules[name] = OFF
+                continue
             why = "rowwise scaling casts the weight per row and per column" if recipe != "tensorwise" else \
                 _why_not(layer, param)
             self.rules[name] = FP8_GATHER if why is None else ROWWISE if recipe != "tensorwise" else UNSUPPORTED
@@ -209,8 +213,7 @@ class Fp8Gather:
         """Switch now, on every rank alike, with no backward pending. Parameters held unsharded (the root's, after a
         forward without backward) are resharded first, through FSDP2's public `reshard`."""
         self.wanted = on
-        if on == self.on or not self._params:
-            self.on = on
+        if on == self.on or not self._params:  # nothing to gather in FP8: stays off
             return
         for owner in {id(o): o for o, p in self._params if not _sharded(p)}.values():
             owner.reshard()

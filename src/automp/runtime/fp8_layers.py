@@ -87,7 +87,8 @@ class Fp8Layers:
                                     "rules": fp8_choice.summary(choices),
                                     "layers": {n: c.as_dict() for n, c in choices.items()}}
         if shared and chosen:
-            gather = fp8_gather.Fp8Gather(module, {n: layers[n] for n in chosen}, recipe)
+            gather = fp8_gather.Fp8Gather(module, {n: layers[n] for n in chosen}, recipe,
+                                          enabled=self.config.fp8_all_gather)
             if gather.rules:  # FSDP2 shards some of them
                 self.gathers[label] = gather
                 self.recorder.fp8[label]["all_gather"] = {"rules": gather.summary(),

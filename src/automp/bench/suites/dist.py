@@ -14,6 +14,8 @@ Modes (AdamW lr 1e-4 everywhere, the same recipe, so the losses compare):
                       wrapping, then the bf16-compile loop
   automp-bf16         the plain FP32 loop over the wrapped model with automp.enable(dtype=...) before and
   automp-fp8          automp.disable() after; warm-up until automp has settled on every rank
+  automp-fp8-bf16-gather  automp-fp8 with fp8_all_gather=False (FSDP2 gathers the FP8 layers' weights in bf16): what
+                      the FP8 all-gather gains, in the same run (not in the default --modes)
 Modes run one after another (built, warmed up, timed in --blocks blocks of --steps steps, freed). Per block the
 slowest rank's time counts; step_ms is the median block's mean step time, spread the fastest and slowest block.
 tokens_per_s_per_gpu = one rank's tokens per step / step time; scaling_eff = that at N GPUs / at 1 GPU (same model
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from automp.bench.dist_worker import MODELS, MODES, ROW_KEYS
+from automp.bench.dist_worker import DEFAULT_MODES, MODELS, MODES, ROW_KEYS
 from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
 from automp.files import write_json_and_markdown
 
@@ -94,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="automp bench dist", description=__doc__.splitlines()[0])
     p.add_argument("--gpus", default="1,2", help="comma-separated world sizes, one torchrun launch each")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--layers-d2048", type=int, default=16, help="llama-d2048-ddp's decoder layers")
     p.add_argument("--layers-d4096", type=int, default=4, help="llama-d4096-fsdp2's decoder layers")
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
