@@ -95,6 +95,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
 
 def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
     """One line: how each root module ran, from the report's paths and rules (never its reason strings)."""
+    from automp.precision.fp8_gather import FP8_GATHER
     low = _SHORT.get(report.get("dtype", ""), report.get("dtype", ""))
     parts = []
     for choice in report.get("choices", []):
@@ -106,7 +107,7 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
         else:
             fp8 = report.get("fp8", {}).get(module) if path.startswith("fp8-") else None
             layers = f", {fp8['fp8_layers']} of {fp8['layers_seen']} linear layers FP8" if fp8 else ""
-            gathered = (fp8 or {}).get("all_gather", {}).get("rules", {}).get("fp8-all-gather")
+            gathered = (fp8 or {}).get("all_gather", {}).get("rules", {}).get(FP8_GATHER)
             layers += f", {gathered} all-gathered in FP8" if gathered else ""
             parts.append(f"{module} {path}" + ("" if path == "fp32-eager" else f" ({low}{layers})"))
     line = "; ".join(parts) or "no module ran under automp (none was called as model(x) while it was on)"

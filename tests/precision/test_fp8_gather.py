@@ -36,18 +36,25 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
+def _fsdp(model: nn.Module, mesh, bf16: bool = True, **block_options) -> None:
+    """fully_shard on the two blocks (with `block_options`), then on the root; under a bf16 MixedPrecisionPolicy
+    unless bf16=False (FP32 parameters gathered as FP32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
+    for block in model[:2]:
+        fully_shard(block, mesh=mesh, **policy, **block_options)
+    fully_shard(model, mesh=mesh, **policy)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
     gloo.join(rank, port, world_size=RANKS)
     mesh = init_device_mesh("cpu", (RANKS,))
 
     def run(gather: bool) -> dict:
         model, layers = _model("tensorwise")
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        for block in model[:2]:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        _fsdp(model, mesh)
         switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         other = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
@@ -96,9 +103,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         the middle block checkpointed (recomputed in backward), two micro-batches per optimizer step."""
         model, layers = _model("tensorwise")
         model[1] = _Checkpointed(model[1])
-        for block in model[:2]:
-            fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh)
+        _fsdp(model, mesh, bf16=False, reshard_after_forward=False)
         switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(20 + rank)
@@ -167,16 +172,13 @@ def test_layers_fsdp2_does_not_shard_are_left_alone():
 def _hsdp_worker(rank: int, port: int, out: str) -> None:
     """HSDP: 4 ranks as 2 replicas x 2 shards; each shard group all-reduces its own weights' amax."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
     gloo.join(rank, port, world_size=4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
     def run(gather: bool) -> tuple[list[float], list[str], dict[str, str]]:
         model, layers = _model("tensorwise")
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        for block in model[:2]:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        _fsdp(model, mesh)
         switch = fp8_gather.Fp8Gather(model, layers, "tensorwise")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(30 + rank)

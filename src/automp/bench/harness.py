@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from automp.files import check_writable, write_json_and_markdown
+from automp.precision.fp8_gather import FP8_GATHER
 from automp.timing import time_fn
 
 
@@ -160,7 +161,7 @@ def row_notes(row: dict[str, Any]) -> str:
         notes.append("paths: " + ", ".join(f"{k}={v}" for k, v in row["automp_paths"].items()))
     fp8 = row.get("fp8_layers")
     for module, per in (fp8.items() if isinstance(fp8, dict) else ()):  # the report's `fp8`, per model
-        gathered = per.get("all_gather", {}).get("rules", {}).get("fp8-all-gather")
+        gathered = per.get("all_gather", {}).get("rules", {}).get(FP8_GATHER)
         notes.append(f"{module}: {per.get('fp8_layers')} of {per.get('layers_seen')} layers FP8"
                      + (f", {gathered} all-gathered in FP8" if gathered else ""))
     if row.get("settled") is False:
