@@ -32,7 +32,7 @@ import automp.runtime.session as session
 from automp.runtime import compiled_paths
 from automp.bench.suites import zoo, zoo_interleave
 from automp.runtime.trial import Path, TrialConfig
-from automp.runtime.unread_outputs import detach_unread
+from automp.runtime.guards.unread_outputs import detach_unread
 from profile_dtype import CUDA, block, kernels  # the same block timing (scripts/ is on sys.path when run as a script)
 
 BLOCK, ROUNDS = 10, 3

@@ -1,7 +1,7 @@
 """Diagnostic: per-step wall time and graphs compiled of the zoo detector (or another zoo model) under
 automp (python scripts/detector_steps.py <path: auto|compile|eager|fp32|autocast-graphs> <steps> [model]): does a
 compiled detector keep recompiling as its proposals change, and where does automp's recompile watch
-(automp.runtime.recompile_watch) move it? Path `reduce-overhead`: no automp, the hand-written autocast loop compiled
+(automp.runtime.guards.recompile_watch) move it? Path `reduce-overhead`: no automp, the hand-written autocast loop compiled
 with torch.compile(mode="reduce-overhead"), to compare automp's CUDA-graph path with torch's own."""
 import sys
 import time

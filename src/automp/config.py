@@ -35,7 +35,7 @@ class AutoMPConfig:
     """dtype: "auto" (bf16 where supported, else fp16), "fp16", "bf16" or "fp8" (aliases float16/half/bfloat16/float8
     accepted, stored canonical). "fp8": bf16 everywhere, and FP8 GEMMs in the linear layers where the device's
     measured times predict a gain and FP8 stays accurate on the real batch, if the trial confirms it on the whole
-    step (automp.precision.fp8_choice); it needs FP8 tensor cores (compute capability 8.9+).
+    step (automp.precision.fp8.choice); it needs FP8 tensor cores (compute capability 8.9+).
     fp8_recipe: "tensorwise" (one scale per tensor; the fastest) or "rowwise" (a scale per row; more accurate with
     outliers), as torchao names them (automp.precision.fp8).
     fp8_keep: linear layers that stay bf16 under dtype="fp8" whatever their measurements, as glob patterns over
@@ -47,7 +47,7 @@ class AutoMPConfig:
     a 1.2B Llama whose tied LM head ran FP8 trailed bf16's loss from step ~550 on, and tracked it with the head kept
     bf16 (BENCHMARKS.md, "FP8 loss parity").
     fp8_all_gather: under FSDP2, all-gather the FP8 layers' weights in FP8 once the model runs its FP8 path (the same
-    FP8 values, half the bytes of bf16; automp.precision.fp8_gather). Off: FSDP2 gathers them in its own dtype and
+    FP8 values, half the bytes of bf16; automp.precision.fp8.gather). Off: FSDP2 gathers them in its own dtype and
     they are cast after the gather, an escape hatch, since the FP8 gather works inside FSDP2's parameter objects.
     loss_scale: "dynamic", "off" (or None/0) or a positive constant (a number or a numeric string such as "1024");
     stored as "dynamic", None (off) or a float. Only fp16 uses it.
@@ -66,7 +66,7 @@ class AutoMPConfig:
     the faster (automp.runtime.tuning.conv_tuning); a script that set the flag itself is left alone.
     tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
     the script's layout, and keep the faster (automp.runtime.tuning.conv_layout); parameters keep their layout.
-    cuda_graphs: on CUDA, let the trial time autocast-compiled's graphs replayed as CUDA graphs (Path.GRAPHED); off
+    cuda_graphs: on CUDA, let the trial time autocast-compiled's graphs replayed as CUDA graphs (Route.GRAPHED); off
     for a script that needs the memory their pool takes.
     debug: print the tracebacks of graphs that fell back to FP32 (they are always listed in the report).
     rank, world_size: this process's place under torchrun (RANK, WORLD_SIZE), for per-rank report files."""
@@ -161,14 +161,6 @@ class AutoMPConfig:
         given = {f.name: getattr(args, f.name) for f in fields(cls)
                  if getattr(args, f.name, None) is not None}
         return cls.from_env(environ, **given)
-
-    @functools.cached_property  # read at every module call: looked up once
-    def forced_path(self) -> Any:
-        """The runtime's Path this configuration forces, or None for "auto" (a trial decides)."""
-        from automp.runtime.trial import Path
-        return {"auto": None, "compile": Path.COMPILED, "eager": Path.EAGER_LOW, "fp32": Path.FP32,
-                "autocast-compile": Path.COMPILED_AUTOCAST, "autocast-graphs": Path.GRAPHED,
-                "fp8-compile": Path.FP8_COMPILED, "fp8-graphs": Path.FP8_GRAPHED}[self.path]
 
     def low_dtype(self, device: Any = None) -> Any:
         """The torch dtype low precision means on `device`: "auto" is bf16 (no loss scaling needed, fp32 range)

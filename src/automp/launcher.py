@@ -44,7 +44,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
     if unreadable is not None:
         return unreadable
     from automp.runtime.fp8_layers import Fp8Unavailable
-    from automp.runtime.rank_watch import RankWatch
+    from automp.runtime.guards.rank_watch import RankWatch
     # the session writes no report of its own: the launcher writes the command line's once, at the end
     try:
         automp.enable(dataclasses.replace(config, report=None))
@@ -95,7 +95,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
 
 def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
     """One line: how each root module ran, from the report's paths and rules (never its reason strings)."""
-    from automp.precision.fp8_gather import FP8_GATHER
+    from automp.precision.fp8.gather import FP8_GATHER
     low = _SHORT.get(report.get("dtype", ""), report.get("dtype", ""))
     parts = []
     for choice in report.get("choices", []):

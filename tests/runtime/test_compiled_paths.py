@@ -78,9 +78,9 @@ def test_a_model_that_ran_a_trial_is_freed_after_disable(monkeypatch):
     import gc
     import weakref
 
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
 
-    paths = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
+    paths = [Route.EAGER_LOW, Route.COMPILED, Route.COMPILED_AUTOCAST, Route.GRAPHED, Route.FP32]
     inject(monkeypatch, candidates=lambda device, low: (paths, "test: every path"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -163,8 +163,8 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     """A new input shape after the verdict (padded batches of another length) would be recorded again as CUDA graphs
     for every shape: the module moves to the same graphs without them, and the cache keeps that. A path the user
     forced stays."""
-    from automp.runtime.trial import Path
-    inject(monkeypatch, candidates=lambda device, low: ([Path.GRAPHED], "test: one candidate"))
+    from automp.runtime.decisions import Route
+    inject(monkeypatch, candidates=lambda device, low: ([Route.GRAPHED], "test: one candidate"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     automp.enable(dtype="bf16", cache_dir=str(tmp_path), path="autocast-graphs" if forced else "auto")
@@ -173,14 +173,14 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     root = automp._session.roots[net]
     rep = automp.disable()
     if forced:
-        assert root.path is Path.GRAPHED and [c["path"] for c in rep["choices"]] == ["autocast-graphed"]
+        assert root.path is Route.GRAPHED and [c["path"] for c in rep["choices"]] == ["autocast-graphed"]
         return
-    assert root.path is Path.COMPILED_AUTOCAST and root.graphed is None
+    assert root.path is Route.COMPILED_AUTOCAST and root.graphed is None
     (choice,) = rep["choices"]  # the module's latest choice, with why
     assert choice["path"] == "autocast-compiled" and "recorded again for every shape" in choice["reason"]
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))  # the next run starts without CUDA graphs
     net(torch.randn(8, 16))
-    assert automp._session.roots[net].path is Path.COMPILED_AUTOCAST
+    assert automp._session.roots[net].path is Route.COMPILED_AUTOCAST
     automp.disable()
 
 
@@ -189,10 +189,10 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
 def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_their_pool(monkeypatch, tmp_path, share,
                                                                                        tried):
     from automp.runtime import compiled_paths
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
     total = 80 * 2**30
     monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int(share * total), total))
-    inject(monkeypatch, candidates=lambda device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))
@@ -202,7 +202,7 @@ def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_the
             break
     built = automp._session.roots[net].graphs
     rep = automp.disable()
-    assert (Path.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
+    assert (Route.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
     assert ("CUDA graphs keep a memory pool of their own" in rep["choices"][0]["reason"]) == (not tried)
     assert built == (2 if tried else 1)  # never compiled when it does not fit
 
@@ -214,15 +214,15 @@ def test_graphs_fit_names_the_memory_it_found():
 
 
 def _two_candidates(monkeypatch):
-    from automp.runtime.trial import Path
-    inject(monkeypatch, candidates=lambda device, low: ([Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: two candidates"))
+    from automp.runtime.decisions import Route
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
 
 
 @pytest.mark.usefixtures("eager_inductor")
 def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch, tmp_path):
     """A GAN: cudagraph trees reuse one module's graph memory when the other's backward runs (the zoo's DCGAN crashed
     on an H100), so neither module's trial builds CUDA graphs."""
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
     _two_candidates(monkeypatch)
     torch.manual_seed(0)
     gen, disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 1))
@@ -234,25 +234,25 @@ def test_cuda_graphs_are_not_tried_for_two_modules_trained_together(monkeypatch,
         if automp.settled():
             break
     roots = automp._session.roots
-    assert all(r.graphed is None and r.path is Path.COMPILED_AUTOCAST for r in roots.values())
+    assert all(r.graphed is None and r.path is Route.COMPILED_AUTOCAST for r in roots.values())
     rep = automp.disable()
-    assert all(Path.GRAPHED.value not in c["timings_ms"] and "run under automp together" in c["reason"]
+    assert all(Route.GRAPHED.value not in c["timings_ms"] and "run under automp together" in c["reason"]
                for c in rep["choices"])
 
 
 @pytest.mark.usefixtures("eager_inductor")
 def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
     _two_candidates(monkeypatch)
-    inject(monkeypatch, candidates=lambda device, low: ([Path.GRAPHED], "test"))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.GRAPHED], "test"))
     torch.manual_seed(0)
     net, head = nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 4)
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))
     net(torch.randn(8, 16)).sum().backward()
     first = automp._session.roots[net]
-    assert first.path is Path.GRAPHED
+    assert first.path is Route.GRAPHED
     head(net(torch.randn(8, 16))).sum().backward()
-    assert first.path is Path.COMPILED_AUTOCAST and first.graphed is None
+    assert first.path is Route.COMPILED_AUTOCAST and first.graphed is None
     assert "run under automp together" in first.verdict.reason
     automp.disable()
 
@@ -261,9 +261,9 @@ def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
 def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     """Under DDP every rank runs rank 0's path; the memory check and the moves off CUDA graphs are a rank's own."""
     import automp.runtime.session as session
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
     inject(monkeypatch, candidates=lambda device, low: (
-        [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
+        [Route.EAGER_LOW, Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: three candidates"))
     monkeypatch.setattr(session, "distributed", lambda: True)
     monkeypatch.setattr(session, "lockstep", lambda module: type(module) is nn.Sequential)
     monkeypatch.setattr(session, "rank0_start", lambda cached, candidates, why: (cached, candidates, why))
@@ -272,7 +272,7 @@ def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))
     net(torch.randn(8, 16)).sum().backward()
     root = automp._session.roots[net]
-    assert root.lockstep and root.trial.candidates == [Path.EAGER_LOW, Path.COMPILED_AUTOCAST]
+    assert root.lockstep and root.trial.candidates == [Route.EAGER_LOW, Route.COMPILED_AUTOCAST]
     automp.disable()
 
 
@@ -281,10 +281,10 @@ def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
 def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkeypatch, tmp_path):
     """enable(cuda_graphs=False), for a script that needs the memory: no candidate, and no verdict of a run that had
     them (a different cache key); forcing them then is a contradiction, refused before anything is installed."""
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
     from automp.config import AutoMPConfig
     inject(monkeypatch, candidates=lambda device, low: (
-        [Path.EAGER_LOW, Path.COMPILED_AUTOCAST, Path.GRAPHED], "test: three candidates"))
+        [Route.EAGER_LOW, Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: three candidates"))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     keys = {}
@@ -293,7 +293,7 @@ def test_cuda_graphs_off_keeps_them_out_of_the_trial_and_of_the_cache_key(monkey
         net(torch.randn(8, 16)).sum().backward()
         root = automp._session.roots[net]
         keys[graphs] = root.key
-        assert (Path.GRAPHED in root.trial.candidates) == graphs
+        assert (Route.GRAPHED in root.trial.candidates) == graphs
         automp.disable()
     assert keys[True] != keys[False]
     with pytest.raises(ValueError, match="cuda_graphs=False"):

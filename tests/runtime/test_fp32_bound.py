@@ -11,7 +11,8 @@ from automp.runtime import fp32_bound
 from automp.runtime.fp32_bound import Fp32Floor, GemmCount
 from automp.runtime.paths import CalibratedCandidates
 from automp.runtime.session import Session
-from automp.runtime.trial import Path, TrialConfig
+from automp.runtime.decisions import Route
+from automp.runtime.trial import TrialConfig
 
 from .sessions import candidates
 
@@ -64,7 +65,7 @@ def test_a_root_with_parameters_that_are_not_fp32_is_not_bounded():
     net[0].to(torch.bfloat16)  # a frozen half-precision part runs low precision as written too
     count = GemmCount()
     count.run(net, lambda: net[2](torch.relu(net[0](x.bfloat16()).float())))
-    record, why = Fp32Floor(1.0).judge(count, 1, 0.001, 1, 1.3, Path.EAGER_LOW.value)
+    record, why = Fp32Floor(1.0).judge(count, 1, 0.001, 1, 1.3, Route.EAGER_LOW.value)
     assert record == {"rule": fp32_bound.MIXED_PARAMETERS} and why is None
 
 
@@ -74,18 +75,18 @@ def test_a_root_with_parameters_that_are_not_fp32_is_not_bounded():
 def test_the_bound_against_give_up_times_the_iteration_after_the_count(tflops, seconds, rule):
     count = GemmCount()
     count.forward, count.backward = 2 * FORWARD, 2 * BACKWARD  # two iterations counted, three timed after them
-    record, why = Fp32Floor(tflops).judge(count, 2, 3 * seconds, 3, 1.3, Path.EAGER_LOW.value)
+    record, why = Fp32Floor(tflops).judge(count, 2, 3 * seconds, 3, 1.3, Route.EAGER_LOW.value)
     assert record["rule"] == rule and (why is not None) == (rule == fp32_bound.RULED_OUT)
     assert record["forward_gemm_flops"] == FORWARD and record["backward_gemm_flops"] == BACKWARD
     assert record["bound_ms"] == pytest.approx(1e3 * (FORWARD + BACKWARD) / (tflops * 1e12))
-    assert record["against_ms"] == pytest.approx(1e3 * seconds) and record["against"] == Path.EAGER_LOW.value
+    assert record["against_ms"] == pytest.approx(1e3 * seconds) and record["against"] == Route.EAGER_LOW.value
 
 
 def test_fp32_matmuls_in_tf32_are_not_bounded_by_the_fp32_rate(monkeypatch):
     monkeypatch.setattr(fp32_bound, "plain_fp32_matmuls", lambda: False)
     count = GemmCount()
     count.forward = 1e15
-    record, _ = Fp32Floor(1.0).judge(count, 1, 0.001, 1, 1.3, Path.EAGER_LOW.value)
+    record, _ = Fp32Floor(1.0).judge(count, 1, 0.001, 1, 1.3, Route.EAGER_LOW.value)
     assert record == {"rule": fp32_bound.REDUCED_PRECISION}
 
 
@@ -105,7 +106,7 @@ def test_the_calibrated_rate_is_the_fastest_fp32_bucket_on_cuda_only_and_never_a
 
 
 # per-iteration cost of each path on the fake clock: FP32 eager is the fastest, were it run
-COST = {Path.EAGER_LOW: 0.010, Path.COMPILED: 0.008, Path.FP32: 0.005}
+COST = {Route.EAGER_LOW: 0.010, Route.COMPILED: 0.008, Route.FP32: 0.005}
 
 
 def _run_script(monkeypatch, paths, tflops: float, iterations: int, first_extra: float = 1.0):
@@ -133,20 +134,20 @@ def _run_script(monkeypatch, paths, tflops: float, iterations: int, first_extra:
     return ran, report
 
 
-@pytest.mark.parametrize("paths", [[Path.EAGER_LOW, Path.COMPILED, Path.FP32], [Path.FP32, Path.EAGER_LOW]])
+@pytest.mark.parametrize("paths", [[Route.EAGER_LOW, Route.COMPILED, Route.FP32], [Route.FP32, Route.EAGER_LOW]])
 def test_fp32_eager_bounded_above_a_low_precision_iteration_never_runs(monkeypatch, fresh_session, paths):
     """22.5 kFLOP per iteration at 1e-6 TFLOP/s: at least 22.5 ms, over 1.3x low precision eager's 10 ms (its second
     warm-up iteration: the counted first one took a second here, as a process's first iteration does). FP32 eager is
     neither warmed up, timed nor re-measured (the confirmation has no FP32 timing to re-measure), even where the
     candidates list it first (a CPU's order): low precision eager warms up before it."""
     ran, report = _run_script(monkeypatch, paths, tflops=1e-6, iterations=80)
-    assert Path.FP32 not in ran and ran[0] is Path.EAGER_LOW
+    assert Route.FP32 not in ran and ran[0] is Route.EAGER_LOW
     (choice,) = report["choices"]
-    assert choice["path"] == (Path.COMPILED if Path.COMPILED in paths else Path.EAGER_LOW).value
-    assert Path.FP32.value not in choice["timings_ms"]
-    assert choice["confirmed"] == (Path.COMPILED in paths)  # re-measured against low precision eager only
-    bound = choice["bounds"][Path.FP32.value]
-    assert bound["rule"] == fp32_bound.RULED_OUT and bound["against"] == Path.EAGER_LOW.value
+    assert choice["path"] == (Route.COMPILED if Route.COMPILED in paths else Route.EAGER_LOW).value
+    assert Route.FP32.value not in choice["timings_ms"]
+    assert choice["confirmed"] == (Route.COMPILED in paths)  # re-measured against low precision eager only
+    bound = choice["bounds"][Route.FP32.value]
+    assert bound["rule"] == fp32_bound.RULED_OUT and bound["against"] == Route.EAGER_LOW.value
     assert (bound["forward_gemm_flops"], bound["backward_gemm_flops"], bound["fp32_tflops"]) == (FORWARD, BACKWARD,
                                                                                                  1e-6)
     assert bound["bound_ms"] == pytest.approx(1e3 * (FORWARD + BACKWARD) / 1e6)
@@ -154,11 +155,11 @@ def test_fp32_eager_bounded_above_a_low_precision_iteration_never_runs(monkeypat
 
 
 def test_fp32_eager_within_the_bound_still_runs_and_wins(monkeypatch, fresh_session):
-    ran, report = _run_script(monkeypatch, [Path.EAGER_LOW, Path.COMPILED, Path.FP32], tflops=1.0, iterations=80)
-    assert Path.FP32 in ran
+    ran, report = _run_script(monkeypatch, [Route.EAGER_LOW, Route.COMPILED, Route.FP32], tflops=1.0, iterations=80)
+    assert Route.FP32 in ran
     (choice,) = report["choices"]
-    assert choice["path"] == Path.FP32.value
-    assert choice["bounds"][Path.FP32.value]["rule"] == fp32_bound.NOT_RULED_OUT
+    assert choice["path"] == Route.FP32.value
+    assert choice["bounds"][Route.FP32.value]["rule"] == fp32_bound.NOT_RULED_OUT
 
 
 def test_a_count_that_fails_keeps_fp32_eager_and_says_so(monkeypatch, fresh_session):
@@ -166,10 +167,10 @@ def test_a_count_that_fails_keeps_fp32_eager_and_says_so(monkeypatch, fresh_sess
         raise RuntimeError("no formula for this")
 
     monkeypatch.setitem(flop_registry, torch.ops.aten.addmm, broken)
-    ran, report = _run_script(monkeypatch, [Path.EAGER_LOW, Path.FP32], tflops=1e-6, iterations=40)
-    assert Path.FP32 in ran
+    ran, report = _run_script(monkeypatch, [Route.EAGER_LOW, Route.FP32], tflops=1e-6, iterations=40)
+    assert Route.FP32 in ran
     (choice,) = report["choices"]
-    assert choice["path"] == Path.FP32.value
-    assert choice["bounds"][Path.FP32.value] == {"rule": fp32_bound.UNCOUNTED,
+    assert choice["path"] == Route.FP32.value
+    assert choice["bounds"][Route.FP32.value] == {"rule": fp32_bound.UNCOUNTED,
                                                  "error": "RuntimeError: no formula for this"}
     assert "could not be counted" in choice["reason"]

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from tests import gloo
-from tests.precision.test_fp8 import needs_scaled_mm
+from tests.precision.fp8.test_layers import needs_scaled_mm
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -17,7 +17,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import automp
-    from automp.precision.fp8_table import Fp8Table, Fp8Timing, bucket
+    from automp.precision.fp8.table import Fp8Table, Fp8Timing, bucket
     from automp.runtime import session as sessions
     from automp.runtime.fp8_layers import Fp8Layers
     os.environ["AUTOMP_INNER"] = "eager"

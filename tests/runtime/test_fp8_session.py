@@ -6,13 +6,14 @@ import torch
 import torch.nn as nn
 
 import automp
-from automp.precision import fp8, fp8_choice
-from automp.precision.fp8_table import Fp8Table, Fp8Timing, bucket
+from automp.precision.fp8 import choice as fp8_choice
+from automp.precision.fp8 import layers as fp8
+from automp.precision.fp8.table import Fp8Table, Fp8Timing, bucket
 from automp.runtime import session as sessions
-from automp.runtime.fp8_guard import NONFINITE
+from automp.precision.fp8.guard import NONFINITE
 from automp.runtime.fp8_layers import Fp8Layers
-from automp.runtime.trial import Path
-from tests.precision.test_fp8 import needs_scaled_mm
+from automp.runtime.decisions import Route
+from tests.precision.fp8.test_layers import needs_scaled_mm
 
 
 def fake_table(device, shapes, recipe, cache_dir):
@@ -65,7 +66,7 @@ def test_forced_fp8_path_runs_the_chosen_layers_in_fp8_and_reports_each(fp8_devi
     assert {n: c["rule"] for n, c in layers.items()} == {"0": fp8_choice.NO_GAIN, "2": fp8_choice.FP8,
                                                          "4": fp8_choice.FP8}
     assert layers["2"]["shape"] == [48, 64, 128] and 0 < layers["2"]["measured_error"] < fp8_choice.MAX_ERROR
-    assert report["choices"][0]["path"] == Path.FP8_COMPILED.value
+    assert report["choices"][0]["path"] == Route.FP8_COMPILED.value
     assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Linear", "GELU", "Linear"]
     assert sorted(model.state_dict()) == keys
 
@@ -77,7 +78,7 @@ def test_a_trial_times_the_fp8_step_against_its_bf16_twin(fp8_device, tmp_path) 
     try:
         model(x).sum().backward()
         trial = next(iter(automp._session.roots.values())).trial
-        assert trial.candidates == [Path.COMPILED_AUTOCAST, Path.FP8_COMPILED]
+        assert trial.candidates == [Route.COMPILED_AUTOCAST, Route.FP8_COMPILED]
         assert "2 linear layer(s) predicted faster in FP8" in trial.note
     finally:
         automp.disable()
@@ -98,7 +99,7 @@ def test_a_nan_loss_is_skipped_and_the_run_goes_back_to_bf16(fp8_device, tmp_pat
             changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
             assert all(changed) if step != 1 else not any(changed)  # the NaN step left the weights as they were
         root = next(iter(automp._session.roots.values()))
-        assert root.path is Path.COMPILED_AUTOCAST  # the bf16 twin from the step after the NaN
+        assert root.path is Route.COMPILED_AUTOCAST  # the bf16 twin from the step after the NaN
     finally:
         report = automp.disable()
     assert report["fp8_fallback"]["rule"] == NONFINITE and report["fp8_fallback"]["step"] == 1

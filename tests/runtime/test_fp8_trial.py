@@ -2,47 +2,48 @@
 do not fit giving way to the same paths without them."""
 import pytest
 
-from automp.runtime.trial import BF16_TWIN, WITHOUT_GRAPHS, Path, Trial, TrialConfig
+from automp.runtime.decisions import BF16_TWIN, Route, WITHOUT_GRAPHS
+from automp.runtime.trial import Trial, TrialConfig
 from tests.runtime.test_trial import FakeClock, run_until_verdict
 
 
 @pytest.mark.parametrize("fp8_ms, wins", [(9.0, True), (9.9, False), (11.0, False)])
 def test_fp8_must_beat_its_bf16_twin_by_more_than_the_margin(fp8_ms: float, wins: bool) -> None:
     """FP8 changes numerics: 1% faster than bf16 is noise (TrialConfig.anchor_margin, 3%), 10% is a gain."""
-    cost = {Path.GRAPHED: 0.010, Path.FP8_GRAPHED: fp8_ms / 1e3}
-    trial, _ = run_until_verdict(cost, TrialConfig(give_up=10.0), later=[Path.GRAPHED, Path.FP8_GRAPHED])
-    assert trial.verdict.path is (Path.FP8_GRAPHED if wins else Path.GRAPHED)
+    cost = {Route.GRAPHED: 0.010, Route.FP8_GRAPHED: fp8_ms / 1e3}
+    trial, _ = run_until_verdict(cost, TrialConfig(give_up=10.0), later=[Route.GRAPHED, Route.FP8_GRAPHED])
+    assert trial.verdict.path is (Route.FP8_GRAPHED if wins else Route.GRAPHED)
     if fp8_ms == 9.9:
         assert "stays bf16" in trial.verdict.reason
 
 
 def test_graphs_that_do_not_fit_give_way_to_the_same_paths_without_them() -> None:
-    cost = {Path.COMPILED_AUTOCAST: 0.010, Path.FP8_COMPILED: 0.008}
+    cost = {Route.COMPILED_AUTOCAST: 0.010, Route.FP8_COMPILED: 0.008}
     clock = FakeClock(cost)
-    trial = Trial([Path.GRAPHED, Path.FP8_GRAPHED], TrialConfig(give_up=10.0), clock, lambda: None,
-                  later=[Path.GRAPHED, Path.FP8_GRAPHED])
-    assert trial.current is Path.GRAPHED
+    trial = Trial([Route.GRAPHED, Route.FP8_GRAPHED], TrialConfig(give_up=10.0), clock, lambda: None,
+                  later=[Route.GRAPHED, Route.FP8_GRAPHED])
+    assert trial.current is Route.GRAPHED
     trial.substitute(WITHOUT_GRAPHS, "no room for graphs")
-    assert trial.candidates == [Path.COMPILED_AUTOCAST, Path.FP8_COMPILED]
-    assert trial.current is Path.COMPILED_AUTOCAST
+    assert trial.candidates == [Route.COMPILED_AUTOCAST, Route.FP8_COMPILED]
+    assert trial.current is Route.COMPILED_AUTOCAST
     for _ in range(100):
         if trial.verdict is not None:
             break
         clock.run(trial)
-    assert trial.verdict.path is Path.FP8_COMPILED and "no room for graphs" in trial.verdict.reason
-    assert set(trial.verdict.timings_ms) == {Path.COMPILED_AUTOCAST.value, Path.FP8_COMPILED.value}
+    assert trial.verdict.path is Route.FP8_COMPILED and "no room for graphs" in trial.verdict.reason
+    assert set(trial.verdict.timings_ms) == {Route.COMPILED_AUTOCAST.value, Route.FP8_COMPILED.value}
 
 
 def test_a_timed_path_cannot_be_substituted() -> None:
-    cost = {Path.GRAPHED: 0.010, Path.FP8_GRAPHED: 0.008}
+    cost = {Route.GRAPHED: 0.010, Route.FP8_GRAPHED: 0.008}
     clock = FakeClock(cost)
     trial = Trial(list(cost), TrialConfig(give_up=10.0, measure=4), clock, lambda: None)
-    while not trial.samples[Path.GRAPHED]:
+    while not trial.samples[Route.GRAPHED]:
         clock.run(trial)
     with pytest.raises(ValueError, match="already timed"):
         trial.substitute(WITHOUT_GRAPHS, "too late")
 
 
 def test_every_fp8_path_has_a_bf16_twin_without_fp8() -> None:
-    assert set(BF16_TWIN) == {Path.FP8_COMPILED, Path.FP8_GRAPHED}
+    assert set(BF16_TWIN) == {Route.FP8_COMPILED, Route.FP8_GRAPHED}
     assert all("fp8" not in twin.value for twin in BF16_TWIN.values())

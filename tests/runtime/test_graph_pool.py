@@ -156,8 +156,8 @@ def test_pool_kept_where_the_script_has_cuda_graphs_of_its_own(monkeypatch, rese
 def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp_path):
     """A training call that recompiles after the verdict moves the module off CUDA graphs: their pool is given back
     once the last graphed backward's gradients are gone, and the report says so."""
-    from automp.runtime.trial import Path
-    inject(monkeypatch, candidates=lambda device, low: ([Path.GRAPHED], "test: one candidate"))
+    from automp.runtime.decisions import Route
+    inject(monkeypatch, candidates=lambda device, low: ([Route.GRAPHED], "test: one candidate"))
     R = graph_pool.Release
     outcomes = iter([R.PENDING, R.PENDING, R.RELEASED])
     attempts = []
@@ -168,7 +168,7 @@ def test_session_gives_the_pool_back_when_it_leaves_cuda_graphs(monkeypatch, tmp
     for rows in (8, 8, 12, 12, 12):
         net(torch.randn(rows, 16)).pow(2).mean().backward()
     session = automp._session
-    assert session.roots[net].path is Path.COMPILED_AUTOCAST and session.paths.releasing is None
+    assert session.roots[net].path is Route.COMPILED_AUTOCAST and session.paths.releasing is None
     rep = automp.disable()
     assert len(attempts) == 3
     (setting,) = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
@@ -218,10 +218,11 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
     """The caching allocator keeps the other candidates' activations; CUDA graphs' pool cannot reuse them, so they are
     given back before the graphs' first call in a trial, and again once the graphs win (they do not come back)."""
     from automp.runtime import compiled_paths
-    from automp.runtime.trial import Path, TrialConfig
+    from automp.runtime.decisions import Route
+    from automp.runtime.trial import TrialConfig
     from automp.config import AutoMPConfig
     from automp.runtime.session import Session
-    cost = {Path.FP32: 0.030, Path.GRAPHED: 0.010}
+    cost = {Route.FP32: 0.030, Route.GRAPHED: 0.010}
     released = []
     monkeypatch.setattr(compiled_paths, "release_cached", lambda device: released.append(device))
     monkeypatch.setattr(graph_pool.PoolRelease, "attempt", lambda self: graph_pool.Release.RELEASED)
@@ -236,7 +237,7 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
             out = net(x)
             root = session.roots[net]
             path = root.trial.current if root.path is None else root.path
-            if path is Path.GRAPHED and first_graphed is None:
+            if path is Route.GRAPHED and first_graphed is None:
                 first_graphed, before = i, len(released)
             if root.path is not None and decided_at is None:
                 decided_at, at_verdict = i, len(released)
@@ -244,6 +245,6 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
             out.sum().backward()
     finally:
         session.uninstall()
-    assert root.path is Path.GRAPHED
+    assert root.path is Route.GRAPHED
     assert before == 1  # on the graphed candidate's first call, before it ran
     assert at_verdict == 2 and len(released) == 2  # once more at its verdict, and never again

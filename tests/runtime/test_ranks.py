@@ -3,7 +3,7 @@ modules count as called in lockstep."""
 import torch.nn as nn
 
 from automp.runtime.ranks import lockstep
-from automp.runtime.trial import Path, Verdict
+from automp.runtime.decisions import Route, Verdict
 from tests import gloo
 
 
@@ -16,7 +16,7 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
     from automp.runtime.ranks import agreed
     gloo.join(rank, port, timeout_s=30)
     try:
-        mine = Path.COMPILED if rank == 0 else Path.EAGER_LOW  # the ranks measured different winners
+        mine = Route.COMPILED if rank == 0 else Route.EAGER_LOW  # the ranks measured different winners
         got = agreed(Verdict(mine, f"rank {rank} measured", {mine.value: 1.0}, confirmed=True))
         torch.save({"path": got.path.value, "reason": got.reason, "confirmed": got.confirmed},
                    os.path.join(out, f"{rank}.pt"))
@@ -26,7 +26,7 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
 
 def test_every_rank_runs_rank_0s_verdict(tmp_path):
     r0, r1 = gloo.spawn(_agree_worker, tmp_path)
-    assert r0["path"] == r1["path"] == Path.COMPILED.value
+    assert r0["path"] == r1["path"] == Route.COMPILED.value
     assert r0["reason"] == "rank 0 measured" and r1["reason"].startswith("rank 0's verdict")
     assert "rank 1 measured" in r1["reason"] and r1["confirmed"]
 

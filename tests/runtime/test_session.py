@@ -40,8 +40,8 @@ def test_script_with_its_own_autocast_runs_and_automp_steps_aside():
 
 
 def test_module_under_the_scripts_autocast_is_not_reported_as_an_unfinished_trial(monkeypatch):
-    from automp.runtime.trial import Path
-    inject(monkeypatch, candidates=lambda device, low: ([Path.FP32, Path.EAGER_LOW], "test: a trial"))
+    from automp.runtime.decisions import Route
+    inject(monkeypatch, candidates=lambda device, low: ([Route.FP32, Route.EAGER_LOW], "test: a trial"))
     net, x = nn.Linear(8, 8), torch.randn(4, 8)
     automp.enable(dtype="bf16")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -280,11 +280,12 @@ def test_session_switches_default_adam_to_fused_reports_it_and_disable_removes_t
 def test_compiled_paths_that_lose_the_trial_are_dropped(monkeypatch):
     """A trial compiles every candidate; the losers' graphs (and the device memory they hold) must not stay alive
     for the rest of the run beside the winner's."""
-    from automp.runtime.trial import Path, TrialConfig
+    from automp.runtime.decisions import Route
+    from automp.runtime.trial import TrialConfig
     from automp.config import AutoMPConfig
     from automp.runtime.session import Session
 
-    cost = {Path.FP32: 0.010, Path.COMPILED: 0.020, Path.COMPILED_AUTOCAST: 0.030}
+    cost = {Route.FP32: 0.010, Route.COMPILED: 0.020, Route.COMPILED_AUTOCAST: 0.030}
     now = [0.0]
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"),
                       trial_config=TrialConfig(give_up=10, give_up_first=10), clock=lambda: now[0],
@@ -300,7 +301,7 @@ def test_compiled_paths_that_lose_the_trial_are_dropped(monkeypatch):
             seen.add((root.compiled is not None, root.stock is not None))
             now[0] += cost[path]
             out.sum().backward()
-        assert root.path is Path.FP32
+        assert root.path is Route.FP32
         assert (True, True) in seen  # both compiled paths existed during the trial
         assert root.compiled is None and root.stock is None
     finally:

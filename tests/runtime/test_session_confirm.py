@@ -3,7 +3,8 @@ clock: the switch, the cache, a script that ends first, a GAN's two modules."""
 import torch
 import torch.nn as nn
 
-from automp.runtime.trial import Path, TrialConfig
+from automp.runtime.decisions import Route
+from automp.runtime.trial import TrialConfig
 from automp.config import AutoMPConfig
 from automp.runtime.session import Session
 
@@ -23,8 +24,8 @@ def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confir
     """The eager paths are slow in the script's first iterations (the trial) and fast afterwards: the trial chooses
     the compiled graphs, the confirmation puts the module on the eager path, and a second run starts there with
     nothing left to measure."""
-    cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.025, Path.COMPILED: 0.020}
-    steady = {Path.FP32: 0.030, Path.EAGER_LOW: 0.012, Path.COMPILED: 0.020}
+    cold = {Route.FP32: 0.030, Route.EAGER_LOW: 0.025, Route.COMPILED: 0.020}
+    steady = {Route.FP32: 0.030, Route.EAGER_LOW: 0.012, Route.COMPILED: 0.020}
 
     def run(calls: int):
         now = [0.0]
@@ -49,16 +50,16 @@ def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confir
 
     ran, settled_at, report = run(120)
     (choice,) = report["choices"]
-    assert choice["path"] == Path.EAGER_LOW.value and choice["confirmed"] and not choice["cached"]
+    assert choice["path"] == Route.EAGER_LOW.value and choice["confirmed"] and not choice["cached"]
     assert "re-measured in steady state" in choice["reason"] and "automp-compiled" in choice["reason"]
-    first_eager = ran.index(Path.COMPILED) + ran[ran.index(Path.COMPILED):].index(Path.EAGER_LOW)
-    assert ran[-1] is Path.EAGER_LOW and settled_at is not None and settled_at > first_eager
+    first_eager = ran.index(Route.COMPILED) + ran[ran.index(Route.COMPILED):].index(Route.EAGER_LOW)
+    assert ran[-1] is Route.EAGER_LOW and settled_at is not None and settled_at > first_eager
     ran2, settled2, report2 = run(5)  # the cached verdict is the confirmed one: no trial, no re-measurement
-    assert set(ran2) == {Path.EAGER_LOW} and settled2 == 0 and report2["choices"][0]["cached"]
+    assert set(ran2) == {Route.EAGER_LOW} and settled2 == 0 and report2["choices"][0]["cached"]
 
 
 def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(monkeypatch, fresh_session):
-    cost = {Path.FP32: 0.024, Path.EAGER_LOW: 0.020}  # FP32 within 25%: it is to be re-measured
+    cost = {Route.FP32: 0.024, Route.EAGER_LOW: 0.020}  # FP32 within 25%: it is to be re-measured
     now = [0.0]
     session = _clocked_session(now, cost)
     net, x = nn.Linear(16, 4), torch.randn(8, 16)
@@ -71,15 +72,15 @@ def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(m
     finally:
         report = session.uninstall()
     (choice,) = report["choices"]
-    assert choice["path"] == Path.EAGER_LOW.value and not choice["confirmed"]
+    assert choice["path"] == Route.EAGER_LOW.value and not choice["confirmed"]
     assert choice["reason"].endswith("not re-measured in steady state: the script ended first")
 
 
 def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fresh_session, tmp_path):
     """Two roots that shared a trial share its re-measurement, and so do their cached verdicts in the next run:
     every iteration runs one path for both, so each timed interval measures one path."""
-    cold = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020}
-    steady = {Path.FP32: 0.010, Path.EAGER_LOW: 0.020}  # FP32 is faster once warm
+    cold = {Route.FP32: 0.030, Route.EAGER_LOW: 0.020}
+    steady = {Route.FP32: 0.010, Route.EAGER_LOW: 0.020}  # FP32 is faster once warm
 
     def run(n: int):
         now = [0.0]
@@ -105,14 +106,14 @@ def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fre
         return iterations, report
 
     iterations, report = run(120)
-    assert {Path.FP32} in iterations and {Path.EAGER_LOW} in iterations
-    assert [c["path"] for c in report["choices"]] == [Path.FP32.value] * 2
+    assert {Route.FP32} in iterations and {Route.EAGER_LOW} in iterations
+    assert [c["path"] for c in report["choices"]] == [Route.FP32.value] * 2
     assert all(c["confirmed"] and "re-measured in steady state" in c["reason"] for c in report["choices"])
     # a run that ends after its trial but before the re-measurement caches unconfirmed verdicts ...
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "second"))
     _, report = run(25)
-    assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Path.EAGER_LOW.value, False)] * 2
+    assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Route.EAGER_LOW.value, False)] * 2
     # ... which the next run re-measures, both modules in one re-measurement
     iterations, report = run(80)
-    assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Path.FP32.value, True)] * 2
-    assert iterations[0] == {Path.EAGER_LOW} and iterations[-1] == {Path.FP32}
+    assert [(c["path"], c["confirmed"]) for c in report["choices"]] == [(Route.FP32.value, True)] * 2
+    assert iterations[0] == {Route.EAGER_LOW} and iterations[-1] == {Route.FP32}

@@ -22,13 +22,13 @@ def _ranks_worker(rank: int, port: int, out: str, kind: str) -> None:
 
     import torch.distributed as dist
 
-    from automp.runtime.trial import Path
+    from automp.runtime.decisions import Route
     from automp.config import AutoMPConfig
     from automp.runtime.session import Session
     os.environ["AUTOMP_CACHE_DIR"] = os.path.join(out, str(rank))
     gloo.join(rank, port, timeout_s=30)
     # rank 1 measures FP32 5x slower: alone, its trial would drop FP32 after one round and end earlier than rank 0's
-    cost = {Path.FP32: 0.024 if rank == 0 else 0.100, Path.EAGER_LOW: 0.020}
+    cost = {Route.FP32: 0.024 if rank == 0 else 0.100, Route.EAGER_LOW: 0.020}
     now, ran = [0.0], []
     net, x = _wrap(kind, nn.Linear(8, 4)), torch.randn(4, 8)
 
@@ -42,12 +42,12 @@ def _ranks_worker(rank: int, port: int, out: str, kind: str) -> None:
         for _ in range(iterations):
             net(x).sum().backward()  # DDP all-reduces, FSDP reduce-scatters the gradient: a rank still in its
             # trial would meet a broadcast there
-            now[0] += cost[Path(ran[-1])]
+            now[0] += cost[Route(ran[-1])]
         if rank == 0:  # an evaluation on rank 0 only: a module of its own, which must not wait for rank 1
             probe = nn.Linear(8, 2)
             for _ in range(40):
                 probe(x).sum().backward()
-                now[0] += cost[Path(ran[-1])]
+                now[0] += cost[Route(ran[-1])]
         dist.barrier()
         return {"ran": list(ran), "choices": session.uninstall()["choices"]}
 

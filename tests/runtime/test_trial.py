@@ -3,14 +3,15 @@ module is picked, and the re-measurement in steady state (the verdict cache: tes
 import pytest
 import torch
 
-from automp.runtime.trial import RECORD_LAST, Path, Trial, TrialConfig, Verdict, candidate_paths
+from automp.runtime.decisions import RECORD_LAST, Route, Verdict
+from automp.runtime.trial import Trial, TrialConfig, candidate_paths
 
 
 class FakeClock:
     """Advances by the cost of the path that ran since the last tick: the trial sees exactly those costs.
     Subclasses change `seconds` (compilation, drift)."""
 
-    def __init__(self, cost: dict[Path, float]):
+    def __init__(self, cost: dict[Route, float]):
         self.cost, self.now, self.steps = cost, 0.0, 0
 
     def __call__(self) -> float:
@@ -25,11 +26,11 @@ class FakeClock:
         self.steps += 1
 
 
-def run_until_verdict(cost: dict[Path, float], config: TrialConfig | None = None, limit: int = 100,
-                      clock: FakeClock | None = None, order: list[Path] | None = None, later=()):
+def run_until_verdict(cost: dict[Route, float], config: TrialConfig | None = None, limit: int = 100,
+                      clock: FakeClock | None = None, order: list[Route] | None = None, later=()):
     clock = clock or FakeClock(cost)
     trial = Trial(order or list(cost), config or TrialConfig(), clock, lambda: None, later=later)
-    ran: list[Path] = []
+    ran: list[Route] = []
     for _ in range(limit):
         if trial.verdict is not None:
             break
@@ -39,9 +40,9 @@ def run_until_verdict(cost: dict[Path, float], config: TrialConfig | None = None
 
 
 def test_fastest_path_wins_and_timings_are_the_measured_ones():
-    cost = {Path.EAGER_LOW: 0.010, Path.COMPILED: 0.007, Path.FP32: 0.012}
+    cost = {Route.EAGER_LOW: 0.010, Route.COMPILED: 0.007, Route.FP32: 0.012}
     trial, _ = run_until_verdict(cost, TrialConfig(give_up=10.0))
-    assert trial.verdict.path is Path.COMPILED
+    assert trial.verdict.path is Route.COMPILED
     assert trial.verdict.timings_ms == pytest.approx({p.value: 1e3 * c for p, c in cost.items()})
 
 
@@ -49,19 +50,19 @@ def test_warmup_iterations_are_not_timed():
     # the compiled path's first iterations include compilation: if they were timed, FP32 would win
     class Compiling(FakeClock):
         def seconds(self, trial):
-            first = trial.current is Path.COMPILED and self.steps < 2  # the compiled path's first two iterations
+            first = trial.current is Route.COMPILED and self.steps < 2  # the compiled path's first two iterations
             return 5.0 if first else self.cost[trial.current]
 
-    cost = {Path.COMPILED: 0.005, Path.FP32: 0.010}
+    cost = {Route.COMPILED: 0.005, Route.FP32: 0.010}
     trial, _ = run_until_verdict(cost, TrialConfig(give_up=100.0), clock=Compiling(cost))
-    assert trial.verdict.path is Path.COMPILED
-    assert max(trial.samples[Path.COMPILED]) == pytest.approx(0.005)
+    assert trial.verdict.path is Route.COMPILED
+    assert max(trial.samples[Route.COMPILED]) == pytest.approx(0.005)
 
 
 class OneOff(FakeClock):
     """`path`'s `nth` iteration, its first timed one, takes 1.8x its others (a compiled path's, seen on an H100)."""
 
-    def __init__(self, cost: dict[Path, float], path: Path, nth: int):
+    def __init__(self, cost: dict[Route, float], path: Route, nth: int):
         super().__init__(cost)
         self.path, self.nth, self.runs = path, nth, 0
 
@@ -75,30 +76,30 @@ class OneOff(FakeClock):
 
 
 def test_a_one_off_slow_first_sample_does_not_drop_the_fastest_path():
-    cost = {Path.EAGER_LOW: 0.0375, Path.COMPILED: 0.031, Path.FP32: 0.145}
-    trial, _ = run_until_verdict(cost, TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1, Path.FP32: 1},
+    cost = {Route.EAGER_LOW: 0.0375, Route.COMPILED: 0.031, Route.FP32: 0.145}
+    trial, _ = run_until_verdict(cost, TrialConfig(warmup={Route.EAGER_LOW: 1, Route.COMPILED: 1, Route.FP32: 1},
                                                    block=1),  # a sample of one iteration: the one-off undiluted
-                                 clock=OneOff(cost, Path.COMPILED, 2),  # after its one warm-up iteration
-                                 order=[Path.EAGER_LOW, Path.COMPILED, Path.FP32])
-    assert max(trial.samples[Path.COMPILED]) == pytest.approx(1.8 * 0.031)  # the one-off was timed
-    assert trial.verdict.path is Path.COMPILED and Path.COMPILED not in trial.abandoned
-    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1  # 3.9x: dropped after one round
+                                 clock=OneOff(cost, Route.COMPILED, 2),  # after its one warm-up iteration
+                                 order=[Route.EAGER_LOW, Route.COMPILED, Route.FP32])
+    assert max(trial.samples[Route.COMPILED]) == pytest.approx(1.8 * 0.031)  # the one-off was timed
+    assert trial.verdict.path is Route.COMPILED and Route.COMPILED not in trial.abandoned
+    assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 1  # 3.9x: dropped after one round
 
 
 def test_a_clear_loser_is_dropped_after_one_round():
-    cost = {Path.EAGER_LOW: 0.010, Path.FP32: 0.050}
+    cost = {Route.EAGER_LOW: 0.010, Route.FP32: 0.050}
     config = TrialConfig(measure=5, give_up=1.3)
     trial, ran = run_until_verdict(cost, config)
-    assert trial.verdict.path is Path.EAGER_LOW
-    assert len(trial.samples[Path.FP32]) == 1 and Path.FP32 in trial.abandoned
-    assert ran.count(Path.FP32) == 1 + config.block  # one warm-up, one timed sample
+    assert trial.verdict.path is Route.EAGER_LOW
+    assert len(trial.samples[Route.FP32]) == 1 and Route.FP32 in trial.abandoned
+    assert ran.count(Route.FP32) == 1 + config.block  # one warm-up, one timed sample
 
 
 class Pipelined(FakeClock):
     """Each path has host and device seconds per iteration. Right after a sync the device waits for the host:
     the iteration costs both; back to back they overlap and it costs the larger (a training loop's steady state)."""
 
-    def __init__(self, host: dict[Path, float], device: dict[Path, float]):
+    def __init__(self, host: dict[Route, float], device: dict[Route, float]):
         super().__init__({p: max(host[p], device[p]) for p in host})
         self.host, self.device, self.synced, self.syncs = host, device, True, 0
 
@@ -116,11 +117,11 @@ def test_a_sample_runs_its_iterations_back_to_back_as_the_script_will():
     # eager: launch-bound (9 ms host, 1 ms device); compiled: 2 ms host, 8 ms device. One synchronized iteration
     # costs 10 ms on both, so a trial of single synchronized iterations cannot tell them apart; back to back the
     # compiled path is 8 ms and eager 9 ms, and the trial's samples of two iterations see it.
-    host, device = {Path.EAGER_LOW: 0.009, Path.COMPILED: 0.002}, {Path.EAGER_LOW: 0.001, Path.COMPILED: 0.008}
+    host, device = {Route.EAGER_LOW: 0.009, Route.COMPILED: 0.002}, {Route.EAGER_LOW: 0.001, Route.COMPILED: 0.008}
     outcomes = {}
     for block in (1, 2, 4):
         clock = Pipelined(host, device)
-        trial = Trial([Path.EAGER_LOW, Path.COMPILED], TrialConfig(give_up=10.0, block=block), clock, clock.sync)
+        trial = Trial([Route.EAGER_LOW, Route.COMPILED], TrialConfig(give_up=10.0, block=block), clock, clock.sync)
         ticks = 0
         while trial.verdict is None and ticks < 200:
             clock.run(trial)
@@ -129,10 +130,10 @@ def test_a_sample_runs_its_iterations_back_to_back_as_the_script_will():
         # synchronized once per warm-up or sample (plus the first call), never inside a sample
         samples = sum(len(s) for s in trial.samples.values())
         assert clock.syncs == 1 + samples + len(trial.candidates)
-    assert outcomes[1][Path.COMPILED.value] == pytest.approx(outcomes[1][Path.EAGER_LOW.value])
+    assert outcomes[1][Route.COMPILED.value] == pytest.approx(outcomes[1][Route.EAGER_LOW.value])
     for block in (2, 4):  # (first iteration synchronized + the rest overlapped) / block
-        assert outcomes[block][Path.COMPILED.value] == pytest.approx((10 + 8 * (block - 1)) / block)
-        assert outcomes[block][Path.EAGER_LOW.value] == pytest.approx((10 + 9 * (block - 1)) / block)
+        assert outcomes[block][Route.COMPILED.value] == pytest.approx((10 + 8 * (block - 1)) / block)
+        assert outcomes[block][Route.EAGER_LOW.value] == pytest.approx((10 + 9 * (block - 1)) / block)
 
 
 def test_candidates_alternate_so_drift_hits_all_of_them():
@@ -141,78 +142,78 @@ def test_candidates_alternate_so_drift_hits_all_of_them():
         def seconds(self, trial):
             return self.cost[trial.current] * (1 + 0.02 * self.steps)
 
-    cost = {Path.EAGER_LOW: 0.010, Path.FP32: 0.0101}
+    cost = {Route.EAGER_LOW: 0.010, Route.FP32: 0.0101}
     trial, _ = run_until_verdict(cost, TrialConfig(give_up=100.0, fp32_margin=0.0), clock=Drifting(cost),
-                                 order=[Path.FP32, Path.EAGER_LOW])
-    assert trial.verdict.path is Path.EAGER_LOW
+                                 order=[Route.FP32, Route.EAGER_LOW])
+    assert trial.verdict.path is Route.EAGER_LOW
 
 
 def test_interval_is_timed_on_the_module_called_every_iteration():
     # module 7 is called once (say, a warm-up forward of a teacher); module 1 every iteration: after a few calls of
     # module 1 without module 7 the trial times module 1 and still reaches a verdict
-    clock = FakeClock({Path.EAGER_LOW: 0.01, Path.FP32: 0.02})
-    trial = Trial([Path.EAGER_LOW, Path.FP32], TrialConfig(), clock, lambda: None)
+    clock = FakeClock({Route.EAGER_LOW: 0.01, Route.FP32: 0.02})
+    trial = Trial([Route.EAGER_LOW, Route.FP32], TrialConfig(), clock, lambda: None)
     trial.tick(7)
     for _ in range(60):
         if trial.verdict:
             break
         clock.run(trial, member=1)
-    assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW
+    assert trial.verdict is not None and trial.verdict.path is Route.EAGER_LOW
 
 
-@pytest.mark.parametrize("contender", [Path.COMPILED, Path.GRAPHED])
+@pytest.mark.parametrize("contender", [Route.COMPILED, Route.GRAPHED])
 @pytest.mark.parametrize("lead, kept", [(0.01, True), (0.10, False)])
 def test_a_compiled_contender_must_beat_the_hand_written_path_by_more_than_the_noise(contender, lead, kept):
     # automp's own pass, or the same graphs replayed as CUDA graphs (a memory pool and fixed addresses): each is worth
     # it only where it clearly takes time away from autocast-compiled
-    cost = {contender: 0.100, Path.COMPILED_AUTOCAST: 0.100 * (1 + lead), Path.EAGER_LOW: 0.2}
+    cost = {contender: 0.100, Route.COMPILED_AUTOCAST: 0.100 * (1 + lead), Route.EAGER_LOW: 0.2}
     trial, _ = run_until_verdict(cost)
-    assert trial.verdict.path is (Path.COMPILED_AUTOCAST if kept else contender)
+    assert trial.verdict.path is (Route.COMPILED_AUTOCAST if kept else contender)
     assert ("hand-written loop's own path is kept" in trial.verdict.reason) == kept
     assert trial.verdict.timings_ms[contender.value] == pytest.approx(100.0)  # the measured timings, unchanged
 
 
 def test_cuda_graphs_are_a_candidate_on_cuda_only():
-    assert Path.GRAPHED in candidate_paths("cuda", 10.0, "bf16")[0]
-    assert Path.GRAPHED not in candidate_paths("cpu", 10.0, "bf16")[0]
+    assert Route.GRAPHED in candidate_paths("cuda", 10.0, "bf16")[0]
+    assert Route.GRAPHED not in candidate_paths("cpu", 10.0, "bf16")[0]
 
 
-@pytest.mark.parametrize("lead, chosen", [(0.02, Path.FP32), (0.10, Path.EAGER_LOW)])
+@pytest.mark.parametrize("lead, chosen", [(0.02, Route.FP32), (0.10, Route.EAGER_LOW)])
 def test_another_path_must_beat_the_script_as_written_by_more_than_the_noise(lead, chosen):
     # a 2% lead on a shared CPU became 0.92x of FP32 in steady state (automp demo): the script as written is kept
-    cost = {Path.FP32: 0.100 * (1 + lead), Path.EAGER_LOW: 0.100}
+    cost = {Route.FP32: 0.100 * (1 + lead), Route.EAGER_LOW: 0.100}
     trial, _ = run_until_verdict(cost)
     assert trial.verdict.path is chosen
-    assert ("the script runs as written" in trial.verdict.reason) == (chosen is Path.FP32)
+    assert ("the script runs as written" in trial.verdict.reason) == (chosen is Route.FP32)
 
 
 def test_the_anchor_rule_and_the_fp32_rule_compose():
     # automp-compiled leads the anchor by 1% (anchor kept), and the anchor leads FP32 by 2%: FP32 is kept
-    cost = {Path.COMPILED: 0.100, Path.COMPILED_AUTOCAST: 0.101, Path.FP32: 0.103}
+    cost = {Route.COMPILED: 0.100, Route.COMPILED_AUTOCAST: 0.101, Route.FP32: 0.103}
     trial, _ = run_until_verdict(cost)
-    assert trial.verdict.path is Path.FP32
+    assert trial.verdict.path is Route.FP32
 
 
 def test_a_verdict_is_re_measured_only_against_eager_paths_that_came_close():
     from automp.runtime.trial import confirmation
-    timings = {Path.COMPILED.value: 100.0, Path.EAGER_LOW.value: 120.0, Path.FP32.value: 140.0,
-               Path.COMPILED_AUTOCAST.value: 101.0}
+    timings = {Route.COMPILED.value: 100.0, Route.EAGER_LOW.value: 120.0, Route.FP32.value: 140.0,
+               Route.COMPILED_AUTOCAST.value: 101.0}
     config = TrialConfig()  # confirm_within 25%: low precision eager is re-measured, FP32 (40% slower) is not
-    trial = confirmation(Verdict(Path.COMPILED, "trial", timings), config, lambda: 0.0, lambda: None)
-    assert trial.candidates == [Path.COMPILED, Path.EAGER_LOW] and trial.incumbent is Path.COMPILED
-    assert trial.current is Path.COMPILED  # the verdict's path runs on first, untimed, for confirm_after iterations
+    trial = confirmation(Verdict(Route.COMPILED, "trial", timings), config, lambda: 0.0, lambda: None)
+    assert trial.candidates == [Route.COMPILED, Route.EAGER_LOW] and trial.incumbent is Route.COMPILED
+    assert trial.current is Route.COMPILED  # the verdict's path runs on first, untimed, for confirm_after iterations
     wide = TrialConfig(confirm_within=0.5)
-    assert confirmation(Verdict(Path.COMPILED, "", timings), wide, lambda: 0.0, lambda: None).candidates == [
-        Path.COMPILED, Path.FP32, Path.EAGER_LOW]
-    for verdict, cfg in [(Verdict(Path.FP32, "", timings), config),  # the script as written: nothing to guard
-                         (Verdict(Path.COMPILED, "", timings, confirmed=True), config),  # done once already
-                         (Verdict(Path.COMPILED, "forced", {}), config),  # never timed
-                         (Verdict(Path.COMPILED, "", timings), TrialConfig(confirm_after=0)),  # switched off
-                         (Verdict(Path.COMPILED, "", timings), TrialConfig(confirm_within=0.1))]:  # none close
+    assert confirmation(Verdict(Route.COMPILED, "", timings), wide, lambda: 0.0, lambda: None).candidates == [
+        Route.COMPILED, Route.FP32, Route.EAGER_LOW]
+    for verdict, cfg in [(Verdict(Route.FP32, "", timings), config),  # the script as written: nothing to guard
+                         (Verdict(Route.COMPILED, "", timings, confirmed=True), config),  # done once already
+                         (Verdict(Route.COMPILED, "forced", {}), config),  # never timed
+                         (Verdict(Route.COMPILED, "", timings), TrialConfig(confirm_after=0)),  # switched off
+                         (Verdict(Route.COMPILED, "", timings), TrialConfig(confirm_within=0.1))]:  # none close
         assert confirmation(verdict, cfg, lambda: 0.0, lambda: None) is None
 
 
-def run_confirmation(trial_cost: dict[Path, float], steady_cost: dict[Path, float], config: TrialConfig):
+def run_confirmation(trial_cost: dict[Route, float], steady_cost: dict[Route, float], config: TrialConfig):
     """A trial under `trial_cost` (the script's first iterations), then its confirmation under `steady_cost`."""
     from automp.runtime.trial import confirmation
     trial, _ = run_until_verdict(trial_cost, config)
@@ -230,54 +231,54 @@ def test_the_confirmation_replaces_a_verdict_the_cold_start_misled():
     # afterwards the eager loops ran about 100 ms. Re-measured in steady state, the eager path wins.
     config = TrialConfig()
     first, again, ran = run_confirmation(
-        {Path.COMPILED: 0.113, Path.EAGER_LOW: 0.130, Path.FP32: 0.131, Path.COMPILED_AUTOCAST: 0.140},
-        {Path.COMPILED: 0.115, Path.EAGER_LOW: 0.098, Path.FP32: 0.107, Path.COMPILED_AUTOCAST: 0.115}, config)
-    assert first.path is Path.COMPILED and not first.confirmed
-    assert ran[:config.confirm_after] == [Path.COMPILED] * config.confirm_after  # steady state before timing
-    assert again.verdict.path is Path.EAGER_LOW and again.verdict.confirmed
+        {Route.COMPILED: 0.113, Route.EAGER_LOW: 0.130, Route.FP32: 0.131, Route.COMPILED_AUTOCAST: 0.140},
+        {Route.COMPILED: 0.115, Route.EAGER_LOW: 0.098, Route.FP32: 0.107, Route.COMPILED_AUTOCAST: 0.115}, config)
+    assert first.path is Route.COMPILED and not first.confirmed
+    assert ran[:config.confirm_after] == [Route.COMPILED] * config.confirm_after  # steady state before timing
+    assert again.verdict.path is Route.EAGER_LOW and again.verdict.confirmed
     assert "re-measured in steady state" in again.verdict.reason
-    assert again.verdict.timings_ms[Path.EAGER_LOW.value] == pytest.approx(98.0)
+    assert again.verdict.timings_ms[Route.EAGER_LOW.value] == pytest.approx(98.0)
 
 
-@pytest.mark.parametrize("lead, chosen", [(0.01, Path.COMPILED), (0.10, Path.EAGER_LOW)])
+@pytest.mark.parametrize("lead, chosen", [(0.01, Route.COMPILED), (0.10, Route.EAGER_LOW)])
 def test_the_confirmation_keeps_its_incumbent_within_the_noise(lead, chosen):
-    steady = {Path.COMPILED: 0.100 * (1 + lead), Path.EAGER_LOW: 0.100, Path.FP32: 0.2, Path.COMPILED_AUTOCAST: 0.2}
-    _, again, _ = run_confirmation({Path.COMPILED: 0.100, Path.EAGER_LOW: 0.110, Path.FP32: 0.2,
-                                    Path.COMPILED_AUTOCAST: 0.2}, steady, TrialConfig())
+    steady = {Route.COMPILED: 0.100 * (1 + lead), Route.EAGER_LOW: 0.100, Route.FP32: 0.2, Route.COMPILED_AUTOCAST: 0.2}
+    _, again, _ = run_confirmation({Route.COMPILED: 0.100, Route.EAGER_LOW: 0.110, Route.FP32: 0.2,
+                                    Route.COMPILED_AUTOCAST: 0.2}, steady, TrialConfig())
     assert again.verdict.path is chosen and again.verdict.confirmed
-    assert ("so automp-compiled is kept" in again.verdict.reason) == (chosen is Path.COMPILED)
+    assert ("so automp-compiled is kept" in again.verdict.reason) == (chosen is Route.COMPILED)
 
 
 def test_the_confirmation_gives_the_script_back_when_its_lead_over_fp32_is_noise():
-    steady = {Path.EAGER_LOW: 0.100, Path.FP32: 0.102}
-    _, again, _ = run_confirmation({Path.EAGER_LOW: 0.100, Path.FP32: 0.120}, steady, TrialConfig())
-    assert again.verdict.path is Path.FP32 and "the script runs as written" in again.verdict.reason
+    steady = {Route.EAGER_LOW: 0.100, Route.FP32: 0.102}
+    _, again, _ = run_confirmation({Route.EAGER_LOW: 0.100, Route.FP32: 0.120}, steady, TrialConfig())
+    assert again.verdict.path is Route.FP32 and "the script runs as written" in again.verdict.reason
 
 
 def test_a_trial_goes_on_without_the_paths_it_excludes():
-    cost = {Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010, Path.FP32: 0.030}
+    cost = {Route.EAGER_LOW: 0.020, Route.COMPILED: 0.010, Route.FP32: 0.030}
     clock = FakeClock(cost)
     trial = Trial(list(cost), TrialConfig(give_up=10.0), clock, lambda: None)
-    while trial.current is not Path.COMPILED:  # into the compiled path's warm-up
+    while trial.current is not Route.COMPILED:  # into the compiled path's warm-up
         clock.run(trial)
     clock.run(trial)
-    trial.exclude({Path.COMPILED, Path.COMPILED_AUTOCAST}, "test: no compile")
-    assert trial.current is not Path.COMPILED and Path.COMPILED not in trial.alive
+    trial.exclude({Route.COMPILED, Route.COMPILED_AUTOCAST}, "test: no compile")
+    assert trial.current is not Route.COMPILED and Route.COMPILED not in trial.alive
     ran = []
     while trial.verdict is None and len(ran) < 100:
         ran.append(trial.current)
         clock.run(trial)
-    assert Path.COMPILED not in ran and trial.verdict.path is Path.EAGER_LOW
-    assert Path.COMPILED.value not in trial.verdict.timings_ms and "test: no compile" in trial.verdict.reason
-    assert trial.verdict.timings_ms[Path.EAGER_LOW.value] == pytest.approx(20.0)  # no interval spans the switch
+    assert Route.COMPILED not in ran and trial.verdict.path is Route.EAGER_LOW
+    assert Route.COMPILED.value not in trial.verdict.timings_ms and "test: no compile" in trial.verdict.reason
+    assert trial.verdict.timings_ms[Route.EAGER_LOW.value] == pytest.approx(20.0)  # no interval spans the switch
     with pytest.raises(ValueError, match="all of its candidates"):
-        Trial([Path.COMPILED], TrialConfig(), clock, lambda: None).exclude({Path.COMPILED}, "x")
+        Trial([Route.COMPILED], TrialConfig(), clock, lambda: None).exclude({Route.COMPILED}, "x")
 
 
 def test_evaluation_calls_inside_a_training_loop_are_not_iterations():
     # every third iteration the script evaluates: five calls without grad, cheap and path-independent here; counted
     # as iterations they would make every sample that holds them look fast (the old behaviour: medians ~half)
-    cost = {Path.EAGER_LOW: 0.020, Path.FP32: 0.030}
+    cost = {Route.EAGER_LOW: 0.020, Route.FP32: 0.030}
     clock = FakeClock(cost)
     trial = Trial(list(cost), TrialConfig(give_up=10.0, fp32_margin=0.0), clock, lambda: None)
     for i in range(200):
@@ -291,7 +292,7 @@ def test_evaluation_calls_inside_a_training_loop_are_not_iterations():
 
 
 def test_a_script_that_never_trains_has_its_inference_calls_timed():
-    cost = {Path.EAGER_LOW: 0.020, Path.FP32: 0.030}
+    cost = {Route.EAGER_LOW: 0.020, Route.FP32: 0.030}
     clock = FakeClock(cost)
     trial = Trial(list(cost), TrialConfig(), clock, lambda: None)
     for _ in range(100):
@@ -299,28 +300,28 @@ def test_a_script_that_never_trains_has_its_inference_calls_timed():
             break
         trial.tick(1, training=False)
         clock.now += cost[trial.current]
-    assert trial.verdict is not None and trial.verdict.path is Path.EAGER_LOW
+    assert trial.verdict is not None and trial.verdict.path is Route.EAGER_LOW
 
 
 # the zoo's ResNet-50 on an H100 (one trial's timings): FP32 eager is 5x the compiled paths
-RESNET = {Path.EAGER_LOW: 0.0347, Path.COMPILED: 0.0300, Path.COMPILED_AUTOCAST: 0.0304, Path.GRAPHED: 0.0245,
-          Path.FP32: 0.150}
+RESNET = {Route.EAGER_LOW: 0.0347, Route.COMPILED: 0.0300, Route.COMPILED_AUTOCAST: 0.0304, Route.GRAPHED: 0.0245,
+          Route.FP32: 0.150}
 
 
 def test_cuda_graphs_are_recorded_after_the_first_round_has_dropped_fp32():
     """RECORD_LAST: the graphs' pool must not sit beside FP32 eager's activations. FP32 is timed and dropped before
     autocast-graphed's first (warm-up) iteration, and autocast-graphed still wins on the samples it got."""
     trial, ran = run_until_verdict(RESNET, later=RECORD_LAST)
-    first_graphed = ran.index(Path.GRAPHED)
-    assert Path.FP32 in ran[:first_graphed] and Path.FP32 not in ran[first_graphed:]
-    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1
-    assert trial.verdict.path is Path.GRAPHED
-    assert len(trial.samples[Path.GRAPHED]) == TrialConfig().measure - 1  # timed from the second round on
-    assert trial.verdict.timings_ms[Path.GRAPHED.value] == pytest.approx(24.5)
+    first_graphed = ran.index(Route.GRAPHED)
+    assert Route.FP32 in ran[:first_graphed] and Route.FP32 not in ran[first_graphed:]
+    assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 1
+    assert trial.verdict.path is Route.GRAPHED
+    assert len(trial.samples[Route.GRAPHED]) == TrialConfig().measure - 1  # timed from the second round on
+    assert trial.verdict.timings_ms[Route.GRAPHED.value] == pytest.approx(24.5)
 
 
 # the zoo's T5-small: FP32 eager is 2x the fastest compiled path, inside the compiled paths' first-sample margin
-T5 = {Path.EAGER_LOW: 0.040, Path.COMPILED: 0.030, Path.COMPILED_AUTOCAST: 0.031, Path.GRAPHED: 0.016, Path.FP32: 0.060}
+T5 = {Route.EAGER_LOW: 0.040, Route.COMPILED: 0.030, Route.COMPILED_AUTOCAST: 0.031, Route.GRAPHED: 0.016, Route.FP32: 0.060}
 
 
 def test_an_eager_loser_is_dropped_by_the_later_rounds_margin_before_the_graphs_are_recorded():
@@ -329,51 +330,51 @@ def test_an_eager_loser_is_dropped_by_the_later_rounds_margin_before_the_graphs_
     4.7). A compiled path at 1.8x the best on its first sample stays: its first timed iteration can be that slow.
     Without graphs to come, the eager path keeps the first round's wider margin too."""
     trial, ran = run_until_verdict(T5, later=RECORD_LAST)
-    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 1
-    assert Path.FP32 not in ran[ran.index(Path.GRAPHED):]
-    assert Path.EAGER_LOW in trial.abandoned and len(trial.samples[Path.EAGER_LOW]) == 1  # 1.33x > give_up 1.3
-    assert trial.verdict.path is Path.GRAPHED
-    unrecorded = {p: c for p, c in T5.items() if p is not Path.GRAPHED}
-    clock = OneOff(unrecorded, Path.COMPILED, 3)  # its first timed iteration after two warm-up ones
+    assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 1
+    assert Route.FP32 not in ran[ran.index(Route.GRAPHED):]
+    assert Route.EAGER_LOW in trial.abandoned and len(trial.samples[Route.EAGER_LOW]) == 1  # 1.33x > give_up 1.3
+    assert trial.verdict.path is Route.GRAPHED
+    unrecorded = {p: c for p, c in T5.items() if p is not Route.GRAPHED}
+    clock = OneOff(unrecorded, Route.COMPILED, 3)  # its first timed iteration after two warm-up ones
     trial, _ = run_until_verdict(unrecorded, TrialConfig(block=1), clock=clock)
-    assert max(trial.samples[Path.COMPILED]) == pytest.approx(1.8 * 0.030)
-    assert len(trial.samples[Path.COMPILED]) > 1 and trial.verdict.path is Path.COMPILED
-    assert Path.FP32 in trial.abandoned and len(trial.samples[Path.FP32]) == 2  # dropped after round 2, not 1
+    assert max(trial.samples[Route.COMPILED]) == pytest.approx(1.8 * 0.030)
+    assert len(trial.samples[Route.COMPILED]) > 1 and trial.verdict.path is Route.COMPILED
+    assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 2  # dropped after round 2, not 1
 
 
 def test_without_later_the_graphs_are_recorded_before_fp32_is_timed():
     """The same trial without `later`: what RECORD_LAST changes (FP32 runs after the graphs were recorded)."""
     _, ran = run_until_verdict(RESNET)
-    assert Path.FP32 in ran[ran.index(Path.GRAPHED):]
+    assert Route.FP32 in ran[ran.index(Route.GRAPHED):]
 
 
 def test_a_later_candidate_with_a_slow_first_sample_is_judged_by_the_first_rounds_margin():
     """Its first sample comes in the second round, where the others are judged by give_up: a one-off slow first
     sample (1.4-1.8x on an H100) must not drop it."""
-    clock = OneOff(RESNET, Path.GRAPHED, 4)  # after its three warm-up iterations
+    clock = OneOff(RESNET, Route.GRAPHED, 4)  # after its three warm-up iterations
     trial, _ = run_until_verdict(RESNET, TrialConfig(block=1), clock=clock, later=RECORD_LAST)
-    assert max(trial.samples[Path.GRAPHED]) == pytest.approx(1.8 * 0.0245)
-    assert trial.verdict.path is Path.GRAPHED and Path.GRAPHED not in trial.abandoned
+    assert max(trial.samples[Route.GRAPHED]) == pytest.approx(1.8 * 0.0245)
+    assert trial.verdict.path is Route.GRAPHED and Route.GRAPHED not in trial.abandoned
 
 
 def test_a_later_candidate_is_measured_even_when_one_round_would_decide():
     trial, ran = run_until_verdict(RESNET, TrialConfig(measure=1), later=RECORD_LAST)
-    assert trial.samples[Path.GRAPHED] and trial.verdict.path is Path.GRAPHED
+    assert trial.samples[Route.GRAPHED] and trial.verdict.path is Route.GRAPHED
 
 
 def test_a_trial_of_later_candidates_only_or_with_the_others_excluded_still_decides():
-    trial, ran = run_until_verdict({Path.GRAPHED: 0.01}, later=RECORD_LAST)
-    assert trial.verdict.path is Path.GRAPHED and set(ran) == {Path.GRAPHED} and len(ran) > 1  # warmed up, not deferred
-    clock = FakeClock({Path.EAGER_LOW: 0.03, Path.GRAPHED: 0.02})
-    trial = Trial([Path.EAGER_LOW, Path.GRAPHED], TrialConfig(), clock, lambda: None, later=RECORD_LAST)
+    trial, ran = run_until_verdict({Route.GRAPHED: 0.01}, later=RECORD_LAST)
+    assert trial.verdict.path is Route.GRAPHED and set(ran) == {Route.GRAPHED} and len(ran) > 1  # warmed up, not deferred
+    clock = FakeClock({Route.EAGER_LOW: 0.03, Route.GRAPHED: 0.02})
+    trial = Trial([Route.EAGER_LOW, Route.GRAPHED], TrialConfig(), clock, lambda: None, later=RECORD_LAST)
     for _ in range(3):
         clock.run(trial)
-    trial.exclude({Path.EAGER_LOW}, "a member cannot run it")
+    trial.exclude({Route.EAGER_LOW}, "a member cannot run it")
     for _ in range(40):
         if trial.verdict is not None:
             break
         clock.run(trial)
-    assert trial.verdict is not None and trial.verdict.path is Path.GRAPHED
+    assert trial.verdict is not None and trial.verdict.path is Route.GRAPHED
 
 
 def test_a_calibration_not_cached_is_named_in_the_reason():

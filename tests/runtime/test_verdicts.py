@@ -3,16 +3,16 @@ import json
 
 import torch.nn as nn
 
-from automp.runtime.trial import Path, Verdict
+from automp.runtime.decisions import Route, Verdict
 from automp.runtime.verdicts import VerdictCache, module_key
 
 
 def test_verdict_cache_round_trip_and_corrupt_file(tmp_path):
     cache = VerdictCache(tmp_path)
-    v = Verdict(Path.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0})
+    v = Verdict(Route.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0})
     cache.put({"k": v})
     got = cache.get("k")
-    assert got.path is Path.EAGER_LOW and got.cached and got.timings_ms == v.timings_ms
+    assert got.path is Route.EAGER_LOW and got.cached and got.timings_ms == v.timings_ms
     assert cache.get("other") is None
     cache.path.write_text("{not json")
     assert cache.get("k") is None  # corrupt: ignored, not fatal
@@ -35,8 +35,8 @@ def test_module_key_depends_on_shapes_not_values():
 
 def test_verdict_cache_keeps_whether_a_verdict_was_confirmed(tmp_path):
     cache = VerdictCache(tmp_path)
-    cache.put({"a": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0}, confirmed=True),
-               "b": Verdict(Path.COMPILED, "r", {"automp-compiled": 1.0})})
+    cache.put({"a": Verdict(Route.COMPILED, "r", {"automp-compiled": 1.0}, confirmed=True),
+               "b": Verdict(Route.COMPILED, "r", {"automp-compiled": 1.0})})
     assert cache.get("a").confirmed and not cache.get("b").confirmed
 
 
@@ -45,7 +45,7 @@ def _put_many(directory, prefix, n, start):
     start.wait()
     cache = VerdictCache(directory)
     for i in range(n):
-        cache.put({f"{prefix}{i}": Verdict(Path.FP32, "r", {"fp32-eager": float(i)})})
+        cache.put({f"{prefix}{i}": Verdict(Route.FP32, "r", {"fp32-eager": float(i)})})
 
 
 def test_concurrent_writers_keep_every_verdict(tmp_path):

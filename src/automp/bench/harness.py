@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from automp.files import check_writable, write_json_and_markdown
-from automp.precision.fp8_gather import FP8_GATHER
+from automp.precision.fp8.gather import FP8_GATHER
 from automp.timing import time_fn
 
 

@@ -4,4 +4,4 @@ from __future__ import annotations
 
 import threading
 
-local = threading.local()  # depth > 0 inside a root's call; path: the Path that root runs on; low: its dtype
+local = threading.local()  # depth > 0 inside a root's call; path: the Route that root runs on; low: its dtype

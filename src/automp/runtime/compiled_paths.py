@@ -1,5 +1,5 @@
-"""How a root module's compiled paths are built: automp's graph pass (Path.COMPILED) and stock Inductor under
-torch.autocast (Path.COMPILED_AUTOCAST), replayed as CUDA graphs or not (Path.GRAPHED). The session (session.py)
+"""How a root module's compiled paths are built: automp's graph pass (Route.COMPILED) and stock Inductor under
+torch.autocast (Route.COMPILED_AUTOCAST), replayed as CUDA graphs or not (Route.GRAPHED). The session (session.py)
 decides which one a module runs; what is built here must leave the module collectable (entry_point says why) and give
 each module a code object of its own.
 """
@@ -14,11 +14,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from automp.precision.fp8 import active as fp8_active
+from automp.precision.fp8.layers import active as fp8_active
 from automp.runtime import graph_pool
-from automp.runtime.trial import Path
+from automp.runtime.decisions import Route
 from automp.runtime.outputs import out_of_pool, restore_outside_graph
-from automp.runtime.unread_outputs import detach_unread
+from automp.runtime.guards.unread_outputs import detach_unread
 
 ORIG_CALL = nn.Module.__call__  # taken at import, before a session patches it
 _entry_ids = itertools.count()
@@ -47,7 +47,7 @@ def graphs_fit(peak_bytes: int, total_bytes: int) -> str | None:
     written did not."""
     if peak_bytes <= GRAPH_MEMORY_SHARE * total_bytes:
         return None
-    return (f"{Path.GRAPHED.value} not tried: the script has reserved up to {peak_bytes / 2**30:.1f} of the device's "
+    return (f"{Route.GRAPHED.value} not tried: the script has reserved up to {peak_bytes / 2**30:.1f} of the device's "
             f"{total_bytes / 2**30:.1f} GiB, and CUDA graphs keep a memory pool of their own")
 
 
@@ -75,14 +75,14 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False)
     outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
     sees its own dtypes; a ModelOutput's fields only when read (automp.runtime.outputs).
 
-    graphs=True (Path.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
+    graphs=True (Route.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
     a few hundred kernels; on an H100 its kernels took 20.4 ms a step while the step itself ran 22 to 33 ms on
     different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
     spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory
     (outputs.out_of_pool), and so are gradients the next replay would free (graph_pool.GradRescue); the returned
     function's `pool` gives the graphs' memory back once the session leaves them (graph_pool.PoolRelease).
 
-    fp8=True (Path.FP8_COMPILED, Path.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
+    fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
     (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
     switch = fp8_active if fp8 else contextlib.nullcontext  # FP8 layers are off outside fp8.active()
@@ -173,7 +173,7 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
     """A function that calls `module`, with a code object of its own: Dynamo keeps its compiled graphs (and counts
     recompiles against its limit) per code object, so a shared wrapper would make every module's compilation
     evict the others' and, past the limit, silently run them uncompiled in FP32. Output fields the script does not
-    read are detached inside it (automp.runtime.unread_outputs).
+    read are detached inside it (automp.runtime.guards.unread_outputs).
 
     Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
     process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the

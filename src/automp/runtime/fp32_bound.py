@@ -4,7 +4,7 @@ FP32 eager (the script as written) has the largest activations of any candidate,
 peak memory: on an H100, GPT-2 124M (B8, T1024) peaked at 14.8 GiB in its trial against 7.5 GiB for the
 hand-written bf16 loop. The GEMM-rate gap alone cannot rule it out: a launch-bound script (a 3-layer MLP on an H100)
 runs fastest as written, and automp must never be slower than that. So the gap is applied to the GEMMs the script
-measurably runs. During the low-precision eager path's first, untimed iteration (Path.EAGER_LOW, warmed up before
+measurably runs. During the low-precision eager path's first, untimed iteration (Route.EAGER_LOW, warmed up before
 FP32 eager), the dense GEMMs of the roots' forward calls are counted (FLOPs from torch.utils.flop_counter's own
 formulas), and so are the backward GEMMs seen to run before the iteration ends. Then
 
@@ -56,7 +56,7 @@ aten = torch.ops.aten
 # gradients come in the same order).
 MATRICES = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2)}
 
-# What a trial's bound said about FP32 eager (Verdict.bounds[Path.FP32.value]["rule"]).
+# What a trial's bound said about FP32 eager (Verdict.bounds[Route.FP32.value]["rule"]).
 RULED_OUT = "fp32-ruled-out-flops"  # t_lb > give_up x t_first: never run
 NOT_RULED_OUT = "fp32-not-ruled-out-flops"  # the bound was not enough: timed as usual
 UNCOUNTED = "fp32-flops-uncounted"  # counting failed (the error is recorded): timed as usual

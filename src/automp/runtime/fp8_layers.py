@@ -2,8 +2,8 @@
 installed with their undo, and the loss watch that takes the model back to bf16 if training diverges.
 
 The choice needs the real shapes, so it is made at a root's first call, before its trial: one forward of that batch
-in bf16 without gradients (automp.precision.fp8_choice.probe) gives each layer's GEMM shape and FP8 error, the
-device's timing table (automp.precision.fp8_table, measured once per device and cached) predicts each layer's gain,
+in bf16 without gradients (automp.precision.fp8.choice.probe) gives each layer's GEMM shape and FP8 error, the
+device's timing table (automp.precision.fp8.table, measured once per device and cached) predicts each layer's gain,
 and the chosen layers are made FP8-capable. They run FP8 only on the FP8 paths, which the trial then times against
 their bf16 twins (automp.runtime.trial.BF16_TWIN): a prediction that does not hold on the whole step loses there.
 """
@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 
 from automp.config import AutoMPConfig
-from automp.precision import fp8, fp8_choice, fp8_gather, fp8_table
-from automp.runtime.fp8_guard import Divergence, LossWatch
+from automp.precision import fp8
+from automp.precision.fp8.guard import Divergence, LossWatch
 from automp.runtime.report import Recorder
 from automp.runtime.ranks import from_rank0
-from automp.runtime.trial import BF16_TWIN, FP8_PATHS, Verdict
+from automp.runtime.decisions import BF16_TWIN, FP8_PATHS, Verdict
 
-Table = Callable[..., fp8_table.Fp8Table]  # fp8_table.load_or_measure's signature
 
 
 class Fp8Unavailable(RuntimeError):
@@ -30,15 +29,15 @@ class Fp8Unavailable(RuntimeError):
 
 
 class Fp8Layers:
-    """check: why FP8 cannot run on a device, or None (automp.precision.fp8.unavailable); table: the timing table's
+    """check: why FP8 cannot run on a device, or None (automp.precision.fp8.layers.unavailable); table: the timing table's
     loader; both injectable, so a CPU test runs the whole decision with an emulated device and a made-up table."""
 
     def __init__(self, config: AutoMPConfig, recorder: Recorder, *,
-                 check: Callable[[torch.device], str | None] = fp8.unavailable,
-                 table: Table = fp8_table.load_or_measure) -> None:
+                 check: Callable[[torch.device], str | None] = fp8.layers.unavailable,
+                 table: fp8.TableLoader = fp8.table.load_or_measure) -> None:
         self.config, self.recorder, self.check, self.table = config, recorder, check, table
-        self.installed: list[nn.Module] = []
-        self.gathers: dict[str, fp8_gather.Fp8Gather] = {}  # per root label, under FSDP2
+        self.conversions: list[fp8.Conversion] = []
+        self.gathers: dict[str, fp8.gather.Fp8Gather] = {}  # per root label, under FSDP2
         self._gathering: set[str] = set()  # the roots `gather` has been called for
         self.watch: LossWatch | None = None
         self._unwatch: Callable[[], None] | None = None
@@ -60,44 +59,27 @@ class Fp8Layers:
         shared: a root every rank calls in lockstep (DDP, FSDP): every rank installs rank 0's choice. Each rank
         measures its own batch and (without a cached table) its own GEMM times; ranks that chose apart would run
         different graphs around the same collectives, and their verdict keys would differ."""
-        recipe = self.config.fp8_recipe
         why = self.check(device)
         if why is not None:
             self.recorder.add_fallback(label, f"FP8 not used: {why}; runs bf16")
             return ()
-        probe = fp8_choice.probe(module, run, recipe, self.config.low_dtype(device))
-        shapes = [s for s in probe.shapes.values() if fp8.fits(s.m, s.k, s.n)]
-        table: fp8_table.Fp8Table | None = None
-        if shapes:
-            try:
-                table = self.table(device, shapes, recipe, self.config.cache_dir)
-            except (RuntimeError, ValueError) as e:
-                self.recorder.add_fallback(label, f"FP8 GEMM times could not be measured ({e}): runs bf16")
-        layers = fp8_choice.linear_layers(module)
-        choices = fp8_choice.choose(probe, list(layers),
-                                    lambda s: table.get(s, recipe) if table is not None else None,
-                                    keep=self.config.fp8_keep, output_fp8=self.config.fp8_output)
-        if shared:  # rank 0's choice on every rank (a no-op outside torch.distributed)
-            choices = from_rank0(choices)
-        chosen = tuple(name for name, c in choices.items() if c.dtype == "fp8")
-        for name in chosen:
-            fp8.install(layers[name], recipe)
-            self.installed.append(layers[name])
-        self.recorder.fp8[label] = {"recipe": recipe, "fp8_layers": len(chosen), "layers_seen": len(choices),
-                                    "rules": fp8_choice.summary(choices),
-                                    "layers": {n: c.as_dict() for n, c in choices.items()}}
-        if shared and chosen:
-            gather = fp8_gather.Fp8Gather(module, {n: layers[n] for n in chosen}, recipe,
-                                          enabled=self.config.fp8_all_gather)
-            if gather.rules:  # FSDP2 shards some of them
-                self.gathers[label] = gather
-                self.recorder.fp8[label]["all_gather"] = {"rules": gather.summary(),
-                                                          "why": dict(gather.why)}
-        return chosen
+        config = self.config
+        conversion = fp8.convert(module, run, device=device, recipe=config.fp8_recipe,
+                                 low=config.low_dtype(device), cache_dir=config.cache_dir, table_loader=self.table,
+                                 keep=config.fp8_keep, output_fp8=config.fp8_output,
+                                 all_gather=config.fp8_all_gather, agree=from_rank0 if shared else None)
+        if conversion.table_error is not None:
+            self.recorder.add_fallback(label, f"FP8 GEMM times could not be measured ({conversion.table_error}): "
+                                              "runs bf16")
+        self.conversions.append(conversion)
+        if conversion.all_gather is not None:
+            self.gathers[label] = conversion.all_gather
+        self.recorder.fp8[label] = conversion.as_dict()
+        return conversion.chosen
 
     def gather(self, label: str, on: bool) -> None:
         """At each call of a root, on every rank alike: FSDP2 all-gathers the root's FP8 layers' weights in FP8 while
-        the root runs its settled FP8 path (automp.precision.fp8_gather), and in bf16 while it is timed against its
+        the root runs its settled FP8 path (automp.precision.fp8.gather), and in bf16 while it is timed against its
         bf16 twin or after it left FP8, so that the trial's bf16 step does not run on FP8-rounded weights. A change
         takes effect after the next optimizer step (a backward may be pending now), or at once at the root's first
         call: a run that starts on its cached FP8 verdict compiles its step once, with FP8 weights."""
@@ -112,7 +94,7 @@ class Fp8Layers:
         return f"fp8:{recipe}:" + hashlib.sha256("|".join(chosen).encode()).hexdigest()[:12]
 
     def watch_loss(self, lockstep: bool = False) -> None:
-        """Once a root runs FP8: watch the loss for the rest of the run (automp.runtime.fp8_guard); a root every rank
+        """Once a root runs FP8: watch the loss for the rest of the run (automp.precision.fp8.guard); a root every rank
         calls in lockstep has every rank judge the same losses at the same calls."""
         if self.watch is None:
             self.watch = LossWatch(self._diverged, ranks=lockstep)
@@ -144,10 +126,8 @@ class Fp8Layers:
                 self.recorder.add_fallback("fp8", f"{skipped} optimizer step(s) skipped: their loss was not finite")
             self._unwatch()
             self.watch = self._unwatch = None
-        for gather in self.gathers.values():
-            gather.close()
+        for conversion in self.conversions:
+            conversion.undo()
+        self.conversions.clear()
         self.gathers.clear()
         self._gathering.clear()
-        for module in self.installed:
-            fp8.uninstall(module)
-        self.installed.clear()

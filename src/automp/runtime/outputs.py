@@ -82,11 +82,11 @@ def restore_outside_graph(out: Any) -> Any:
 
 
 def out_of_pool(out: Any, keep: tuple[str, ...] = ()) -> Any:
-    """`out` with copies of its tensors, made outside a call replayed as a CUDA graph (Path.GRAPHED): the graph's
+    """`out` with copies of its tensors, made outside a call replayed as a CUDA graph (Route.GRAPHED): the graph's
     next replay writes into the same memory, so what the previous call returned would change under a script that kept
     it (losses collected on the device and summed at the end of an epoch; torch raises where it notices). A loss is
     one element; a classifier's logits a few MB. ModelOutput fields named in `keep` (detached because the script does
-    not read them: automp.runtime.unread_outputs) stay where they are: copying GPT-2's unread logits would move 0.8 GB a
+    not read them: automp.runtime.guards.unread_outputs) stay where they are: copying GPT-2's unread logits would move 0.8 GB a
     step."""
     if not is_lazy_candidate(out):
         return map_tensors(torch.clone, out)
@@ -99,7 +99,7 @@ def out_of_pool(out: Any, keep: tuple[str, ...] = ()) -> Any:
 def restore_lazily(out: Any, watch: Any = None) -> Any:
     """`out` with FP32 promised: a ModelOutput becomes its lazy twin (same object, class swapped), anything else is
     restored now. `watch.on_read(out, name)` is told of every field read before it happens
-    (automp.runtime.unread_outputs)."""
+    (automp.runtime.guards.unread_outputs)."""
     if not is_lazy_candidate(out):
         return restore_float32(out)
     if watch is None and not any(isinstance(v, torch.Tensor) and v.dtype in HALVES for v in dict.values(out)):

@@ -16,14 +16,16 @@ import torch
 import torch.nn as nn
 
 from automp.config import AutoMPConfig
-from automp.runtime import compiled_paths, graph_pool, input_grads
+from automp.runtime import compiled_paths, graph_pool
+from automp.runtime.guards import input_grads
 from automp.runtime.fp32_bound import Fp32Floor
 from automp.runtime.report import Recorder
-from automp.runtime.trial import (COMPILED_PATHS, GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Path, Trial,
-                                  TrialConfig, Verdict, candidate_paths, confirmation)
+from automp.runtime.decisions import (COMPILED_PATHS, GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Route, Verdict,
+                                      forced)
+from automp.runtime.trial import Trial, TrialConfig, candidate_paths, confirmation
 from automp.runtime.ranks import agreed, distributed, for_ranks
-from automp.runtime.recompile_watch import CompileWatch, watch_for
-from automp.runtime.unread_outputs import FieldReads
+from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
+from automp.runtime.guards.unread_outputs import FieldReads
 from automp.runtime.verdicts import VerdictCache
 from automp.scaling import Scaling
 
@@ -36,23 +38,23 @@ class Root:
     device: torch.device
     low: torch.dtype
     key: str = ""
-    path: Path | None = None  # None while its trial runs
+    path: Route | None = None  # None while its trial runs
     trial: Trial | None = None
     verdict: Verdict | None = None  # what decided its path
     confirm: Trial | None = None  # the verdict's re-measurement in steady state, while it runs (trial.confirmation)
     compiled: Callable[..., Any] | None = None
-    stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Path.COMPILED_AUTOCAST)
-    graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Path.GRAPHED)
-    fp8_stock: Callable[..., Any] | None = None  # stock with its FP8 layers on (Path.FP8_COMPILED)
-    fp8_graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Path.FP8_GRAPHED)
-    fp8_layers: tuple[str, ...] = ()  # its linear layers that run FP8 on the FP8 paths (automp.precision.fp8_choice)
+    stock: Callable[..., Any] | None = None  # stock Inductor, run under autocast (Route.COMPILED_AUTOCAST)
+    graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Route.GRAPHED)
+    fp8_stock: Callable[..., Any] | None = None  # stock with its FP8 layers on (Route.FP8_COMPILED)
+    fp8_graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Route.FP8_GRAPHED)
+    fp8_layers: tuple[str, ...] = ()  # its linear layers that run FP8 on the FP8 paths (automp.precision.fp8.choice)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
     params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts
     lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (ranks.agreed)
-    eager_only: bool = False  # the script takes gradients with respect to its input (automp.runtime.input_grads)
-    watch: CompileWatch | None = None  # its compiled path's recompiles since the verdict (runtime.recompile_watch)
+    eager_only: bool = False  # the script takes gradients with respect to its input (automp.runtime.guards.input_grads)
+    watch: CompileWatch | None = None  # its compiled path's recompiles since the verdict (runtime.guards.recompile_watch)
 
 
 class RootPaths:
@@ -78,7 +80,7 @@ class RootPaths:
         self.releasing: graph_pool.Releasing | None = None  # CUDA graphs' pool automp left, until it is given back
         self.trial: Trial | None = None  # the trial new roots join while it runs
 
-    def start(self, root: Root, cached: Verdict | None, candidates: list[Path], why: str) -> None:
+    def start(self, root: Root, cached: Verdict | None, candidates: list[Route], why: str) -> None:
         """A new root's first path: its cached verdict (re-measured in steady state where it has to be), its only
         candidate, or a trial of its candidates, joined with the other new roots' while that trial has the same."""
         if cached is not None:
@@ -161,7 +163,7 @@ class RootPaths:
         self._pause_scaling_if_fp32()
 
     def give_up_compiled(self, root: Root, watch: CompileWatch) -> None:
-        """Its compiled path recompiled more than it saved (automp.runtime.recompile_watch): the eager path it beat
+        """Its compiled path recompiled more than it saved (automp.runtime.guards.recompile_watch): the eager path it beat
         from now on, and in the cache, so the next run does not compile it."""
         verdict = watch.verdict(root.verdict)
         self.decide(root, verdict)
@@ -186,12 +188,12 @@ class RootPaths:
         roots = [r for r in self.roots.values() if r.aside is None]
         if len(roots) < 2:
             return
-        why = (f"{Path.GRAPHED.value} not for a script whose modules ({', '.join(r.label for r in roots)}) run under "
+        why = (f"{Route.GRAPHED.value} not for a script whose modules ({', '.join(r.label for r in roots)}) run under "
                f"automp together: CUDA graph memory of one module is reused when another's backward runs")
         for root in roots:  # a re-measurement of a graphed verdict ends with leave_graphs
             if root.trial is not None and root.trial.verdict is None and GRAPHED_PATHS & set(root.trial.alive):
                 self._without_graphs(root.trial, why)
-            if root.path in GRAPHED_PATHS and self.config.forced_path is None:
+            if root.path in GRAPHED_PATHS and forced(self.config) is None:
                 self.leave_graphs(root, why)
 
     @staticmethod
@@ -208,9 +210,9 @@ class RootPaths:
         (padded batches of another length, a last short batch), and each shape would be recorded again, with memory
         of its own. The same graphs without CUDA graphs from now on, and in the cache. `why`: another reason."""
         old = root.verdict
-        why = why or (f"{Path.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
+        why = why or (f"{Route.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
                       f"recorded again for every shape, so it runs without them")
-        self.move(root, Verdict(WITHOUT_GRAPHS.get(root.path, Path.COMPILED_AUTOCAST), f"{why} ({old.reason})",
+        self.move(root, Verdict(WITHOUT_GRAPHS.get(root.path, Route.COMPILED_AUTOCAST), f"{why} ({old.reason})",
                                 dict(old.timings_ms), bounds=dict(old.bounds)))
 
     def move(self, root: Root, verdict: Verdict) -> None:
@@ -246,11 +248,11 @@ class RootPaths:
                 self.recorder.add_choice(root.label, root.verdict.as_dict(), f"{root.verdict.reason}; not "
                                          f"re-measured in steady state: the script ended first")
 
-    def _floor(self, root: Root, candidates: list[Path]) -> Fp32Floor | None:
+    def _floor(self, root: Root, candidates: list[Route]) -> Fp32Floor | None:
         """The lower bound that may rule FP32 eager out of a trial before it runs (automp.runtime.fp32_bound): where
         low precision eager, which it is counted on, is a candidate too, and the device has a calibrated FP32 rate.
         Not under torch.distributed, where no candidate is dropped early (ranks.for_ranks)."""
-        bounded = (self.fp32_rate is not None and {Path.FP32, Path.EAGER_LOW} <= set(candidates)
+        bounded = (self.fp32_rate is not None and {Route.FP32, Route.EAGER_LOW} <= set(candidates)
                    and not distributed())
         rate = self.fp32_rate(root.device) if bounded else None
         return Fp32Floor(rate) if rate else None
@@ -259,7 +261,7 @@ class RootPaths:
         """Loss scaling exists for fp16 gradients. Once every module runs FP32 (its measured winner) there are none,
         and scaling would only add kernels to every backward — on a launch-bound script, a slowdown automp chose.
         A module that appears later and needs a trial brings it back (Session._new_root)."""
-        if not self.scaling.on or any(r.aside is None and r.path is not Path.FP32 for r in self.roots.values()):
+        if not self.scaling.on or any(r.aside is None and r.path is not Route.FP32 for r in self.roots.values()):
             return  # some module runs (or may run, mid-trial) in low precision
         self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
         self.scaling.pause()
@@ -277,7 +279,7 @@ class RootPaths:
         self.scaling.hand_over(stop=rule == SCRIPTS_AUTOCAST)
 
     def keep_eager(self, root: Root) -> None:
-        """Off the compiled paths for good (automp.runtime.input_grads): out of its trial, or onto a new trial of the
+        """Off the compiled paths for good (automp.runtime.guards.input_grads): out of its trial, or onto a new trial of the
         eager paths if a compiled one had won (or straight to low precision eager where the configuration forced
         one)."""
         root.eager_only = True
@@ -290,17 +292,17 @@ class RootPaths:
         if root.path not in COMPILED_PATHS:
             return
         root.confirm = None
-        if self.config.forced_path is not None:
-            self.decide(root, Verdict(Path.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
+        if forced(self.config) is not None:
+            self.decide(root, Verdict(Route.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
             return
-        eager = [Path.EAGER_LOW, Path.FP32]
+        eager = [Route.EAGER_LOW, Route.FP32]
         root.trial = Trial(eager, for_ranks(self.trial_config), self.clock, sync_for(root.device),
                            note=input_grads.REASON, floor=self._floor(root, eager))
         root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
 
 
-Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Path], str]"]  # (device, low dtype) -> (paths, why)
+Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Route], str]"]  # (device, low dtype) -> (paths, why)
 
 
 class CalibratedCandidates:
@@ -310,14 +312,14 @@ class CalibratedCandidates:
     def __init__(self, cache_dir: str) -> None:
         self.cache_dir, self.calibrations = cache_dir, {}
 
-    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Path], str]:
+    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Route], str]:
         from automp.precision import calibrate
         try:
             if device not in self.calibrations:  # once per session and device, not per module
                 self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
             gain = calibrate.low_precision_gain(self.calibrations[device], low)
         except (RuntimeError, ValueError) as e:
-            return [Path.FP32], f"could not measure this device ({e}): kept FP32"
+            return [Route.FP32], f"could not measure this device ({e}): kept FP32"
         paths, why = candidate_paths(device.type, gain, str(low).replace("torch.", ""))
         doubts = self.calibrations[device].doubts
         if doubts:  # the report says what a warning said: this run decided on figures not trusted beyond it
@@ -346,11 +348,11 @@ def as_written(rule: str) -> dict[str, Any]:
     return {"path": "as-written", "timings_ms": {}, "cached": False, "rule": rule}
 
 
-BUILT = {Path.COMPILED: "compiled", Path.COMPILED_AUTOCAST: "stock", Path.GRAPHED: "graphed",
-         Path.FP8_COMPILED: "fp8_stock", Path.FP8_GRAPHED: "fp8_graphed"}  # Root's field
+BUILT = {Route.COMPILED: "compiled", Route.COMPILED_AUTOCAST: "stock", Route.GRAPHED: "graphed",
+         Route.FP8_COMPILED: "fp8_stock", Route.FP8_GRAPHED: "fp8_graphed"}  # Root's field
 
 
-def built(root: Root, path: Path) -> Callable[..., Any] | None:
+def built(root: Root, path: Route) -> Callable[..., Any] | None:
     """The compiled function of `path` (a compiled path), once built."""
     return getattr(root, BUILT[path])
 

@@ -11,7 +11,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from automp.runtime.trial import Path, TrialConfig, Verdict
+from automp.runtime.decisions import Route, Verdict
+from automp.runtime.trial import TrialConfig
 
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own (DDP,
 # FSDP1 by class; FSDP2 by its FSDPModule mixin, on the root or any submodule). A root called on some ranks only (an
@@ -65,8 +66,8 @@ def for_ranks(config: TrialConfig) -> TrialConfig:
     return replace(config, give_up=math.inf, give_up_first=math.inf)
 
 
-def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
-                ) -> tuple[Verdict | None, list[Path], str]:
+def rank0_start(cached: Verdict | None, candidates: list[Route], why: str
+                ) -> tuple[Verdict | None, list[Route], str]:
     """Under torch.distributed every rank starts a new module it calls in lockstep (a DDP module) as rank 0 does: from
     rank 0's cached verdict, or with rank 0's candidates for a trial. Ranks may hold different verdict caches (one
     per node) and measure their devices slightly apart; a rank that ran a trial the others skipped would wait at its
@@ -74,7 +75,7 @@ def rank0_start(cached: Verdict | None, candidates: list[Path], why: str
     if not distributed():
         return cached, candidates, why
     cached, values, why = from_rank0((cached, [p.value for p in candidates], why))
-    return cached, [Path(v) for v in values], why
+    return cached, [Route(v) for v in values], why
 
 
 def agreed(verdict: Verdict) -> Verdict:
@@ -87,5 +88,5 @@ def agreed(verdict: Verdict) -> Verdict:
     path, timings = from_rank0((verdict.path.value, verdict.timings_ms))
     if path == verdict.path.value:
         return replace(verdict, timings_ms=timings)
-    return replace(verdict, path=Path(path), timings_ms=timings,
+    return replace(verdict, path=Route(path), timings_ms=timings,
                    reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")

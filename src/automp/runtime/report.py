@@ -35,7 +35,7 @@ class Recorder:
     compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
     optimizers: list[dict[str, Any]] = field(default_factory=list)  # optimizers automp switched to fused
     # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
-    # "reattached": why that stopped, if it did} (automp.runtime.unread_outputs)
+    # "reattached": why that stopped, if it did} (automp.runtime.guards.unread_outputs)
     unread_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # process-wide settings automp measured and chose: {"setting", "value", "reason", ...}
     # (automp.runtime.tuning.conv_tuning)

@@ -3,7 +3,7 @@ each of them runs.
 
 Every top-level call of a module with parameters (a "root": the model, a GAN's generator or discriminator) goes
 through `Session.call`. Nested modules are part of their root's graph and are never roots themselves. A root runs
-on one `Path` (trial.py): chosen by a short timed trial, read from the verdict cache, forced by the config, or the
+on one `Route` (trial.py): chosen by a short timed trial, read from the verdict cache, forced by the config, or the
 script as written when automp has to step aside (the script manages precision itself with torch.autocast, or the
 model is already half precision). Every such choice lands in the report with its reason. What changes a root's
 path once a trial has spoken is automp.runtime.paths.RootPaths, which the session holds.
@@ -28,23 +28,25 @@ from automp.config import AutoMPConfig
 from automp.precision import cost
 from automp.precision.capture import make_backend, traceable_attention
 from automp.precision.paint import PrecisionConfig
-from automp.runtime import call_state, compiled_paths, input_grads, rnn
+from automp.runtime import call_state, compiled_paths
+from automp.runtime.guards import input_grads, rnn
 from automp.runtime.fp8_layers import Fp8Layers
-from automp.runtime.graph_breaks import graph_breaks, report_graph_breaks
-from automp.runtime.once_logging import ignore_once_logging
+from automp.runtime.guards.graph_breaks import graph_breaks, report_graph_breaks
+from automp.runtime.guards.once_logging import ignore_once_logging
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUTOCAST, CalibratedCandidates,
                                   Candidates, Root, RootPaths, as_written, built)
 from automp.runtime.report import Recorder, dtype_name
-from automp.runtime.trial import (BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS, GRAPHED_PATHS, WITHOUT_GRAPHS,
-                                  Path, TrialConfig, Verdict)
+from automp.runtime.decisions import (BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS, GRAPHED_PATHS, WITHOUT_GRAPHS,
+                                      Route, Verdict, forced)
+from automp.runtime.trial import TrialConfig
 from automp.runtime.ranks import distributed, lockstep, rank0_start
 from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
 from automp.runtime.tuning.fused_optimizers import OptimizerFuser
 from automp.runtime.tuning.weight_casts import SharedCasts
-from automp.runtime.unread_outputs import FieldWatch
+from automp.runtime.guards.unread_outputs import FieldWatch
 from automp.runtime.verdicts import VerdictCache, module_key
 from automp.scaling import Scaling
 
@@ -206,7 +208,7 @@ class Session:
             self.paths.step_aside(root, "the script runs it under its own torch.autocast: automp leaves precision "
                                         "(and loss scaling) to the script", SCRIPTS_AUTOCAST)
         if root.aside is not None:
-            return self._run(module, root, Path.FP32, args, kwargs)  # as written, nested modules included
+            return self._run(module, root, Route.FP32, args, kwargs)  # as written, nested modules included
         if self.fp8 is not None:
             self._fp8_guard(root)
         if new is None:
@@ -236,7 +238,7 @@ class Session:
                 tuning.call(module, root.device, root.key, args, kwargs, self._layout_settled, eager)
         if eager and layout is not None and layout.on:
             return layout.run(module, root.device, lambda: self._run(module, root, path, args, kwargs))
-        graphed = path in GRAPHED_PATHS and self.config.forced_path is None
+        graphed = path in GRAPHED_PATHS and forced(self.config) is None
         if (root.watch is None and not graphed) or root.confirm is not None or not torch.is_grad_enabled():
             return self._run(module, root, path, args, kwargs)
         first = built(root, path) is None  # its first compile is no recompile
@@ -249,21 +251,21 @@ class Session:
             self.paths.give_up_compiled(root, root.watch)
         return out
 
-    def _run(self, module: nn.Module, root: Root, path: Path, args: tuple, kwargs: dict) -> Any:
-        # saved and restored, not reset: a re-run (automp.runtime.unread_outputs) may start inside another root's call
+    def _run(self, module: nn.Module, root: Root, path: Route, args: tuple, kwargs: dict) -> Any:
+        # saved and restored, not reset: a re-run (automp.runtime.guards.unread_outputs) may start inside another root's call
         state = call_state.local
         outer = getattr(state, "depth", 0), getattr(state, "path", None), getattr(state, "low", None)
         state.depth, state.path, state.low = 1, path, root.low
         try:
-            if path is Path.FP32:
+            if path is Route.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
-            if path is Path.EAGER_LOW:  # counted in its trial's first warm-up (runtime.fp32_bound)
+            if path is Route.EAGER_LOW:  # counted in its trial's first warm-up (runtime.fp32_bound)
                 forward = partial(self.casts.call, module, root, args, kwargs)
                 return self._deliver(root, root.trial.counted(module, forward) if root.trial else forward(), None)
             compiled = built(root, path)
             if compiled is None:
                 self._before_compile(root)
-                compiled = (self._compile(module, root) if path is Path.COMPILED else
+                compiled = (self._compile(module, root) if path is Route.COMPILED else
                             compiled_paths.stock(module, root, graphs=path in GRAPHED_PATHS, fp8=path in FP8_PATHS))
                 setattr(root, BUILT[path], compiled)
             try:
@@ -282,7 +284,7 @@ class Session:
 
     def _deliver(self, root: Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
         """What the script gets: its FP32 dtypes (automp.runtime.outputs) and, for a ModelOutput, a watch over which
-        fields it reads (automp.runtime.unread_outputs). rerun is None on the eager path, where nothing is detached."""
+        fields it reads (automp.runtime.guards.unread_outputs). rerun is None on the eager path, where nothing is detached."""
         if not is_lazy_candidate(out):
             return restore_float32(out) if rerun is None else out  # compiled paths restored it inside the graph
         root.fields.observe(out)
@@ -311,32 +313,32 @@ class Session:
         # autocast: automp steps aside there (call), and the probe would run the script's own (maybe compiled) model
         if self.fp8 is not None and not torch.is_autocast_enabled(device.type):
             root.fp8_layers = self.fp8.prepare(module, root.label, device,
-                                               lambda: self._run(module, root, Path.FP32, args, kwargs),
+                                               lambda: self._run(module, root, Route.FP32, args, kwargs),
                                                shared=root.lockstep)
             extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
         root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}", extra=extra)
-        forced = self.config.forced_path
-        if forced in FP8_PATHS and not root.fp8_layers:
-            forced = BF16_TWIN[forced]
+        route = forced(self.config)
+        if route in FP8_PATHS and not root.fp8_layers:
+            route = BF16_TWIN[route]
             self.recorder.add_fallback(root.label, f"path {self.config.path!r} forced, but no linear layer was chosen "
-                                                   f"for FP8: runs {forced.value}")
-        if forced is not None:
-            self.paths.decide(root, Verdict(forced, f"path forced by configuration (path={self.config.path!r})", {}))
+                                                   f"for FP8: runs {route.value}")
+        if route is not None:
+            self.paths.decide(root, Verdict(route, f"path forced by configuration (path={self.config.path!r})", {}))
             return root
         cached = self.cache.get(root.key)
         if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without
-            root.eager_only, cached = True, None       # them (automp.runtime.input_grads)
+            root.eager_only, cached = True, None       # them (automp.runtime.guards.input_grads)
             self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED)
         if cached is not None:
             candidates, why = [], ""
         elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (trial.BF16_TWIN)
-            candidates = [Path.GRAPHED, Path.FP8_GRAPHED]
+            candidates = [Route.GRAPHED, Route.FP8_GRAPHED]
             why = (f"{len(root.fp8_layers)} linear layer(s) predicted faster in FP8 ({self.config.fp8_recipe}); "
                    f"the whole step timed in FP8 and in bf16")
         else:
             candidates, why = self.candidates(device, root.low)
         if root.eager_only and candidates:
-            candidates = [c for c in candidates if c not in COMPILED_PATHS] or [Path.EAGER_LOW]
+            candidates = [c for c in candidates if c not in COMPILED_PATHS] or [Route.EAGER_LOW]
         # under DDP, CUDA graphs' memory check and moves would be a rank's own: every rank must run rank 0's path
         if root.lockstep or not self.config.cuda_graphs:
             candidates = list(dict.fromkeys(WITHOUT_GRAPHS.get(c, c) for c in candidates))
@@ -355,13 +357,13 @@ class Session:
         self.fp8.gather(root.label, root.path in FP8_PATHS and root.confirm is None)
 
     def script_failed(self, error: BaseException) -> str | None:
-        """The script ended with `error`. A double backward through a compiled graph (automp.runtime.input_grads) is
+        """The script ended with `error`. A double backward through a compiled graph (automp.runtime.guards.input_grads) is
         remembered for the modules that ran one, so the next run keeps them eager; the hint for the user, or None
         (the allocator's, for an error that setting may have caused)."""
         if not input_grads.is_double_backward(error):
             return self.allocator.hint(error)
         compiled = [r for r in self.roots.values() if r.compiled is not None or r.stock is not None]
-        self.cache.put({r.key: Verdict(Path.EAGER_LOW, input_grads.REASON_CRASHED, {}, eager_only=True)
+        self.cache.put({r.key: Verdict(Route.EAGER_LOW, input_grads.REASON_CRASHED, {}, eager_only=True)
                         for r in compiled if r.key})
         return input_grads.HINT.format(modules=", ".join(r.label for r in compiled) or "its modules")
 

@@ -18,36 +18,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from automp.runtime.decisions import (AUTOCAST_PATHS, BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS,
+                                      GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Route, Verdict)
 from automp.runtime.fp32_bound import RULED_OUT, Fp32Floor
-
-
-class Path(enum.Enum):
-    """How a root module runs. The values are what reports and the verdict cache store."""
-
-    FP32 = "fp32-eager"  # the user's code as written
-    EAGER_LOW = "low-precision-eager"  # torch.autocast with automp's dtype: cuDNN/cuBLAS low-precision kernels
-    COMPILED = "automp-compiled"  # automp's precision pass on the forward+backward graphs, then Inductor
-    COMPILED_AUTOCAST = "autocast-compiled"  # stock Inductor under torch.autocast: the hand-written anchor's path
-    GRAPHED = "autocast-graphed"  # the same graphs replayed as CUDA graphs (automp.runtime.compiled_paths.stock)
-    FP8_COMPILED = "fp8-compiled"  # autocast-compiled with the chosen linear layers in FP8 (automp.precision.fp8)
-    FP8_GRAPHED = "fp8-graphed"  # the same replayed as CUDA graphs
-
-
-# Candidates a trial warms up only after its first round has dropped the clear losers. CUDA graphs record a memory
-# pool that stays for the rest of the trial; recorded before that round, the pool sits beside FP32 eager's
-# activations, the largest of any path and the path most often dropped in that round. On an H100 ResNet-50's trial
-# reserved 18.2 GiB that way, against 6.7 GiB in steady state; recorded last, its whole-run peak (11.3 GiB) is below
-# the FP32 script's 12.5 (BENCHMARKS.md, "Large models").
-RECORD_LAST = frozenset({Path.GRAPHED, Path.FP8_GRAPHED})
-EAGER_PATHS = (Path.FP32, Path.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
-GRAPHED_PATHS = frozenset({Path.GRAPHED, Path.FP8_GRAPHED})  # replayed as CUDA graphs
-FP8_PATHS = frozenset({Path.FP8_COMPILED, Path.FP8_GRAPHED})
-COMPILED_PATHS = frozenset({Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED}) | FP8_PATHS
-AUTOCAST_PATHS = frozenset({Path.COMPILED_AUTOCAST, Path.GRAPHED}) | FP8_PATHS  # compiled, under torch.autocast
-# each FP8 path's bf16 twin: the same compiled step without FP8 layers. FP8 changes numerics, so it must beat its twin
-# by more than the noise (TrialConfig.anchor_margin); the twin is also where a diverging FP8 run goes back to.
-BF16_TWIN = {Path.FP8_COMPILED: Path.COMPILED_AUTOCAST, Path.FP8_GRAPHED: Path.GRAPHED}
-WITHOUT_GRAPHS = {Path.GRAPHED: Path.COMPILED_AUTOCAST, Path.FP8_GRAPHED: Path.FP8_COMPILED}
 
 
 @dataclass
@@ -72,12 +45,12 @@ class TrialConfig:
     trial lead and then ran at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured
     once, after this many iterations on it, against the eager paths that came within confirm_within of it (see
     `confirmation`); 0: never. churn: a compiled path's recompiling training calls after its verdict before it may go
-    back to the eager path it beat, if compiling cost more than it saved (automp.runtime.recompile_watch); 0: never.
+    back to the eager path it beat, if compiling cost more than it saved (automp.runtime.guards.recompile_watch); 0: never.
     give_up also rules FP32 eager out before it runs, by a lower bound of its step (automp.runtime.fp32_bound)."""
 
-    warmup: dict[Path, int] = field(default_factory=lambda: {Path.FP32: 1, Path.EAGER_LOW: 1, Path.COMPILED: 2,
-                                                             Path.COMPILED_AUTOCAST: 2, Path.GRAPHED: 3,
-                                                             Path.FP8_COMPILED: 2, Path.FP8_GRAPHED: 3})
+    warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
+                                                             Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
+                                                             Route.FP8_COMPILED: 2, Route.FP8_GRAPHED: 3})
     measure: int = 4  # even: alternating rounds then cancel a linear drift exactly (x block iterations each)
     block: int = 2  # iterations per timed sample, run back to back as the script runs them (see Trial)
     give_up: float = 1.3
@@ -88,27 +61,6 @@ class TrialConfig:
     confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
     confirm_within: float = 0.25
     churn: int = 3
-
-
-@dataclass
-class Verdict:
-    path: Path  # or another enum for trials of something else than a path (automp.runtime.tuning.conv_tuning.Flag)
-    reason: str
-    timings_ms: dict[str, float]
-    cached: bool = False
-    # output fields detached when it ran (automp.runtime.unread_outputs): cached, not reported
-    detach: tuple[str, ...] = ()
-    confirmed: bool = False  # re-measured in steady state (confirmation below)
-    # a run crashed in a double backward on a compiled path (automp.runtime.input_grads): a new trial of the eager
-    # paths, not a verdict; cached, not reported
-    eager_only: bool = False
-    # what a lower bound said of a path before it ran, by the path's value: {"rule", and its figures}
-    # (automp.runtime.fp32_bound); reported
-    bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
-                "confirmed": self.confirmed, **({"bounds": self.bounds} if self.bounds else {})}
 
 
 class Trial:
@@ -132,25 +84,25 @@ class Trial:
     `floor` (automp.runtime.fp32_bound): low precision eager warms up before FP32 eager, its GEMMs counted in its first
     iteration, and FP32 eager is dropped before it ever runs where that count bounds it above give_up x its second."""
 
-    def __init__(self, candidates: list[Path], config: TrialConfig, clock: Callable[[], float],
-                 sync: Callable[[], None], note: str = "", incumbent: Path | None = None,
-                 warmup: Mapping[Path, int] | None = None, clock_member: int | None = None,
-                 later: Iterable[Path] = (), floor: Fp32Floor | None = None):
+    def __init__(self, candidates: list[Route], config: TrialConfig, clock: Callable[[], float],
+                 sync: Callable[[], None], note: str = "", incumbent: Route | None = None,
+                 warmup: Mapping[Route, int] | None = None, clock_member: int | None = None,
+                 later: Iterable[Route] = (), floor: Fp32Floor | None = None):
         if not candidates:
             raise ValueError("a trial needs at least one candidate path")
         self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
         self.note = note  # why these candidates: goes into the verdict's reason
         self.incumbent = incumbent  # a confirmation's path so far: another low-precision path must clearly beat it
         warmup = config.warmup if warmup is None else warmup
-        self.samples: dict[Path, list[float]] = {c: [] for c in candidates}
+        self.samples: dict[Route, list[float]] = {c: [] for c in candidates}
         self.alive = list(candidates)
-        self.abandoned: set[Path] = set()
+        self.abandoned: set[Route] = set()
         self._warmup = warmup
         later = set(later)
         # not warmed up yet; with nothing else to time first, nothing waits
         self._later = [] if all(c in later for c in candidates) else [c for c in candidates if c in later]
         # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each
-        self._queue: list[tuple[Path, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
+        self._queue: list[tuple[Route, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
                                                      if c not in self._later and warmup.get(c, 1) > 0]
         self.floor = floor
         self.bounds: dict[str, dict[str, Any]] = {}  # Verdict.bounds
@@ -159,8 +111,8 @@ class Trial:
         if floor is not None:  # FP32's warm-up after low precision eager's, which bounds it: one counted iteration,
             # then one or more (its own warm-up's remainder) that the bound is judged against
             self._queue = [q for p, timed, n in self._queue for q in (
-                [(p, timed, 1), (p, timed, max(1, n - 1))] if p is Path.EAGER_LOW and not timed else [(p, timed, n)])]
-            self._queue.sort(key=lambda q: q[0] is Path.FP32)
+                [(p, timed, 1), (p, timed, max(1, n - 1))] if p is Route.EAGER_LOW and not timed else [(p, timed, n)])]
+            self._queue.sort(key=lambda q: q[0] is Route.FP32)
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
@@ -171,7 +123,7 @@ class Trial:
         self._refill()
 
     @property
-    def current(self) -> Path:
+    def current(self) -> Route:
         return self.verdict.path if self.verdict else self._queue[0][0]
 
     def tick(self, member: int, training: bool = True) -> None:
@@ -208,7 +160,7 @@ class Trial:
             self.samples[path].append((now - self._start) / iterations)
         elif self._count is not None:
             self._counted, self._count = (self._count, iterations), None
-        elif self._counted is not None and path is Path.EAGER_LOW:
+        elif self._counted is not None and path is Route.EAGER_LOW:
             self._judge_fp32(now - self._start, iterations)
         self._queue.pop(0)
         self._done = 0
@@ -223,9 +175,9 @@ class Trial:
     def _begin(self) -> None:
         """An interval starts now. Low precision eager's warm-up, with FP32 eager's still to come, is counted."""
         head = self._queue[0] if self._queue and self.verdict is None else None
-        bounds = (self.floor is not None and head is not None and head[0] is Path.EAGER_LOW and not head[1]
-                  and self._counted is None and Path.FP32.value not in self.bounds
-                  and any(p is Path.FP32 and not timed for p, timed, _ in self._queue))
+        bounds = (self.floor is not None and head is not None and head[0] is Route.EAGER_LOW and not head[1]
+                  and self._counted is None and Route.FP32.value not in self.bounds
+                  and any(p is Route.FP32 and not timed for p, timed, _ in self._queue))
         self._count = self.floor.open() if bounds else None
         self._start = self.clock()
 
@@ -234,15 +186,15 @@ class Trial:
         above give_up x this one (automp.runtime.fp32_bound says why that is the trial's own rule)."""
         (count, counted), self._counted = self._counted, None
         record, why = self.floor.judge(count, counted, seconds, iterations, self.config.give_up,
-                                       Path.EAGER_LOW.value)
-        self.bounds[Path.FP32.value] = record
+                                       Route.EAGER_LOW.value)
+        self.bounds[Route.FP32.value] = record
         if record["rule"] == RULED_OUT:
-            self.exclude({Path.FP32}, why)
+            self.exclude({Route.FP32}, why)
         elif why:
             self._add_note(why)
 
-    def exclude(self, paths: frozenset[Path] | set[Path], why: str) -> None:
-        """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.input_grads); a sample of
+    def exclude(self, paths: frozenset[Route] | set[Route], why: str) -> None:
+        """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.guards.input_grads); a sample of
         one of them in progress is dropped. The other candidates go on as if those had never been in it."""
         remaining = [p for p in self.alive if p not in paths]
         if self.verdict is not None or len(remaining) == len(self.alive):
@@ -262,7 +214,7 @@ class Trial:
     def _add_note(self, why: str) -> None:
         self.note = f"{self.note}; {why}" if self.note else why
 
-    def substitute(self, mapping: Mapping[Path, Path], why: str) -> None:
+    def substitute(self, mapping: Mapping[Route, Route], why: str) -> None:
         """Run mapping's values in place of its keys, none of which has been timed yet: where CUDA graphs do not fit,
         a trial of graphed paths only (the FP8 step against its bf16 twin) goes on with the same graphs without them
         rather than with nothing."""
@@ -270,7 +222,7 @@ class Trial:
             return
         if any(self.samples.get(p) for p in mapping):
             raise ValueError("a trial cannot substitute a path it has already timed")
-        swap: Callable[[Path], Path] = lambda p: mapping.get(p, p)
+        swap: Callable[[Route], Route] = lambda p: mapping.get(p, p)
         if self._queue and self._queue[0][0] in mapping:
             self._start, self._done = None, 0  # the interval restarts at the next call, on the path that replaces it
         self.candidates, self.alive, self._later = ([swap(p) for p in ps] for ps in
@@ -300,7 +252,7 @@ class Trial:
             return
         self._rounds += 1
         order = self.alive if self._rounds % 2 else self.alive[::-1]  # A B, B A, ...: linear drift cancels
-        warm: list[tuple[Path, bool, int]] = []
+        warm: list[tuple[Route, bool, int]] = []
         if waiting and self._rounds == 1 and len(waiting) < len(self.alive):
             order = [c for c in order if c not in waiting]
         else:
@@ -322,7 +274,7 @@ class Trial:
         why = f"{self.note}; " if self.note else ""
         tie = ""
         inc = self.incumbent
-        if inc is not None and winner not in (inc, Path.FP32) and self._within(inc, winner, timings,
+        if inc is not None and winner not in (inc, Route.FP32) and self._within(inc, winner, timings,
                                                                              self.config.anchor_margin):
             tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {inc.value} (this "
                    f"measurement's noise), so {inc.value} is kept")
@@ -332,20 +284,20 @@ class Trial:
             tie += (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {twin.value} (this "
                     f"measurement's noise), so the step stays bf16")
             winner = twin
-        if winner in (Path.COMPILED, Path.GRAPHED) and self._within(Path.COMPILED_AUTOCAST, winner, timings,
+        if winner in (Route.COMPILED, Route.GRAPHED) and self._within(Route.COMPILED_AUTOCAST, winner, timings,
                                                                     self.config.anchor_margin):
             tie += (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
                     f"noise), so the hand-written loop's own path is kept")
-            winner = Path.COMPILED_AUTOCAST
-        if winner is not Path.FP32 and self._within(Path.FP32, winner, timings, self.config.fp32_margin):
-            tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Path.FP32.value} (this "
+            winner = Route.COMPILED_AUTOCAST
+        if winner is not Route.FP32 and self._within(Route.FP32, winner, timings, self.config.fp32_margin):
+            tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Route.FP32.value} (this "
                     f"measurement's noise), so the script runs as written")
-            winner = Path.FP32
+            winner = Route.FP32
         measured = f"measured per iteration: {parts}" if parts else "the only candidate left, nothing timed"
         self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings,
                                confirmed=inc is not None, bounds=dict(self.bounds))
 
-    def _within(self, kept: Path, winner: Path, timings: dict[str, float], margin: float) -> bool:
+    def _within(self, kept: Route, winner: Route, timings: dict[str, float], margin: float) -> bool:
         """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
         ms = timings.get(kept.value)
         return kept in self.alive and ms is not None and ms <= (1 + margin) * timings[winner.value]
@@ -355,17 +307,17 @@ class Trial:
 MIN_GAIN = 1.2
 
 
-def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Path], str]:
+def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Route], str]:
     """Which paths can win on a device whose `dtype` GEMMs run `gain` times FP32's rate, and why. A device where low
     precision is not clearly faster gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
     compiled graphs can save, so only the eager paths are timed."""
     if gain < MIN_GAIN:
-        return [Path.FP32], (f"{dtype} GEMMs measured {gain:.2f}x FP32's rate on this {device_type}: low precision "
+        return [Route.FP32], (f"{dtype} GEMMs measured {gain:.2f}x FP32's rate on this {device_type}: low precision "
                              f"does not pay here, kept FP32")
     if device_type != "cuda":
-        return [Path.FP32, Path.EAGER_LOW], (f"{dtype} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled graphs "
+        return [Route.FP32, Route.EAGER_LOW], (f"{dtype} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled graphs "
                                              f"not tried on a CPU (compile time)")
-    every = [Path.EAGER_LOW, Path.COMPILED, Path.COMPILED_AUTOCAST, Path.GRAPHED, Path.FP32]
+    every = [Route.EAGER_LOW, Route.COMPILED, Route.COMPILED_AUTOCAST, Route.GRAPHED, Route.FP32]
     return every, f"{dtype} GEMMs measured {gain:.1f}x FP32"
 
 
@@ -381,7 +333,7 @@ def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], floa
     incumbent by more than the anchor margin: the incumbent's compiled graphs are already paid for. `after`: the
     trial that gave the verdict; its timed module stays the timed one (a GAN's discriminator, called twice per
     iteration, would otherwise split iterations in two)."""
-    if verdict.path is Path.FP32 or verdict.confirmed or config.confirm_after <= 0:
+    if verdict.path is Route.FP32 or verdict.confirmed or config.confirm_after <= 0:
         return None
     own = verdict.timings_ms.get(verdict.path.value)
     if own is None:

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from automp.files import atomic_output
 from automp.runtime.ranks import writer
-from automp.runtime.trial import Path, Verdict
+from automp.runtime.decisions import Route, Verdict
 
 try:
     import fcntl
@@ -52,8 +52,8 @@ class VerdictCache:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, key: str, kind: type[enum.Enum] = Path) -> Verdict | None:
-        """kind: what the entry's "path" names (a Path; automp.runtime.tuning.conv_tuning caches a Flag the same
+    def get(self, key: str, kind: type[enum.Enum] = Route) -> Verdict | None:
+        """kind: what the entry's "path" names (a Route; automp.runtime.tuning.conv_tuning caches a Flag the same
         way)."""
         entry = self._load().get(key)
         try:

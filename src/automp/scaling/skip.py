@@ -154,16 +154,32 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not hits:
         return None
     found = overflow.any_found(_distinct(r.found for r in hits))
-    if _skips_on_device(optimizer):
-        optimizer.found_inf = found  # type: ignore[attr-defined]
+    how = decide(optimizer, found)
+    if how == DEVICE:
         _armed.add(optimizer)
         _count_on_device(found)
-    elif _read(found):
+    elif how == SKIPPED:
+        _skipped_on_host += 1
+    return None
+
+
+DEVICE, SKIPPED, KEPT = "device", "skipped", "kept"  # what `decide` did
+
+
+def decide(optimizer: torch.optim.Optimizer, found: Tensor) -> str:
+    """Make this optimizer step a no-op where `found` (a 0-dim float flag, exactly 0.0 or 1.0) is set: the one way
+    automp skips a step, for loss scaling and for the FP8 loss guard alike. DEVICE: the optimizer honours found_inf, so
+    the flag is handed to its kernel and nothing is read (the caller removes `optimizer.found_inf` after the step);
+    otherwise one host read, and SKIPPED (every grad set to None, which every torch optimizer skips) or KEPT."""
+    if _skips_on_device(optimizer):
+        optimizer.found_inf = found  # type: ignore[attr-defined]
+        return DEVICE
+    if _read(found):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
-        _skipped_on_host += 1
-    return None
+        return SKIPPED
+    return KEPT
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

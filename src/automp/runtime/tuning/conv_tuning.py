@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from automp.runtime.trial import Trial, TrialConfig, Verdict
+from automp.runtime.decisions import Verdict
+from automp.runtime.trial import Trial, TrialConfig
 from automp.runtime.verdicts import VerdictCache
 
 SETTING = "torch.backends.cudnn.benchmark"

@@ -23,11 +23,9 @@ What is and is not lost:
 
 Speed: nothing here waits for the device in a training step. On CUDA each loss is copied, non-blocking, into a pinned
 host buffer behind a CUDA event, and the losses whose events have completed are checked at the next backward call or
-optimizer step. The skip is decided on the device for torch's fused optimizers (Adam, AdamW, SGD, Adagrad with
-fused=True): their `found_inf` argument, the one GradScaler uses, skips the update in the kernel and takes the step
-counter back. Any other optimizer costs one host read per step, as does a fused optimizer's first step: fused SGD
-creates its momentum buffers uninitialised before the kernel runs, so a first step skipped in the kernel would leave
-garbage in them.
+optimizer step. The skip itself is loss scaling's (automp.scaling.skip.decide), one rule for both: on the device for
+torch's fused optimizers, whose `found_inf` argument (the one GradScaler uses) skips the update in the kernel and takes
+the step counter back; one host read per step for any other optimizer, and for a fused SGD's first momentum step.
 
 Not watched: backward calls on non-scalar tensors, losses that are tensor subclasses (a DTensor, a fake tensor), losses
 given to `torch.autograd.backward` directly, and anything during CUDA graph capture. A loss computed inside a step's
@@ -52,7 +50,8 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from automp.runtime.ranks import distributed
+from automp.scaling import skip
+
 
 NONFINITE = "loss-nonfinite"  # rules: tools and reports key on these
 SPIKE = "loss-spike"
@@ -95,7 +94,7 @@ class LossWatch:
         self.patience, self._over = patience, 0  # losses in a row above the bound so far
         self.window, self.history, self.factor = window, history, float(factor)
         self.skip_nonfinite = skip_nonfinite
-        self.ranks = ranks and distributed()  # judge the mean loss of every rank, at calls every rank agrees on
+        self.ranks = ranks and _distributed()  # judge the mean loss of every rank, at calls every rank agrees on
         self.steps_seen = 0  # backward calls observed
         self._recent: deque[float] = deque(maxlen=window)  # the last finite losses, oldest first
         self._pending: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()  # CUDA losses on their way
@@ -104,7 +103,6 @@ class LossWatch:
         # The skip: a device count of the non-finite losses observed, and each optimizer's count at its last step.
         self._bad_total: torch.Tensor | None = None
         self._bad_at_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._warm: weakref.WeakSet = weakref.WeakSet()  # optimizers that have run a step: their state exists
         self._our_found_inf: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._device_skips: torch.Tensor | None = None  # sum of the found_inf flags set, read when asked for
         self._host_skips = 0
@@ -258,20 +256,14 @@ class LossWatch:
         if getattr(opt, "found_inf", None) is not None:
             return None  # GradScaler or automp's loss scaling decides this step's skip
         bad = total if last is None else total - last.to(total.device)
-        if opt in self._warm and _is_fused(opt):
-            flag = (bad > 0).to(torch.float32)
-            opt.found_inf = flag
+        flag = (bad > 0).to(torch.float32)
+        how = skip.decide(opt, flag)
+        if how == skip.DEVICE:
             self._our_found_inf[opt] = flag
             self._device_skips = flag if self._device_skips is None else self._device_skips + flag.to(
                 self._device_skips.device, non_blocking=True)
-            return None
-        if bool((bad > 0).item()):
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # every torch optimizer leaves a param without a grad, and its state, alone
+        elif how == skip.SKIPPED:
             self._host_skips += 1
-        else:
-            self._warm.add(opt)
         return None
 
     def _post_step(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
@@ -287,12 +279,6 @@ def _is_loss(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dim() == 0 and t.is_floating_point() and t.requires_grad
 
 
-def _is_fused(opt: torch.optim.Optimizer) -> bool:
-    """Whether the step takes found_inf on the device: torch's fused Adam, AdamW, SGD and Adagrad."""
-    return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
-        g.get("fused", False) for g in opt.param_groups)
-
-
 def _drop_found_inf(opt: torch.optim.Optimizer, flag: torch.Tensor) -> None:
     if getattr(opt, "found_inf", None) is flag:
         del opt.found_inf
@@ -300,3 +286,8 @@ def _drop_found_inf(opt: torch.optim.Optimizer, flag: torch.Tensor) -> None:
 
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

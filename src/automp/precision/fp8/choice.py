@@ -3,7 +3,7 @@
 FP8 GEMMs run up to ~2x bf16's on large shapes and lose on small ones, where the amax and cast passes cost more than
 the faster GEMM saves; where the line falls depends on the device, the shape and the recipe. So each layer's three
 training GEMMs at its real shape (tokens x in x out, seen on the script's first batch) are looked up in the device's
-measured table (automp.precision.fp8_table), and a layer is predicted to pay where FP8 plus its casts comes out at
+measured table (automp.precision.fp8.table), and a layer is predicted to pay where FP8 plus its casts comes out at
 least MIN_GAIN faster than bf16. The whole model is then timed both ways by the runtime's trial: a prediction that
 does not hold on the real step is caught there.
 
@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from automp.precision import fp8
-from automp.precision.fp8_table import Fp8Timing, GemmShape
+from automp.precision.fp8 import layers as fp8
+from automp.precision.fp8.table import Fp8Timing, GemmShape
 
 MIN_GAIN = 1.10  # predicted speedup of a layer's three GEMMs, casts included, before it is offered FP8
 MAX_ERROR = 0.10  # relative output error against bf16 on the real batch (2.5x what Gaussian data gives)

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from automp.precision import fp8_choice as fc
-from automp.precision.fp8_table import Fp8Timing, GemmShape
+from automp.precision.fp8 import choice as fc
+from automp.precision.fp8.table import Fp8Timing, GemmShape
 
 
 def table(gains: dict[tuple[int, int], float]):

@@ -6,10 +6,11 @@ import torch.nn as nn
 
 import automp
 from automp.config import AutoMPConfig
-from automp.runtime.trial import Path, TrialConfig
-from automp.runtime.input_grads import asks_input_grad
+from automp.runtime.decisions import Route
+from automp.runtime.trial import TrialConfig
+from automp.runtime.guards.input_grads import asks_input_grad
 
-from .sessions import inject
+from tests.runtime.sessions import inject
 
 
 def test_which_calls_ask_for_an_input_gradient():
@@ -47,7 +48,7 @@ def _wgan_gp(iterations: int, penalty_from: int = 0):
 def _enable_timed(monkeypatch, config: TrialConfig | None = None) -> None:
     """automp enabled with every path but stock Inductor as candidates, on an injected clock where automp's compiled
     graphs are the fastest: each module call advances it by a quarter of its path's cost."""
-    cost = {Path.FP32: 0.030, Path.EAGER_LOW: 0.020, Path.COMPILED: 0.010}
+    cost = {Route.FP32: 0.030, Route.EAGER_LOW: 0.020, Route.COMPILED: 0.010}
     now = [0.0]
     inject(monkeypatch, candidates=lambda device, low: (list(cost), "test"), clock=lambda: now[0],
            trial_config=config)
@@ -63,7 +64,7 @@ def test_a_gradient_penalty_takes_the_critic_off_the_compiled_paths(monkeypatch,
     _enable_timed(monkeypatch)
     _wgan_gp(60)
     rep = automp.disable()
-    assert {c["path"] for c in rep["choices"]} <= {Path.EAGER_LOW.value, Path.FP32.value}
+    assert {c["path"] for c in rep["choices"]} <= {Route.EAGER_LOW.value, Route.FP32.value}
     assert all("automp-compiled" not in c["timings_ms"] for c in rep["choices"])
     assert any("requiring grad" in f["reason"] for f in rep["fallbacks"])
 
@@ -74,7 +75,7 @@ def test_a_forced_compiled_path_gives_way_when_the_penalty_starts(penalty_from, 
     _wgan_gp(16, penalty_from)
     rep = automp.disable()
     paths = {c["module"]: c["path"] for c in rep["choices"]}
-    assert paths == {"Sequential": Path.COMPILED.value, "Sequential#2": Path.EAGER_LOW.value}  # the critic moved
+    assert paths == {"Sequential": Route.COMPILED.value, "Sequential#2": Route.EAGER_LOW.value}  # the critic moved
 
 
 def test_a_compiled_winner_gives_way_to_an_eager_trial_when_the_penalty_starts(monkeypatch, fresh_session):
@@ -82,8 +83,8 @@ def test_a_compiled_winner_gives_way_to_an_eager_trial_when_the_penalty_starts(m
     _wgan_gp(70, penalty_from=40)  # the trial settles on the compiled path first, then the penalty starts
     rep = automp.disable()
     paths = {c["module"]: c["path"] for c in rep["choices"]}
-    assert paths["Sequential"] == Path.COMPILED.value  # the generator keeps its verdict
-    assert paths["Sequential#2"] == Path.EAGER_LOW.value
+    assert paths["Sequential"] == Route.COMPILED.value  # the generator keeps its verdict
+    assert paths["Sequential#2"] == Route.EAGER_LOW.value
 
 
 SECOND_ORDER = """
@@ -104,7 +105,7 @@ def test_a_double_backward_crash_is_explained_and_the_next_run_stays_eager(tmp_p
     from automp.launcher import run_script
     script = tmp_path / "second_order.py"
     script.write_text(SECOND_ORDER)
-    paths = [Path.COMPILED, Path.EAGER_LOW, Path.FP32]
+    paths = [Route.COMPILED, Route.EAGER_LOW, Route.FP32]
     inject(monkeypatch, candidates=lambda device, low: (list(paths), "test"))
     assert run_script(str(script), [], AutoMPConfig.from_env(dtype="bf16", inner="eager")) == 1
     err = capsys.readouterr().err
@@ -114,8 +115,8 @@ def test_a_double_backward_crash_is_explained_and_the_next_run_stays_eager(tmp_p
     import json
     rep = json.loads(report.read_text())
     (choice,) = rep["choices"]
-    assert choice["path"] in (Path.EAGER_LOW.value, Path.FP32.value)
-    assert Path.COMPILED.value not in choice["timings_ms"]
+    assert choice["path"] in (Route.EAGER_LOW.value, Route.FP32.value)
+    assert Route.COMPILED.value not in choice["timings_ms"]
     assert any("earlier run" in f["reason"] for f in rep["fallbacks"])
 
 

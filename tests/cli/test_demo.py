@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import automp
-from automp.models import demo
+from automp.cli import demo
 from automp.models.data import MarkovCorpus
 from automp.models.gpt import GPT, GPTConfig
 

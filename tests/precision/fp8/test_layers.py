@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from automp.precision import fp8
+from automp.precision.fp8 import layers as fp8
 
 
 def _cpu_scaled_mm(recipe: str = "tensorwise") -> bool:

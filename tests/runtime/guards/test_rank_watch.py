@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from automp.runtime.rank_watch import RankWatch
+from automp.runtime.guards.rank_watch import RankWatch
 from tests import gloo
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")

@@ -4,8 +4,8 @@ import warnings
 import pytest
 import torch
 
-from automp.precision import fp8_table
-from automp.precision.fp8_table import Fp8Table, Fp8Timing, GemmShape, bucket, extra_bytes
+from automp.precision.fp8 import table as fp8_table
+from automp.precision.fp8.table import Fp8Table, Fp8Timing, GemmShape, bucket, extra_bytes
 
 CPU = torch.device("cpu")
 BANDWIDTH = 1000.0  # GB/s the fake bandwidth reports

@@ -23,7 +23,7 @@ import torch
 
 from automp.files import atomic_output
 from automp.precision.calibrate import device_name
-from automp.precision.fp8 import ALIGN, E4M3, E5M2, RECIPES, cast, check_recipe, col_major, fits
+from automp.precision.fp8.layers import ALIGN, E4M3, E5M2, RECIPES, cast, check_recipe, col_major, fits
 
 SCHEMA = 1  # bump when the file layout, the bucketing or the way of measuring changes: older files are re-measured
 REPEATS = 5  # timed samples per measurement; the median is the measurement

@@ -8,7 +8,7 @@ import torch._dynamo
 import transformers  # noqa: F401  # adds warning_once/info_once to logging.Logger
 from torch._dynamo.utils import counters
 
-from automp.runtime.once_logging import ignore_once_logging
+from automp.runtime.guards.once_logging import ignore_once_logging
 
 WARNING_ONCE = vars(logging.Logger)["warning_once"]
 METRICS = logging.getLogger("torch._dynamo.metrics_context")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from automp.runtime.trial import AUTOCAST_PATHS, COMPILED_PATHS, Path
+from automp.runtime.decisions import AUTOCAST_PATHS, COMPILED_PATHS, Route
 from automp.runtime.report import Recorder
 
 _RNN_BREAK = ("_rnn_call", "allow_rnn", "RNN, GRU, or LSTM")
@@ -24,9 +24,9 @@ def graph_breaks() -> dict[str, int]:
 def report_graph_breaks(rec: Recorder, roots: Iterable[Any], before: dict[str, int]) -> None:
     """Add a fallback entry for each break reason new since `before` (once per reason); `roots` are the session's
     root records (their .path and .graphs say which compiled path ran)."""
-    paths = {Path.COMPILED_AUTOCAST if r.path in AUTOCAST_PATHS else r.path for r in roots
+    paths = {Route.COMPILED_AUTOCAST if r.path in AUTOCAST_PATHS else r.path for r in roots
              if r.graphs and r.path in COMPILED_PATHS}
-    how = ("in FP32" if Path.COMPILED_AUTOCAST not in paths else "under torch.autocast" if len(paths) == 1 else
+    how = ("in FP32" if Route.COMPILED_AUTOCAST not in paths else "under torch.autocast" if len(paths) == 1 else
            "in FP32 (automp-compiled modules) or under torch.autocast (autocast-compiled modules)")
     for reason, n in graph_breaks().items():
         new = n - before.get(reason, 0)

@@ -10,9 +10,10 @@ import os
 import torch
 import torch.nn as nn
 
-from automp.precision import fp8, fp8_gather
+from automp.precision.fp8 import gather as fp8_gather
+from automp.precision.fp8 import layers as fp8
 from tests import gloo
-from tests.precision.test_fp8 import needs_scaled_mm
+from tests.precision.fp8.test_layers import needs_scaled_mm
 
 RANKS = 3
 

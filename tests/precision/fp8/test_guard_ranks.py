@@ -11,7 +11,7 @@ from tests import gloo
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from automp.runtime.fp8_guard import NONFINITE, SPIKE, LossWatch
+    from automp.precision.fp8.guard import NONFINITE, SPIKE, LossWatch
     gloo.join(rank, port)
     try:
         results = {}

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-from automp.precision import fp8
+from automp.precision.fp8 import layers as fp8
 
 # rules, per FP8 layer (report data)
 FP8_GATHER = "fp8-all-gather"

@@ -11,9 +11,9 @@ from transformers.utils import ModelOutput
 
 import automp
 from automp.runtime.outputs import restore_lazily
-from automp.runtime.unread_outputs import FieldReads, FieldWatch, detach_unread
+from automp.runtime.guards.unread_outputs import FieldReads, FieldWatch, detach_unread
 
-from .sessions import inject
+from tests.runtime.sessions import inject
 
 
 @dataclass
@@ -123,10 +123,11 @@ def _train(model, steps, read_logits_at=None, lr=0.1):
 def _enable_trial(monkeypatch):
     """A CPU session whose trial runs the model eagerly once, then compiled (automp's graph pass, run op by op) for
     ten untimed warm-up calls: the order a GPU trial starts with, made deterministic."""
-    from automp.runtime.trial import Path, TrialConfig
+    from automp.runtime.decisions import Route
+    from automp.runtime.trial import TrialConfig
 
-    inject(monkeypatch, candidates=lambda device, low: ([Path.EAGER_LOW, Path.COMPILED], "test"),
-           trial_config=TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 10}))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.EAGER_LOW, Route.COMPILED], "test"),
+           trial_config=TrialConfig(warmup={Route.EAGER_LOW: 1, Route.COMPILED: 10}))
     automp.enable(dtype="bf16", inner="eager", spec="h100")
 
 
@@ -172,10 +173,11 @@ def test_reading_a_detached_field_of_a_call_without_gradients_never_reruns():
 def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(monkeypatch, tmp_path):
     """Run 1: a trial (eager, then compiled, a clock that makes compiled win) settles and caches the verdict with the
     detached fields. Run 2 (same cache): the compiled path from the first call, the logits detached at once."""
-    from automp.runtime.trial import Path, TrialConfig
+    from automp.runtime.decisions import Route
+    from automp.runtime.trial import TrialConfig
     from automp.runtime.session import Session
 
-    cost = {Path.EAGER_LOW: 2.0, Path.COMPILED: 1.0}
+    cost = {Route.EAGER_LOW: 2.0, Route.COMPILED: 1.0}
     now = [0.0]
     run = Session._run
 
@@ -185,9 +187,9 @@ def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(
         return out
 
     monkeypatch.setattr(Session, "_run", timed_run)
-    paths = lambda device, low: ([Path.EAGER_LOW, Path.COMPILED], "test")  # noqa: E731
+    paths = lambda device, low: ([Route.EAGER_LOW, Route.COMPILED], "test")  # noqa: E731
     inject(monkeypatch, candidates=paths, clock=lambda: now[0],
-           trial_config=TrialConfig(warmup={Path.EAGER_LOW: 1, Path.COMPILED: 1}, measure=2, block=1))
+           trial_config=TrialConfig(warmup={Route.EAGER_LOW: 1, Route.COMPILED: 1}, measure=2, block=1))
     torch.manual_seed(0)
     model = TinyLM()
     automp.enable(dtype="bf16", inner="eager", spec="h100", cache_dir=str(tmp_path))

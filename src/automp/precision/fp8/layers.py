@@ -80,7 +80,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[t
     """(t in `dtype`, its fp32 inverse scale): scaled so that its amax (of the whole tensor, or along `dim`, kept as a
     size-1 dimension) lands on the format's largest value. Multiplying the FP8 values by the inverse scale gives t
     back up to FP8 rounding. A weight FSDP2 all-gathered in FP8 (Fp8Weight) arrives cast already: the same values
-    this cast would give it, computed on each rank's shard before the all-gather (automp.precision.fp8_gather)."""
+    this cast would give it, computed on each rank's shard before the all-gather (automp.precision.fp8.gather)."""
     if isinstance(t, Fp8Weight) and dim is None and dtype == t.data8.dtype:
         return t.data8, t.inv_scale
     amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)

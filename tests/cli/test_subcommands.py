@@ -11,7 +11,7 @@ import torch
 
 from automp.cli import main
 
-from .deploy.util import convnet
+from tests.deploy.util import convnet
 
 
 @pytest.fixture

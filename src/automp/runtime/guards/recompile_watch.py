@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from automp.runtime.trial import COMPILED_PATHS, EAGER_PATHS, Path, Verdict
+from automp.runtime.decisions import COMPILED_PATHS, EAGER_PATHS, Route, Verdict
 
 
 @dataclass
 class CompileWatch:
     """The balance of one root's compiled path since its verdict."""
 
-    fallback: Path  # the fastest eager path the verdict measured
+    fallback: Route  # the fastest eager path the verdict measured
     lead_ms: float  # per iteration, the compiled path's measured lead over it
     churn: int = 3  # recompiling training calls before the path may be given up
     quiet: int = 10  # the first training calls, whose recompiles are the path settling, not churn

@@ -1,4 +1,4 @@
-"""nn.LSTM inside a root on automp's compiled path: one fused op in low precision (automp.runtime.rnn), not unrolled."""
+"""nn.LSTM inside a root on automp's compiled path: one fused op in low precision (automp.runtime.guards.rnn), not unrolled."""
 import pytest
 import torch
 import torch.nn as nn
@@ -52,7 +52,7 @@ def test_lstm_numerics_stay_close_to_fp32():
 
 def test_an_rnn_the_cpu_cannot_run_in_low_precision_runs_fp32_and_the_rest_stays_compiled(monkeypatch):
     """oneDNN builds no bf16 LSTM on a CPU without AVX-512: the RNN runs FP32 as written instead of crashing the run."""
-    from automp.runtime import rnn
+    from automp.runtime.guards import rnn
     monkeypatch.setattr(rnn, "NO_LOW_PRECISION_RNN", set())
     real = nn.LSTM.forward
 

@@ -69,7 +69,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from automp.models.demo import main as demo_main
+    from automp.cli.demo import main as demo_main
     return demo_main(steps=args.steps, device=args.device, dtype=args.dtype, report=args.report)
 
 

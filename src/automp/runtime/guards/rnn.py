@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from automp.runtime import call_state
-from automp.runtime.trial import Path
+from automp.runtime.decisions import Route
 from automp.runtime.compiled_paths import ORIG_CALL
 from automp.runtime.outputs import restore_float32
 
@@ -24,7 +24,7 @@ def _rnn_call(module: nn.RNNBase, *args: Any, **kwargs: Any) -> Any:
     forward, it makes a clean graph break at the call: the code before and after is compiled through the pass,
     and the RNN runs here as ONE fused cuDNN op in low precision, returning FP32 as the graph expects."""
     state = call_state.local
-    if getattr(state, "depth", 0) > 0 and getattr(state, "path", None) is Path.COMPILED:
+    if getattr(state, "depth", 0) > 0 and getattr(state, "path", None) is Route.COMPILED:
         device = next(module.parameters()).device
         if (device.type, state.low) not in NO_LOW_PRECISION_RNN:
             try:

@@ -1,13 +1,13 @@
 """Bad command-line values are one-line usage errors (rc 2), never a traceback from inside the command."""
 import pytest
 
-import automp.models.demo
+import automp.cli.demo
 from automp.cli import main
 
 
 @pytest.mark.parametrize("steps", ["-1", "0", "ten"])
 def test_demo_rejects_bad_steps_before_running(monkeypatch, capsys, steps):
-    monkeypatch.setattr(automp.models.demo, "main", lambda **kw: pytest.fail("the demo ran with bad --steps"))
+    monkeypatch.setattr(automp.cli.demo, "main", lambda **kw: pytest.fail("the demo ran with bad --steps"))
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--steps", steps])
     assert exc.value.code == 2
@@ -17,7 +17,7 @@ def test_demo_rejects_bad_steps_before_running(monkeypatch, capsys, steps):
 
 def test_demo_passes_good_steps_on(monkeypatch):
     seen = {}
-    monkeypatch.setattr(automp.models.demo, "main", lambda **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(automp.cli.demo, "main", lambda **kw: seen.update(kw) or 0)
     assert main(["demo", "--steps", "3", "--device", "cpu"]) == 0
     assert seen["steps"] == 3
 

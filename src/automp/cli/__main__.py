@@ -1,0 +1,3 @@
+from automp.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""FP8 training, the whole of it in one place, entered by one call: `convert`.
+
+- layers: the FP8 linear layer (one autograd function over torch._scaled_mm, switched by class swap);
+- table: the device's measured FP8 and bf16 GEMM times, per shape and recipe (cached per device);
+- choice: which layers run FP8 (predicted gain from the table, error on the real batch, the output layer's rule);
+- gather: under FSDP2, the FP8 layers' weights all-gathered in float8;
+- guard: the loss watch that takes a diverging FP8 run back to bf16 and keeps non-finite steps off the weights.
+
+The runtime (automp.runtime.fp8_layers) decides *when* (a root's first call, the trial, the switch back); this package
+decides *what*, and holds no state of a run beyond what `convert` returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from automp.precision.fp8 import choice, gather, guard, layers, table
+
+__all__ = ["Conversion", "convert", "choice", "gather", "guard", "layers", "table"]
+
+TableLoader = Callable[..., table.Fp8Table]  # table.load_or_measure's signature
+
+
+@dataclass
+class Conversion:
+    """What `convert` did to one module: every linear layer's choice, the layers made FP8-capable, and their FSDP2
+    all-gather (None where FSDP2 shards none of them). `table_error`: why the device's times could not be had."""
+
+    recipe: str
+    choices: dict[str, choice.LayerChoice]
+    installed: dict[str, nn.Module] = field(default_factory=dict)
+    all_gather: gather.Fp8Gather | None = None
+    table_error: str | None = None
+
+    @property
+    def chosen(self) -> tuple[str, ...]:
+        return tuple(self.installed)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report's FP8 entry for this module."""
+        out: dict[str, Any] = {"recipe": self.recipe, "fp8_layers": len(self.installed),
+                               "layers_seen": len(self.choices), "rules": choice.summary(self.choices),
+                               "layers": {n: c.as_dict() for n, c in self.choices.items()}}
+        if self.all_gather is not None:
+            out["all_gather"] = {"rules": self.all_gather.summary(), "why": dict(self.all_gather.why)}
+        return out
+
+    def undo(self) -> None:
+        """Back to the module as it was: the all-gather closed, every installed layer its own class again."""
+        if self.all_gather is not None:
+            self.all_gather.close()
+            self.all_gather = None
+        for module in self.installed.values():
+            layers.uninstall(module)
+        self.installed.clear()
+
+
+def convert(module: nn.Module, run: Callable[[], Any], *, device: torch.device, recipe: str = "tensorwise",
+            low: torch.dtype = torch.bfloat16, cache_dir: str | None = None,
+            table_loader: TableLoader = table.load_or_measure, keep: tuple[str, ...] = (), output_fp8: bool = False,
+            all_gather: bool = True, agree: Callable[[dict], dict] | None = None) -> Conversion:
+    """Choose and install the FP8 layers of `module`; `run()` calls it once on a real batch (the probe).
+
+    agree: makes every rank hold the same choices (rank 0's) before anything is installed; ranks that chose apart
+    would run different graphs around the same collectives. Given, the module is one all ranks call in lockstep, and
+    FSDP2-sharded FP8 layers get the FP8 all-gather (`all_gather=False`: reported, left to FSDP2's own)."""
+    probed = choice.probe(module, run, recipe, low)
+    shapes = [s for s in probed.shapes.values() if layers.fits(s.m, s.k, s.n)]
+    times: table.Fp8Table | None = None
+    table_error = None
+    if shapes:
+        try:
+            times = table_loader(device, shapes, recipe, cache_dir)
+        except (RuntimeError, ValueError) as e:
+            table_error = str(e)
+    linear = choice.linear_layers(module)
+    choices = choice.choose(probed, list(linear), lambda s: times.get(s, recipe) if times is not None else None,
+                            keep=keep, output_fp8=output_fp8)
+    if agree is not None:
+        choices = agree(choices)
+    result = Conversion(recipe, choices, table_error=table_error)
+    for name, c in choices.items():
+        if c.dtype == "fp8":
+            layers.install(linear[name], recipe)
+            result.installed[name] = linear[name]
+    if agree is not None and result.installed:
+        sharded = gather.Fp8Gather(module, dict(result.installed), recipe, enabled=all_gather)
+        if sharded.rules:  # FSDP2 shards some of them
+            result.all_gather = sharded
+    return result
