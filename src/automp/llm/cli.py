@@ -5,10 +5,12 @@
     automp llm bench [--quick] [--out DIR]
 
 Built-in models have seeded random weights (no hub downloads); text goes through the model directory's transformers
-tokenizer when it has one, else the built-in byte tokenizer (UTF-8 bytes = ids 0..255). User errors print one line and
-return 1, like `automp optimize`; usage errors (an output that would overwrite the source model, a missing optional
-package) return 2, before any work. `automp llm bench` is a benchmark suite (automp.bench.suites.llm): the `automp`
-command routes it there, since library code does not import the benchmarks.
+tokenizer when it has one, else the built-in byte tokenizer (UTF-8 bytes = ids 0..255). `generate` says when a model
+is a built-in (its text is noise) and prints the text's non-printable characters escaped (\\x1b), so no output can
+drive the terminal. User errors print one line and return 1, like `automp optimize`; usage errors (an output that
+would overwrite the source model, a missing optional package, --device cuda without a CUDA device) return 2, before
+any work. `automp llm bench` is a benchmark suite (automp.bench.suites.llm): the `automp` command routes it there,
+since library code does not import the benchmarks.
 """
 from __future__ import annotations
 
@@ -95,7 +97,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device(name: str | None) -> torch.device:
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """--device, checked before any work: the quantized layers run on cpu or cuda, and a CUDA device asked for on a
+    machine without one is a usage error here, not an assertion (or a pin_memory error) from deep inside torch."""
+    cuda = torch.cuda.is_available()  # once, here: everything after uses the device this returns
+    if name is None:
+        return torch.device("cuda" if cuda else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name}: not a device (expected cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: automp llm runs on cpu or cuda")
+    if device.type == "cuda":
+        if not cuda:
+            raise UsageError(f"--device {name}: CUDA was asked for, but no CUDA device is available "
+                             "(torch.cuda.is_available() is False)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: there is no CUDA device {device.index} "
+                             f"({torch.cuda.device_count()} available)")
+    return device
+
+
+def printable(text: str) -> str:
+    """`text` safe to print to a terminal: every character that is not printable (control characters such as ESC,
+    BEL or CR, C1 controls, bidirectional overrides, line separators) written as its Python escape (\\x1b,
+    \\u202e), newlines and tabs kept. Generated text is whatever bytes the model picked, and a random-weight model
+    picks escape sequences too."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def _tokenize(tokenizer, text: str, vocab: int) -> list[int]:
@@ -150,8 +179,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from automp.llm.generate import ByteTokenizer
     from automp.llm.quantize import quantize, weight_bytes
     from automp.llm.store import BUILTIN, has_tokenizer, load_source, save
-    device = _device(args.device)
-    model = load_source(args.model, device)
+    model = load_source(args.model, args.device)
     tokenizer = None
     if args.model not in BUILTIN and has_tokenizer(args.model):
         try:
@@ -174,17 +202,20 @@ def _quantize(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     require_transformers()
     from automp.llm.generate import decode_info, generate
-    from automp.llm.store import load, load_tokenizer
-    device = _device(args.device)
+    from automp.llm.store import builtin_name, load, load_tokenizer
+    device = args.device
     model = load(args.model, device)
     tokenizer = load_tokenizer(args.model)
+    if builtin_name(model):
+        print(f"note: {builtin_name(model)} is a built-in model with random weights; its text is noise",
+              file=sys.stderr)
     ids = torch.tensor([_tokenize(tokenizer, args.prompt, model.config.vocab_size)], device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     t0 = time.perf_counter()
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen,
                    eos_token_id=getattr(tokenizer, "eos_token_id", None), mode=args.mode)
     seconds = time.perf_counter() - t0
-    print(tokenizer.decode(out[0].tolist()))
+    print(printable(tokenizer.decode(out[0].tolist())))
     n = out.shape[1] - ids.shape[1]
     info = decode_info(model)
     print(f"[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tokens/s incl. warm-up; decode {info.get('mode')}"
@@ -200,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args = build_parser().parse_args(argv)
     try:
+        args.device = _device(args.device)
         return _quantize(args) if args.command == "quantize" else _generate(args)
     except UsageError as e:
         print(f"automp llm {args.command}: error: {e}", file=sys.stderr)

@@ -4,7 +4,8 @@ automp's own save/load format.
 Format (a directory): `model.safetensors` with every parameter and buffer of the quantized model (packed codes,
 scales, fp16 embeddings/norms/lm_head, and non-persistent buffers such as rotary frequencies, so nothing has to be
 recomputed) and `automp_llm.json` with the quantization config, the transformers config and class, each QuantLinear's
-(and QuantEmbedding's) shape, and tied-weight aliases (safetensors stores shared tensors once). Fused projections
+(and QuantEmbedding's) shape, tied-weight aliases (safetensors stores shared tensors once) and, for a model made by
+`build`, the built-in's name (its weights are random: `automp llm generate` says so). Fused projections
 (automp.llm.fuse) are saved as their members' own tensors, and `load` fuses them again. `load` builds the
 architecture on the meta device (no weight memory, no init), puts empty shells where the quantized layers were and
 assigns the saved tensors: no re-quantization, bitwise-identical buffers. Both files carry one save id, so files of
@@ -56,7 +57,8 @@ BUILTIN = {  # name: (model class, config class, config); random weights, byte-l
 
 def build(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
           **overrides) -> nn.Module:
-    """A built-in model with seeded random weights, created on `device` (the global RNG is left as it was)."""
+    """A built-in model with seeded random weights, created on `device` (the global RNG is left as it was). Its
+    `automp_builtin` attribute names it; `save` keeps the name and `load` gives it back."""
     import transformers
     if name not in BUILTIN:
         raise ValueError(f"automp.llm: unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN)}")
@@ -67,7 +69,42 @@ def build(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = to
         torch.manual_seed(seed)
         with device:
             model = getattr(transformers, model_cls)(config)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.automp_builtin = name
+    return model
+
+
+def builtin_name(model: nn.Module) -> str | None:
+    """The built-in (random-weight) model `model` was made from by `build`, possibly quantized, saved and loaded
+    since; None for any other model."""
+    name = getattr(model, "automp_builtin", None)
+    return name if isinstance(name, str) else None
+
+
+def unreadable(path: str, error: Exception, what: str = "safetensors", where: str = "automp.llm") -> ValueError:
+    """The one-line error for a weights (or tokenizer) file that cannot be parsed: the file, and the parser's first
+    line."""
+    return ValueError(f"{where}: {path} is not a readable {what} file, truncated or damaged ({_first_line(error)})")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _damaged_safetensors(directory: str) -> str | None:
+    """The first *.safetensors file of `directory` whose header does not parse or does not cover the file, with the
+    reason; None if all of them open."""
+    from safetensors import SafetensorError, safe_open
+    for entry in sorted(os.listdir(directory)):
+        path = os.path.join(directory, entry)
+        if entry.endswith(".safetensors") and os.path.isfile(path):
+            try:
+                with safe_open(path, framework="pt"):
+                    pass
+            except SafetensorError as e:  # safetensors checks the header against the file size on opening
+                return str(unreadable(path, e))
+    return None
 
 
 def load_source(source: str, device: torch.device | str = "cpu") -> nn.Module:
@@ -79,8 +116,13 @@ def load_source(source: str, device: torch.device | str = "cpu") -> nn.Module:
                                 f"directory")
     if os.path.isfile(os.path.join(source, META)):
         raise ValueError(f"automp.llm: {source} is already an automp quantized model (use `automp llm generate`)")
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    except SafetensorError as e:  # transformers does not say which file: name the damaged one
+        raise ValueError(_damaged_safetensors(source) or f"automp.llm: cannot read the weights in {source}, "
+                         f"truncated or damaged ({_first_line(e)})") from None
     arch_of(model)
     return model.to(device).eval()
 
@@ -178,7 +220,7 @@ def save(model: nn.Module, directory: str, tokenizer=None) -> None:
     save_id = uuid.uuid4().hex
     meta = {"format": FORMAT, "version": VERSION, "save_id": save_id, "architecture": type(model).__name__,
             "config_class": type(model.config).__name__, "model_config": json.loads(model.config.to_json_string()),
-            "quant": asdict(model.automp_quant), "aliases": aliases,
+            "quant": asdict(model.automp_quant), "aliases": aliases, "builtin": builtin_name(model),
             "layers": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantLinear)},
             "embeddings": {n: m.spec() for n, m in model.named_modules() if isinstance(m, QuantEmbedding)}}
     parent, name = os.path.split(real)
@@ -273,13 +315,13 @@ def load(directory: str, device: torch.device | str = "cpu") -> nn.Module:
             same_save = (f.metadata() or {}).get("save_id") == meta["save_id"]
             tensors = {k: f.get_tensor(k) for k in f.keys()} if same_save else {}
     except SafetensorError as e:  # truncated or overwritten: safetensors checks the header against the file size
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"automp.llm.load: {path} is not a readable safetensors file, truncated or damaged "
-                         f"({first})") from None
+        raise unreadable(path, e, where="automp.llm.load") from None
     if not same_save:
         raise ValueError(f"automp.llm.load: {WEIGHTS} and {META} in {directory} come from different saves")
     _assign(model, tensors, meta["aliases"])
     model.automp_quant = quant
+    if isinstance(meta.get("builtin"), str):  # absent in files saved before it was recorded
+        model.automp_builtin = meta["builtin"]
     fuse_projections(model)  # the saved tensors are per layer: fusing again makes the views (quant.fuse permitting)
     return model.eval()
 
@@ -295,5 +337,17 @@ def load_tokenizer(directory: str):
     from automp.llm.generate import ByteTokenizer
     if has_tokenizer(directory):
         from transformers import AutoTokenizer
+        for entry in _TOKENIZER_JSON:  # transformers' JSON errors do not say which file: check them here first
+            path = os.path.join(directory, entry)
+            if os.path.isfile(path):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        json.load(f)
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise unreadable(path, e, "JSON", "automp.llm.load") from None
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return ByteTokenizer()
+
+
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json")
