@@ -126,3 +126,17 @@ def test_an_empty_calibration_batch_is_named(files, capsys):
 def test_every_option_has_help():
     from automp.deploy.cli import build_parser
     assert [a.dest for a in build_parser()._actions if not (a.help or "").strip()] == []
+
+
+@pytest.mark.parametrize("cut", ["half", "one_byte_short"])
+def test_a_truncated_calibration_file_is_named_in_one_line(files, capsys, cut):
+    src, calib, tmp = files
+    np.savez(calib, image=np.random.default_rng().standard_normal((16, 3, 8, 8)).astype(np.float32))
+    data = calib.read_bytes()
+    calib.write_bytes(data[: len(data) // 2] if cut == "half" else data[:-1])
+    out = tmp / "o.onnx"
+    assert main([str(src), "-o", str(out), "--calib", str(calib)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("automp optimize: error:") and "Traceback" not in err
+    assert str(calib) in err and "truncated or corrupt" in err
+    assert not out.exists()

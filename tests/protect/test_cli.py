@@ -134,3 +134,63 @@ def test_a_bad_key_is_a_usage_error_that_says_what_is_expected(model_file, tmp_p
 def test_every_option_has_help():
     from automp.protect.cli import build_parser
     assert [a.dest for a in build_parser()._actions if not (a.help or "").strip()] == []
+
+
+def _external(tmp_path, model, location):
+    src = tmp_path / "ext.onnx"
+    (tmp_path / location).parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, src, save_as_external_data=True, location=location, size_threshold=0)
+    return src, tmp_path / location
+
+
+@pytest.mark.parametrize("location", ["ext.onnx.data", "sub/weights.bin"])
+@pytest.mark.parametrize("flag", ["-o", "--report"])
+def test_cli_refuses_to_write_over_the_inputs_external_data(exported, tmp_path, capsys, location, flag):
+    src, data = _external(tmp_path, exported("cnn"), location)
+    before = data.read_bytes()
+    feeds = runtime.random_feeds(onnx.load(src), batch=2, seed=int(np.random.default_rng().integers(1 << 30)))
+    ref = runtime.run(onnx.load(src), feeds)["logits"]
+    argv = [str(src), "-o", str(data)] if flag == "-o" else [str(src), "-o", str(tmp_path / "o.onnx"), flag,
+                                                             str(data)]
+    assert protect.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "external data" in err and "refusing to overwrite" in err and flag in err
+    assert data.read_bytes() == before and not (tmp_path / "o.onnx").exists()
+    np.testing.assert_array_equal(runtime.run(onnx.load(src), feeds)["logits"], ref)
+
+
+def test_cli_refuses_an_output_whose_own_data_file_is_the_inputs(exported, tmp_path, capsys):
+    src, data = _external(tmp_path, exported("cnn"), "out.onnx.data")
+    before = data.read_bytes()
+    assert protect.main([str(src), "-o", str(tmp_path / "out.onnx")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "out.onnx.data" in err and "external data" in err
+    assert data.read_bytes() == before and not (tmp_path / "out.onnx").exists()
+
+
+def _embedding() -> onnx.ModelProto:
+    """ids (int64) -> Gather from a random table -> MatMul: an integer input next to float weights."""
+    from onnx import helper
+    from ..deploy.util import f32, init, model
+    rng = np.random.default_rng()
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="emb"),
+             helper.make_node("MatMul", ["e", "w"], ["y"], name="proj")]
+    ids = helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["n", 4])
+    return model(nodes, [ids], [f32("y", ["n", 4, 3])],
+                 [init("table", rng.standard_normal((10, 6)).astype(np.float32)),
+                  init("w", rng.standard_normal((6, 3)).astype(np.float32))])
+
+
+def test_the_summary_describes_float_and_integer_inputs_as_they_are(model_file, tmp_path, capsys):
+    out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
+    assert protect.main([str(model_file), "-o", str(out), "--report", str(rep)]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if "rel. error" in s)
+    said = json.loads(rep.read_text())["error_vs_original"]["inputs"]
+    assert said in line and "integer" not in said and "standard normal" in said and "image" in said
+    ints = tmp_path / "emb.onnx"
+    onnx.save(_embedding(), ints)
+    assert protect.main([str(ints), "-o", str(out), "--report", str(rep)]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if "rel. error" in s)
+    said = json.loads(rep.read_text())["error_vs_original"]["inputs"]
+    assert said in line and "integers in [0, 2)" in said and "ids" in said and "standard normal" not in said

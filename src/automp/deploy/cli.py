@@ -1,8 +1,9 @@
 """`automp optimize IN -o OUT [--precision fp32|fp16|int8] [--calib FILE.npz] [--budget B] [--report PATH]`.
 
-User errors (a corrupt or unsupported model, calibration data that does not match the inputs, is empty or is not
-finite, int8 without --calib, a missed budget, an output path that cannot be written or would overwrite an input)
-print one line naming the problem and return 1; nothing is written in that case. Output paths are checked before any
+User errors (a corrupt or unsupported model, a calibration file that is truncated or corrupt, or whose data does not
+match the inputs, is empty or is not finite, int8 without --calib, a missed budget, an output path that cannot be
+written or would overwrite an input: the model, any external-data file it references, the calibration file) print one
+line naming the problem and return 1; nothing is written in that case. Output paths are checked before any
 work, and outputs are written atomically, so a failed write (a full disk) leaves an existing file at OUT as it was.
 """
 from __future__ import annotations
@@ -11,12 +12,13 @@ import argparse
 import contextlib
 import os
 import sys
+import zipfile
+import zlib
 from typing import Sequence
 
 import numpy as np
 
 from automp.argtypes import run_main
-from automp.files import check_outputs
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
 
@@ -44,8 +46,13 @@ def load_calib(path: str) -> dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such calibration file")
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise TypeError(f"{path}: one array, not an .npz of arrays keyed by input name (save with numpy.savez)")
+        with data:
             arrays = {k: data[k] for k in data.files}
+    except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # a cut-off or damaged zip: no ValueError/OSError
+        raise ValueError(f"{path}: not a readable .npz of arrays (truncated or corrupt: {e})") from None
     except (ValueError, OSError) as e:
         raise ValueError(f"{path}: not a readable .npz of arrays ({e})") from None
     for name, arr in arrays.items():
@@ -60,11 +67,13 @@ def load_calib(path: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """Before any work: each output can be written, and none is an input (the write would destroy it) or the other
-    output."""
-    check_outputs({"-o": args.output, "--report": args.report},
-                  {"the input model": args.input, "the calibration file": args.calib})
+def check_paths(args: argparse.Namespace) -> dict[str, str]:
+    """Before any work: each output can be written, and none is an input (the write would destroy it: the model, its
+    external-data files, the calibration file) or the other output (onnx_io.check_outputs). Returns the files the
+    input model reads."""
+    from automp.deploy import onnx_io
+    return onnx_io.check_outputs({"-o": args.output, "--report": args.report}, args.input,
+                                 {"the calibration file": args.calib})
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -73,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from automp.deploy import onnx_io, optimize, report
 
-    check_paths(args)
+    keep = check_paths(args).values()
     calib = load_calib(args.calib) if args.calib else None
     bar = Progress(console=Console(stderr=True), transient=True)
     task = bar.add_task("calibrating", total=None)
@@ -84,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     with bar if args.precision == "int8" else contextlib.nullcontext():
         model, rep = optimize(args.input, precision=args.precision, calib=calib, budget=args.budget,
                               progress=progress, source=args.input)
-    onnx_io.save(model, args.output)
+    onnx_io.save(model, args.output, keep=keep)
     onnx_io.load(args.output, check_runtime=False)  # what we wrote reads back (optimize checked it runs in ORT CPU)
     rep["output"] = args.output
     rep["bytes"]["file"] = os.path.getsize(args.output)

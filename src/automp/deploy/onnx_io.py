@@ -10,12 +10,16 @@ import logging
 import os
 import re
 import warnings
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import onnx
 
+from automp import files
 from automp.deploy import runtime
 from automp.files import atomic_output
+
+PathLike = str | os.PathLike
+EXTERNAL_DATA_BYTES = 1_800_000_000  # a serialized model past this (protobuf's limit is 2 GB) gets a side file
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
@@ -109,13 +113,132 @@ def fit_ir_version(model: onnx.ModelProto, floor: int = 0) -> onnx.ModelProto:
     return model
 
 
-def save(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Weights go to a side file only past protobuf's 2 GB limit; small models stay one self-contained file.
-    Written atomically (files.atomic_output): a failed write leaves any existing file at `path` as it was."""
-    big = model.ByteSize() > 1_800_000_000
+def saved_data_file(path: PathLike) -> str:
+    """The side file save() writes the weights of a model past EXTERNAL_DATA_BYTES to: `<path>.data` beside the
+    file `path` resolves to (atomic_output writes through a symlink)."""
+    return os.path.realpath(path) + ".data"
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in a graph: initializers, sparse ones, and tensor attributes, bodies included."""
+    yield from graph.initializer
+    for sp in graph.sparse_initializer:
+        yield from (sp.values, sp.indices)
+    for node in graph.node:
+        yield from _attribute_tensors(node)
+
+
+def _attribute_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    for a in node.attribute:
+        if a.HasField("t"):
+            yield a.t
+        yield from a.tensors
+        if a.HasField("sparse_tensor"):
+            yield from (a.sparse_tensor.values, a.sparse_tensor.indices)
+        for sp in a.sparse_tensors:
+            yield from (sp.values, sp.indices)
+        if a.HasField("g"):
+            yield from _tensors(a.g)
+        for g in a.graphs:
+            yield from _tensors(g)
+
+
+def _model_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    graphs = [model.graph] + [g for ti in model.training_info for g in (ti.initialization, ti.algorithm)]
+    for g in graphs:
+        yield from _tensors(g)
+    for f in model.functions:
+        for n in f.node:
+            yield from _attribute_tensors(n)
+
+
+def _inline_again(model: onnx.ModelProto, data_file: str) -> None:
+    """Undo what onnx.save_model(save_as_external_data=True) does to the caller's model in place (tensors left
+    pointing at `data_file`, their bytes dropped): read the bytes back from the file just written."""
+    folder, name = os.path.split(data_file)
+    for t in _model_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL and \
+                any(e.key == "location" and e.value == name for e in t.external_data):
+            if not t.HasField("raw_data"):  # else marked, not yet written (a write that failed part-way)
+                onnx.external_data_helper.load_external_data_for_tensor(t, folder)
+            t.ClearField("data_location")
+            del t.external_data[:]
+
+
+def external_data_files(path: PathLike) -> list[str]:
+    """The external-data files the ONNX model at `path` references, each tensor's `location` joined to the model's
+    folder (where onnx.load looks), in order and without repeats; the data itself is not read. [] for a model without
+    external data, or one that does not parse (loading it reports that)."""
+    try:
+        model = onnx.load(os.fspath(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 — not a model: load() names the problem when the work starts
+        return []
+    folder = os.path.dirname(os.path.abspath(path))
+    found: dict[str, None] = {}
+    for t in _model_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), "")
+            if loc:
+                found.setdefault(os.path.normpath(os.path.join(folder, loc)), None)
+    return list(found)
+
+
+def input_files(path: PathLike) -> dict[str, str]:
+    """Every file that reading the ONNX model at `path` reads, as description -> path: the model and each
+    external-data file it references. No output may be, or be written over, any of them."""
+    out = {"the input model": os.fspath(path)}
+    folder = os.path.dirname(os.path.abspath(path))
+    for f in external_data_files(path):
+        out[f"the input model's external data file {os.path.relpath(f, folder)!r} (its weights)"] = f
+    return out
+
+
+def check_outputs(outputs: dict[str, PathLike | None], model: PathLike,
+                  inputs: dict[str, PathLike | None] | None = None, model_output: str = "-o") -> dict[str, str]:
+    """The check the optimize and protect CLIs make before any work: every output (flag -> path) can be written, and
+    none is, or would be written over, a file the input model reads (input_files), another input (description ->
+    path) or another output. The model output `outputs[model_output]` is also checked for the side file
+    (saved_data_file) that save() writes for a model past protobuf's limit: whether the result will need one is not
+    known before the work, so that name must be free of inputs and other outputs too. A ValueError names the flag
+    and the file. Returns input_files(model), for save(keep=...)."""
+    model_files = input_files(model)
+    reads = {**model_files, **(inputs or {})}
+    files.check_outputs(outputs, reads)
+    out = outputs.get(model_output)
+    if out is None:
+        return model_files
+    side = saved_data_file(out)
+    clash = [(what, src) for what, src in reads.items() if src is not None and files.same_file(side, src)]
+    clash += [(f"the {flag} output", path) for flag, path in outputs.items()
+              if flag != model_output and path is not None and files.same_file(side, path)]
+    if clash:
+        raise ValueError(f"{model_output} {os.fspath(out)} would put its external data (a model past "
+                         f"{EXTERNAL_DATA_BYTES / 1e9:.1f} GB) in {side}, which is {clash[0][0]}; refusing to "
+                         "overwrite it (write elsewhere)")
+    return model_files
+
+
+def save(model: onnx.ModelProto, path: PathLike, keep: Iterable[PathLike] = ()) -> None:
+    """Weights go to a side file (saved_data_file) only past protobuf's 2 GB limit; small models stay one
+    self-contained file. Written atomically (files.atomic_output): a failed write leaves any existing file at `path`
+    as it was; `model` is left as it was (onnx's writer moves the weights of a big one out of it). `keep`: files that
+    must survive (the input model and its external data: input_files); a ValueError, with nothing written, if `path`
+    or the side file this write needs is one of them."""
+    keep = list(keep)
+    big = model.ByteSize() > EXTERNAL_DATA_BYTES
+    targets = [os.fspath(path)] + ([saved_data_file(path)] if big else [])
+    for target in targets:
+        for k in keep:
+            if files.same_file(target, k):
+                raise ValueError(f"writing {os.fspath(path)} would write {target}, which the input model reads "
+                                 f"({os.fspath(k)}); refusing to overwrite it (write elsewhere)")
     with atomic_output(path) as tmp:
-        onnx.save_model(model, tmp, save_as_external_data=big,
-                        location=os.path.basename(tmp) + ".data" if big else None)
+        try:
+            onnx.save_model(model, tmp, save_as_external_data=big,
+                            location=os.path.basename(tmp) + ".data" if big else None)
+        finally:
+            if big:
+                _inline_again(model, tmp + ".data")
 
 
 def _rename(model: onnx.ModelProto, old: str, new: str) -> None:

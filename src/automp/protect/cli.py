@@ -1,9 +1,9 @@
 """`automp protect MODEL.onnx -o OUT.onnx [--seed N] [--ratio R] [--key KEYFILE_or_HEX] [--report R.json]`.
 
 User errors (a corrupt or unsupported model, a wrong key, an output that cannot be written or would overwrite an
-input) print one line naming the problem and return 1, with nothing written; a key that is not 64 hex characters is
-a usage error (rc 2). Output paths are checked before any
-work, and written atomically.
+input: the model, any external-data file it references, the key file) print one line naming the problem and return 1,
+with nothing written; a key that is not 64 hex characters is a usage error (rc 2). Output paths are checked before
+any work, and written atomically.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import sys
 from typing import Sequence
 
 from automp.argtypes import int_at_least, run_main
-from automp.files import check_outputs
 
 USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, RuntimeError)
 
@@ -63,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """Before any work: each output can be written, and none is an input or the other output."""
+def check_paths(args: argparse.Namespace) -> dict[str, str]:
+    """Before any work: each output can be written, and none is an input (the model, its external-data files, the
+    key file) or the other output (onnx_io.check_outputs). Returns the files the input model reads."""
+    from automp.deploy import onnx_io
     key_file = args.key if args.key is not None and os.path.isfile(args.key) else None
-    check_outputs({"-o": args.output, "--report": args.report},
-                  {"the input model": args.input, "the key file": key_file})
+    return onnx_io.check_outputs({"-o": args.output, "--report": args.report}, args.input, {"the key file": key_file})
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -75,12 +75,12 @@ def _run(args: argparse.Namespace) -> int:
     from automp.protect.encrypt import read_key
     from automp.protect.obfuscate import ObfuscateConfig, obfuscate
 
-    check_paths(args)
+    keep = check_paths(args).values()
     key = read_key(args.key) if args.key is not None else None
     config = ObfuscateConfig(seed=args.seed, ratio=args.ratio, key=key, rename_io=args.rename_io,
                              verify=not args.no_verify)
     model, report = obfuscate(args.input, config)
-    onnx_io.save(model, args.output)
+    onnx_io.save(model, args.output, keep=keep)
     report.output = os.fspath(args.output)
     report.bytes["file"] = os.path.getsize(args.output)
     if args.report:

@@ -129,11 +129,31 @@ def _check_supported(model: onnx.ModelProto, config: ObfuscateConfig, source: st
                          "break it (use rename=False, or remove training_info)")
 
 
+INT_HIGH = 2  # integer inputs are drawn from [0, INT_HIGH): valid token ids and mask values for any model
+
+
+def _describe_feeds(feeds: dict[str, np.ndarray], int_high: int) -> str:
+    """How runtime.random_feeds drew `feeds`, by what each input really is: "seeded random inputs, batch 2 (standard
+    normal: image)", with "integers in [0, 2)" only for integer inputs and "random booleans" for bool ones."""
+    kinds: dict[str, list[str]] = {}
+    for name, arr in feeds.items():
+        if arr.dtype == np.bool_:
+            kind = "random booleans"
+        elif np.issubdtype(arr.dtype, np.integer):
+            kind = f"integers in [0, {int_high})"
+        else:
+            kind = "standard normal"
+        kinds.setdefault(kind, []).append(name)
+    batch = next((len(a) for a in feeds.values() if a.ndim), None)
+    parts = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items())
+    return "seeded random inputs" + (f", batch {batch}" if batch is not None else "") + (f" ({parts})" if parts else "")
+
+
 def _verify(src: onnx.ModelProto, out: onnx.ModelProto, io_map: dict[str, str], tolerance: float,
             source: str) -> dict[str, Any]:
     """Run both models on the same seeded inputs; a difference above tolerance is a bug, raised as one."""
     try:
-        feeds = runtime.random_feeds(src, batch=2, seed=0)
+        feeds = runtime.random_feeds(src, batch=2, seed=0, int_high=INT_HIGH)
         ref = runtime.run(src, feeds, optimize=False)
     except Exception as e:  # noqa: BLE001 -- the input itself does not run here (custom ops, integer ranges)
         return {"skipped": f"the input model does not run in onnxruntime (CPU) on random inputs: "
@@ -150,7 +170,7 @@ def _verify(src: onnx.ModelProto, out: onnx.ModelProto, io_map: dict[str, str], 
         raise RuntimeError(f"{source}: the protected model's outputs differ from the input's by {worst:.3g} "
                            f"(relative L2; tolerance {tolerance}); this is a bug in automp.protect")
     return {"rel_l2": {k: e.rel_l2 for k, e in errors.items()}, "max_abs": {k: e.max_abs for k, e in errors.items()},
-            "inputs": "seeded random inputs, batch 2 (integers in [0, 2))", "tolerance": tolerance}
+            "inputs": _describe_feeds(feeds, INT_HIGH), "tolerance": tolerance}
 
 
 def obfuscate(model: ModelLike, config: ObfuscateConfig | None = None) -> tuple[onnx.ModelProto, ProtectReport]:

@@ -27,7 +27,6 @@ from automp.deploy.passes.graph import Graph, attr, has_subgraph, infer_shapes, 
 from automp.protect.names import FLOAT_TYPES, Fresh, dims, graphs
 
 SOURCES = ("MatMul", "Gemm", "Conv", "BatchNormalization", "LayerNormalization", "Gather")
-ABSORBERS = ("MatMul", "Gemm", "Conv", "BatchNormalization")
 TRANSPARENT = ("Relu", "LeakyRelu", "PRelu", "Identity", "Dropout", "MaxPool", "AveragePool", "GlobalAveragePool",
                "GlobalMaxPool", "Add", "Sub", "Mul", "Div", "Transpose", "Reshape", "Flatten", "Squeeze",
                "Unsqueeze", "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")

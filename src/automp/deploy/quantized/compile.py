@@ -9,10 +9,10 @@ them as single opaque nodes (no graph break); `graph_breaks` checks that for a g
 Wide rows: a dynamic int8 activation needs its row's absmax before any element can be quantized. Inductor keeps a
 row in registers (one read) only up to 1024 elements; a wider row (BERT's 3072-wide MLP activation, fused with the
 GELU that produces it) becomes a looped reduction that reads the row and recomputes the GELU twice. Inductor's
-multi-kernel mode would compile the one-read version too (an H100 measured 5.34 -> 4.89 ms for the int8 BERT-base
-forward at batch 64), but with torch 2.11 and Triton 3.6 it fails to compile a model whose kernels come from a warm
-Inductor cache (a TypeError in multi_kernel's cache_file_path: the second process on a machine crashes), so it is
-left off. Static activations have no row reduction at all.
+multi-kernel mode would compile the one-read version too (and pick it where it is faster), but with torch 2.11 and
+Triton 3.6 it fails to compile a model whose kernels come from a warm Inductor cache (a TypeError in
+multi_kernel's cache_file_path: the second process on a machine crashes), so it is left off. Static activations
+have no row reduction at all.
 
 Static activations: the requant pass (automp.deploy.quantized.requant) lets a GEMM whose output only feeds the next
 layer's static quantization (an MLP's first GEMM, through its GELU) write that int8 input from its epilogue.

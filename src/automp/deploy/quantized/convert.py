@@ -46,8 +46,8 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 class TorchQuantConfig:
     """activations: int8 only - "static" (one scale per tensor from `observer` over the calibration data: the fast
     form, see automp.deploy.quantized.requant), "dynamic" (per-row scales taken in the forward: no calibration
-    needed, a little more accurate, slower than fp16 on an H200) or "auto" (static with calibration data, else
-    dynamic).
+    needed, a little more accurate, but the per-row scales cost a row reduction in every forward, which can make it
+    slower than fp16) or "auto" (static with calibration data, else dynamic).
     dtype: compute dtype of everything not quantized. budget: max relative output error vs the FP32 module on the
     calibration data (None: no fallback). exclude: fnmatch patterns of module names kept in float.
     smooth: int8 only, with calib - SmoothQuant migration strength alpha in [0, 1], "auto" (each of SMOOTH_GRID
