@@ -117,3 +117,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and "does not divide K=64" in err
     assert cli.main(["generate", str(tmp_path / "nothing"), "--prompt", "a", "--device", "cpu"]) == 1
     assert f"has no {META}" in capsys.readouterr().err
+
+
+def test_cli_quantize_says_how_many_sibling_groups_it_fused(tmp_path, capsys):
+    from automp.llm.fuse import fused_groups
+    from automp.llm.store import load
+    out = str(tmp_path / "q")
+    assert cli.main(["quantize", "--model", "tiny-llama", "--bits", "4", "--group-size", "32", "--device", "cpu",
+                     "-o", out]) == 0
+    said = capsys.readouterr().out
+    groups = len(fused_groups(load(out, "cpu")))
+    assert groups > 0 and f", {groups} sibling projection groups fused" in said
+    assert cli.main(["quantize", "--model", "tiny-llama", "--bits", "4", "--group-size", "32", "--device", "cpu",
+                     "--no-fuse", "-o", str(tmp_path / "plain")]) == 0
+    assert "fused" not in capsys.readouterr().out

@@ -194,8 +194,11 @@ def _quantize(args: argparse.Namespace) -> int:
              quantize_embeddings=args.embeddings, dtype=args.dtype,
              edge_scheme=None if args.edge_bits is None else f"int{args.edge_bits}", fuse=not args.no_fuse)
     save(model, args.output, tokenizer=tokenizer)
+    from automp.llm.fuse import fused_groups
+    groups = len(fused_groups(model))
     print(f"{args.model} -> {args.output}: {scheme} group {args.group_size}{' awq' if args.awq else ''}, "
-          f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+          f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB"
+          f"{f', {groups} sibling projection groups fused' if groups else ''}")
     return 0
 
 
