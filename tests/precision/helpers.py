@@ -10,7 +10,7 @@ from automp.precision.paint import PrecisionConfig
 from automp.runtime.report import Recorder
 
 
-def traced(model, *inputs, dtype=torch.bfloat16, spec=cost.H100, backward=True):
+def traced(model, *inputs, dtype=torch.bfloat16, spec=cost.SPECS["h100"], backward=True):
     """Run model(*inputs) (and .backward of a scalar of it) through the eager automp backend.
 
     Returns (outputs, recorder, graphs) where graphs are the GraphModules after the precision pass."""

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from automp.precision import calibrate, cost
+from automp.precision import calibrate
 
 CPU = torch.device("cpu")
 # TFLOP/s the fake timer pretends each dtype runs at; bf16 is "emulated" (8x slower than FP32)
@@ -162,21 +162,6 @@ def test_read_only_cache_dir_measures_and_warns(tmp_path):
         tmp_path.chmod(0o700)
     assert cal.bandwidth_gbps == pytest.approx(BANDWIDTH_GBPS)
     assert list(tmp_path.iterdir()) == []  # no temp file left behind either
-
-
-def test_spec_from_maps_the_measured_numbers():
-    gpu = calibration({"float32": {"small": 5.0, "medium": 40.0, "large": 50.0},
-                       "float16": {"small": 20.0, "medium": 400.0, "large": 600.0}},
-                      device="cuda: NVIDIA X", bandwidth=3000.0, launch=5.0)
-    spec = calibrate.spec_from(gpu, cost.H100)
-    assert spec == cost.DeviceSpec("H100-SXM (calibrated)", bandwidth_gbps=3000.0, fp32_tflops=50.0,
-                                   fp16_tflops=600.0, bf16_tflops=50.0, launch_us=5.0)  # no bf16 run: no gain
-    cpu = calibration({"float32": {"small": 0.5, "medium": 0.2}, "bfloat16": {"small": 0.7, "medium": 0.9},
-                       "float16": {"small": 0.1}})
-    spec = calibrate.spec_from(cpu, cost.CPU)
-    # a CPU takes the medium bucket (not the best one); fp16 was only timed small (emulated)
-    assert (spec.fp32_tflops, spec.bf16_tflops, spec.fp16_tflops) == (0.2, 0.9, 0.1)
-    assert spec.rate(torch.bfloat16) == 0.9e12 and spec.name == "CPU (calibrated)"
 
 
 def test_low_precision_gain_at_largest_common_bucket():

@@ -154,7 +154,7 @@ def test_inductor_saves_no_fp32_activation_and_gradients_match(block):
     fp32_bytes = sum(t.numel() * t.element_size() for t in _saved_for_backward(ref, x))  # eager FP32 training
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=capture.make_backend(
-        PrecisionConfig(dtype=torch.bfloat16, spec=cost.H100), inner="inductor"))
+        PrecisionConfig(dtype=torch.bfloat16, spec=cost.SPECS["h100"]), inner="inductor"))
     saved = _saved_for_backward(compiled, x)
     fp32 = [t for t in saved if t.dtype == torch.float32 and t.numel() > x.numel() // 64]
     assert all(t.data_ptr() == x.data_ptr() for t in fp32), [tuple(t.shape) for t in fp32]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tests.scaling.fp16_nets import HalfMLP, rel, twin
 
-from automp.scaling import LossScaleConfig, LossScaler, autograd_hook, install, skip
+from automp.scaling import LossScaleConfig, LossScaler, install, skip
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -147,7 +147,7 @@ def test_fused_optimizer_skips_on_the_device_and_matches_fp32(host_reads, name):
             assert all(rel(s[k].float(), r[k].float()) < STATE_TOL for k in r), step
     # SGD's first step creates its momentum buffers: decided on the host (see the next test), all others not
     assert host_reads.count == (1 if name == "sgd-momentum" else 0)
-    assert autograd_hook.skipped_optimizer_steps() == 1
+    assert skip.skipped_steps() == 1
     assert scaler.summary() == {"scale": 2.0 ** 9, "overflow_steps": 1, "steps": steps}
 
 
@@ -186,7 +186,7 @@ def test_non_fused_optimizer_reads_the_flag_once_per_step(monkeypatch):
         opt.step()
         assert len(reads) == step + 1
         assert _same(before, _snapshot(model, opt)) == (step == 2)
-    assert autograd_hook.skipped_optimizer_steps() == 1
+    assert skip.skipped_steps() == 1
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
@@ -299,5 +299,5 @@ def test_cuda_backward_and_fused_step_never_synchronize(fused):
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert autograd_hook.skipped_optimizer_steps() == 1 and scaler.overflow_steps == 1
+    assert skip.skipped_steps() == 1 and scaler.overflow_steps == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())

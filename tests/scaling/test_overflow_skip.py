@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from tests.scaling.fp16_nets import HalfMLP, rel, twin
 
-from automp.scaling import LossScaleConfig, LossScaler, autograd_hook, install
+from automp.scaling import LossScaleConfig, LossScaler, autograd_hook, install, skip
 
 BAD_STEP = 3
 
@@ -52,7 +52,7 @@ def test_forced_overflow_skips_exactly_that_step(make_opt):
         else:
             assert all(changed)
     assert scaler.summary() == {"scale": 2.0 ** 9, "overflow_steps": 1, "steps": 7}
-    assert autograd_hook.skipped_optimizer_steps() == 1
+    assert skip.skipped_steps() == 1
     for p, r in zip(model.parameters(), ref.parameters()):
         assert torch.isfinite(p).all() and rel(p.detach(), r.detach()) < 5e-3
     if isinstance(opt, torch.optim.Adam):
@@ -127,8 +127,6 @@ def test_overflow_from_the_scale_itself_backs_off_until_it_fits():
 def test_a_flag_does_not_follow_a_freed_parameter_to_its_reused_id():
     """Flags are kept per backward by parameter id (scaling/skip.py); a parameter freed before its step can leave its
     id to a new tensor. The weak reference kept with each id tells them apart: the newcomer's step is not skipped."""
-    from automp.scaling import skip
-
     install(LossScaler(LossScaleConfig(init_scale=2.0 ** 10)))
     try:
         old = torch.nn.Parameter(torch.randn(3))
@@ -147,14 +145,12 @@ def test_a_flag_does_not_follow_a_freed_parameter_to_its_reused_id():
         before = new.detach().clone()
         opt.step()
         assert not torch.equal(new.detach(), before)  # stepped: the stale flag did not apply
-        assert autograd_hook.skipped_optimizer_steps() == 0
+        assert skip.skipped_steps() == 0
     finally:
         autograd_hook.uninstall()
 
 
 def test_records_of_freed_parameters_are_pruned():
-    from automp.scaling import skip
-
     install(LossScaler(LossScaleConfig(init_scale=2.0 ** 10)))
     try:
         for _ in range(3 * skip._PRUNE_AT):  # backward calls whose parameters are dropped without a step

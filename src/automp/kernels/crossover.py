@@ -6,8 +6,8 @@ groups of >= 128 int4 / 64 int8 codes); `quant_gemm` takes any shape, padding th
 wins depends on M, the shape, the bits and the GPU, so the first call of each (device, N, K, bits, group, M, dtype)
 outside CUDA graph capture and torch.compile tracing times every kernel that applies and keeps the fastest for the
 life of the process. The clock is a CUDA graph of CALLS calls, replayed REPS times (median per call), as the decode
-step runs them: timed one eager call at a time, a 10 us kernel measured the 100-300 us of its Python launch, and the
-choice followed launch overhead instead of the GPU. A candidate that raises (e.g. fails to
+step runs them: timed one eager call at a time, a short kernel measured mostly its Python launch (many times the
+kernel's own time), and the choice followed launch overhead instead of the GPU. A candidate that raises (e.g. fails to
 compile), or whose result disagrees with the GEMM's on the measured input, is out, with its error kept in the
 decision. While capturing or tracing with no decision yet, the GEMM serves; nothing is recorded, so the next eager
 call measures.

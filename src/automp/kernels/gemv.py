@@ -138,8 +138,9 @@ def _gemv_batched_kernel(w_ptr, x_ptr, y_ptr, N, K, B, stride_wn, stride_wk, str
 def split_k_for(n: int, k: int, device: torch.device) -> int:
     """Split K only when 16-row programs would leave most SMs idle (< a quarter busy); then aim at ~2 waves.
 
-    Measured on an H100 (graph-timed): at N=1024 (64 programs for 132 SMs) no split beat split 2 and 5, because the
-    split's fp32 buffer, memset and final cast cost more than the idle SMs; so the threshold sits well below that.
+    Graph-timed, a GEMV with about half the SMs' worth of 16-row programs ran no faster split than unsplit, because the
+    split's fp32 buffer, memset and final cast cost more than the idle SMs gave back; so the threshold sits well
+    below that.
     """
     rows = triton.cdiv(n, 16)
     sms = num_sms(device)

@@ -26,7 +26,7 @@ def _qgemv_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     # No num_stages: Triton 3.6-3.9 do not software-pipeline this loop (checked in the compiled code; no tl.dot
     # consumes its loads), so the bytes in flight come from the tile size and the programs per SM (split-K). 8 x 2048:
-    # the word path's pick for the widest Llama-3-8B GEMVs on an H200 (scripts/gemv_paths.py), 4-6% over 8 x 1024.
+    # the word path's pick for the widest Llama-3-8B GEMVs, a little ahead of 8 x 1024 (BENCHMARKS.md, "Kernels").
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
             for bn, bk, w in [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (16, 512, 4),
                               (32, 512, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4)]]
@@ -249,10 +249,9 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
         tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-# The single-row GEMV splits K only from here: on an H200 at Llama-3-8B widths (scripts/gemv_paths.py, word path) every
-# K = 4096 GEMV ran fastest unsplit (o 4096 x 4096: 6.4 us against 7.4 split 4 ways; q/k/v 6144 x 4096: 7.9 against
-# 9.5; gate/up 28672 x 4096: 22.8 against 23.4), while K = 14336 ran fastest split. The rows kernel keeps
-# _SPLIT_MIN_K (measured on the 1B shapes).
+# The single-row GEMV splits K only from here: at Llama-3-8B widths (word path; BENCHMARKS.md, "Kernels") every K = 4096
+# GEMV (o, q/k/v, gate/up) ran fastest unsplit, the split's second launch costing more than its extra programs gave
+# back, while K = 14336 ran fastest split. The rows kernel keeps _SPLIT_MIN_K (measured on the 1B shapes).
 _GEMV_SPLIT_MIN_K = 8192
 
 

@@ -20,8 +20,8 @@ no inline assembly; it runs the same planes in plain Triton. bf16 activations de
 2^23 + u), in plain Triton on the GPU too.
 
 The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns), so a decoded plane stays in
-the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the dot's N side. On an H200 the
-configs of 1-2 warps won at Llama-3-8B shapes (scripts/batch_paths.py): Triton gives them mma.sync, which runs the
+the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the dot's N side. On Hopper the
+configs of 1-2 warps won at Llama-3-8B shapes (BENCHMARKS.md, "Kernels"): Triton gives them mma.sync, which runs the
 eight small dots of a tile back to back, where its wgmma (4+ warps) waited for each before the next. A K-tile lies
 inside one scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
 (`quant._gemm_split`, aiming at twice its programs), fp32 partials summed in a fixed order by
@@ -38,9 +38,9 @@ from automp.kernels.gemv import half_dot, k_range, num_sms
 from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, _split_tiles, kernel_group
 
 MAX_ROWS = 64
-# Programs the K split aims at, in SM counts (the tiled GEMM aims at 2). Forced splits on an H200 at Llama-3-8B shapes
-# (scripts/batch_paths.py --splits): the narrow products ran fastest in about 8 programs along K (o 4096 x 4096 at 8
-# rows: 9.1 us against 9.7 at the GEMM's 5; down 4096 x 14336: 20.0 against 23.6), which 4 waves of 64-row tiles give.
+# Programs the K split aims at, in SM counts (the tiled GEMM aims at 2). Forced splits at Llama-3-8B shapes
+# (BENCHMARKS.md, "Kernels"): the narrow products (o, down) ran fastest in about 8 programs along K, ahead of
+# the GEMM's choice, which 4 waves of 64-row tiles give.
 _WAVES = 4
 _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded to it, and a plane has >= 16 words
 
@@ -48,7 +48,7 @@ _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded t
 def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
-    # The configs that won some Llama-3-8B product at 8 or 32 rows on an H200 (scripts/batch_paths.py), int4 and int8.
+    # The configs that won some Llama-3-8B product at 8 or 32 rows, int4 and int8.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 2, 3), (64, 128, 2, 4),
                                  (64, 128, 4, 3), (64, 128, 4, 4), (32, 64, 2, 4), (64, 64, 2, 4)]]

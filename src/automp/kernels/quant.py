@@ -96,7 +96,7 @@ def quantize_rowwise_int8(x: torch.Tensor, asymmetric: bool = False):
     if not asymmetric:
         s = (xf.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         # times the reciprocal, not divided by s: an fp32 division per element is several instructions, and on the
-        # GPU the fused GELU + quantization kernel of a 3072-wide MLP row was compute-bound (scripts/profile_int8.py)
+        # GPU the fused GELU + quantization kernel of a 3072-wide MLP row was compute-bound (kernel profile)
         return torch.round(xf * (1.0 / s)[:, None]).clamp_(-127, 127).to(torch.int8), s
     lo = xf.amin(dim=1).clamp(max=0)
     hi = xf.amax(dim=1).clamp(min=0)
@@ -149,12 +149,11 @@ def kernel_group(k: int, n_groups: int) -> int:
 # programs, K is split across programs too; each writes an fp32 partial and _split_sum_kernel adds them in a fixed
 # order (deterministic, unlike atomics, and nothing to zero first).
 _WAVES = 2  # programs the choosers aim at, in SM counts: every SM busy, with a second program to hide the tail
-# No split below this K: measured on an H100 in a CUDA graph (scripts/qgemv_sweep.py, Llama-1B shapes), a GEMV of K=2048
-# takes 4-6 us, mostly launch latency, and the split's second launch cost more than its extra programs gave back
-# (int4 2048x2048: 4.2 us unsplit, 5.4-5.7 split); at K=5632 six splits won (8.0 us vs 9.8).
+# No split below this K: measured in a CUDA graph at Llama-1B shapes, a GEMV of K=2048 is mostly launch latency, and
+# the split's second launch cost more than its extra programs gave back; at K=5632 six splits won.
 _SPLIT_MIN_K = 4096
 _SUM_BLOCK = 256
-_CPU_SMS = 132  # an H100: CPU runs (the interpreter) split like the GPU they stand in for
+_CPU_SMS = 132  # a Hopper GPU's SM count: CPU runs (the interpreter) split like the GPU they stand in for
 
 
 @triton.jit

@@ -1,16 +1,19 @@
-"""Measure the device the cost model plans for, instead of trusting a table of datasheet figures.
+"""Measure the device automp decides for, instead of trusting a table of datasheet figures.
 
-The built-in DeviceSpecs are peak numbers for a few known devices; an unknown GPU gets H100 figures and every CPU
-gets one guess, although CPUs range from emulated bf16 (low precision is slower than FP32) to AMX (much faster).
-A few short micro-benchmarks — GEMMs per dtype and size, one large copy, back-to-back tiny kernels — give the rates
-this device really reaches. They are cached on disk per device and torch version, so they run once, not per script.
+The built-in DeviceSpecs (cost.py) are peak numbers for a few known devices; an unknown GPU gets the default GPU's
+figures and every CPU gets one guess, although CPUs range from emulated bf16 (low precision is slower than FP32) to AMX
+(much faster). A few short micro-benchmarks — GEMMs per dtype and size, one large copy, back-to-back tiny kernels — give
+the rates this device really reaches: whether low precision can pay on it at all (`low_precision_gain`, which decides
+the paths a module's trial may try: automp.runtime.paths.CalibratedCandidates) and the FP32 GEMM rate that bounds FP32
+eager's step from below (automp.runtime.fp32_bound). They are cached on disk per device and torch version, so they run
+once, not per script.
 
 Whatever is cached decides every later run, so a measurement must earn its place there: each bench is warmed up and
 timed several times, the median is taken, and a calibration whose runs disagree (the median far above the fastest
 run: most runs were disturbed, by another process's time slice on a shared machine) or whose rates are absurd is
-used for this run only, never written. Timed once and cold on a 2-core CPU shared with other work, an FP32 256^3 GEMM
-reads anywhere from 0.001 to 0.19 TFLOP/s and bf16 as little as 0.02x FP32: cached, such a reading kept every later
-run in FP32.
+used for this run only, never written. Timed once and cold on a small CPU shared with other work, an FP32 256^3 GEMM's
+rate varied by two orders of magnitude from run to run, and bf16 could read many times slower than FP32: cached, such
+a reading kept every later run in FP32.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import re
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -30,7 +33,6 @@ from typing import Callable
 import torch
 
 from automp.files import atomic_output
-from automp.precision.cost import DeviceSpec
 
 SCHEMA = 2  # bump when the file layout or the way of measuring changes: older files then read as corrupt and are
 # re-measured (2: the median of repeated runs; files of 1 hold one cold run per bench)
@@ -38,9 +40,9 @@ BUCKETS = {"small": 256, "medium": 1024, "large": 4096}  # square GEMM sizes, sm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # On a CPU, a low-precision GEMM this much slower than FP32 at one size is emulated: timing it at bigger sizes would
 # blow the time budget on such CPUs and could not change the verdict (it does not pay). Not on CUDA, where every size
-# takes milliseconds: there the small size is latency-bound, and on a GPU shared with other work its float16 rate
-# read under a quarter of FP32's (H100, a parallel test run), which would have kept a real Tensor Core device in FP32
-# and cached that verdict.
+# takes milliseconds: there the small size is latency-bound, and on a GPU shared with other work (a parallel test
+# run) its float16 rate read under a quarter of FP32's, which would have kept a real Tensor Core device in FP32 and
+# cached that verdict.
 EMULATED_SLOWDOWN = 4.0
 LAUNCHES = 100  # tiny kernels per timed call: amortizes the timer's own overhead (a sync, a clock read)
 REPEATS = 5  # timed runs per bench after the warmup; the median is the measurement
@@ -48,8 +50,8 @@ SLOW_REPEATS, SLOW_RUN_S = 3, 0.25  # a bench whose run takes longer (a CPU's em
 # is timed fewer times, to keep measure() within seconds; a stall of a few ms barely moves such a run anyway
 SPREAD_LIMIT = 2.0  # median over fastest run: above it most runs were disturbed and the median is noise
 # A low-precision GEMM rate this far from FP32's, either way, is no device's. The band is wide because emulation is
-# slow for real: a 2-core CPU without native bf16 ran bf16 GEMMs at 1/190 of FP32 at 256^3 and 1/55 at 1024^3,
-# run after run, and a figure that repeats must be cached, or every run pays for measuring it again.
+# slow for real: a small CPU without native bf16 ran bf16 GEMMs one to two orders of magnitude slower than FP32, run
+# after run, and a figure that repeats must be cached, or every run pays for measuring it again.
 RATIO_LIMIT = 1000.0
 
 
@@ -127,9 +129,9 @@ def _once(timer: Timer, bench: Bench) -> float:
 
 def timed_median(timer: Timer, bench: Bench) -> tuple[float, float]:
     """(median seconds, median over fastest) of REPEATS runs of `bench` (SLOW_REPEATS for a slow one) after one
-    warmup run, which pays for the allocator, kernel selection, page faults and oneDNN's JIT (50 ms for a CPU's first
-    0.1 ms bf16 GEMM). The median, not the fastest: one lucky run would make a rate nobody reaches; and the ratio
-    says whether the median can be trusted."""
+    warmup run, which pays for the allocator, kernel selection, page faults and oneDNN's JIT (on a CPU the first bf16
+    GEMM can take far longer than every later one). The median, not the fastest: one lucky run would make a rate nobody
+    reaches; and the ratio says whether the median can be trusted."""
     _once(timer, bench)
     first = _once(timer, bench)
     runs = [first] + [_once(timer, bench) for _ in range((REPEATS if first < SLOW_RUN_S else SLOW_REPEATS) - 1)]
@@ -200,10 +202,10 @@ def _measure_gemms(device: torch.device, timer: Timer, doubts: _Doubts) -> dict[
 
 
 def measure(device: torch.device | str, timer: Timer | None = None) -> Calibration:
-    """Run the micro-benchmarks on `device` (about a second on a CPU or an H100, CUDA's start aside; more on a CPU that
-    emulates bf16). `timer(bench)` returns the seconds one call of `bench` takes (default_timer: one synchronized
-    call); each bench is warmed up and timed repeatedly (timed_median). The result's `doubts` say why its figures
-    should not outlive this run, if they should not."""
+    """Run the micro-benchmarks on `device` (about a second on a CPU or a data-centre GPU, CUDA's start aside; more on a
+    CPU that emulates bf16). `timer(bench)` returns the seconds one call of `bench` takes (default_timer: one
+    synchronized call); each bench is warmed up and timed repeatedly (timed_median). The result's `doubts` say why its
+    figures should not outlive this run, if they should not."""
     dev = torch.device(device)
     name = device_name(dev)
     timer = timer or default_timer(dev)
@@ -316,26 +318,6 @@ def load_or_measure(device: torch.device | str, cache_dir: str | os.PathLike,
                       f"again next time (point the cache directory, the cache_dir setting, at a writable one)",
                       RuntimeWarning, stacklevel=2)
     return cal
-
-
-def _rate(cal: Calibration, dtype: str, default: float = 0.0) -> float:
-    """TFLOP/s the cost model should assume: a GPU's best bucket (its big GEMMs are what low precision is for); on
-    a CPU the medium one, as the small one mostly measures threading overhead."""
-    buckets = cal.gemm_tflops.get(dtype)
-    if not buckets:
-        return default
-    if cal.device.startswith("cpu") and "medium" in buckets:
-        return buckets["medium"]
-    return max(buckets.values())
-
-
-def spec_from(cal: Calibration, base: DeviceSpec) -> DeviceSpec:
-    """`base` with the measured figures. A low-precision dtype the device was not measured in (it does not run it)
-    gets the FP32 rate: the cost model must not count on a speed-up nobody saw."""
-    fp32 = _rate(cal, "float32")
-    return replace(base, name=f"{base.name} (calibrated)", bandwidth_gbps=cal.bandwidth_gbps, fp32_tflops=fp32,
-                   fp16_tflops=_rate(cal, "float16", fp32), bf16_tflops=_rate(cal, "bfloat16", fp32),
-                   launch_us=cal.launch_us)
 
 
 def low_precision_gain(cal: Calibration, dtype: torch.dtype) -> float:

@@ -281,7 +281,3 @@ def _hoistable(view: fx.Node) -> bool:
     then serves every view of it (a weight's forward and backward views, the q/k/v views of one activation)."""
     root = view_root(view)
     return root is not view and dtype_of(root) is not None and dtype_of(root).is_floating_point
-
-
-def count_casts(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if is_cast(n))

@@ -28,18 +28,22 @@ class DeviceSpec:
         return tf * 1e12
 
 
-H100 = DeviceSpec("H100-SXM", bandwidth_gbps=3350, fp32_tflops=67, fp16_tflops=990, bf16_tflops=990)
-H200 = DeviceSpec("H200", bandwidth_gbps=4800, fp32_tflops=67, fp16_tflops=990, bf16_tflops=990)
-A100 = DeviceSpec("A100", bandwidth_gbps=2039, fp32_tflops=19.5, fp16_tflops=312, bf16_tflops=312)
 # A server CPU with AVX512-BF16/AMX: bf16 roughly doubles the FP32 rate, fp16 is mostly emulated.
 CPU = DeviceSpec("CPU", bandwidth_gbps=100, fp32_tflops=1.5, fp16_tflops=1.0, bf16_tflops=3.0, launch_us=1.0)
 
-
-SPECS = {s.name.split("-")[0].lower(): s for s in (H100, H200, A100, CPU)}
+# The devices a plan can be made for, by the name AutoMPConfig.spec takes: the GPUs' datasheet peaks (vendor figures,
+# not measurements; automp.precision.calibrate measures what the cost model's decisions need measured).
+SPECS = {
+    "h100": DeviceSpec("H100-SXM", bandwidth_gbps=3350, fp32_tflops=67, fp16_tflops=990, bf16_tflops=990),
+    "h200": DeviceSpec("H200", bandwidth_gbps=4800, fp32_tflops=67, fp16_tflops=990, bf16_tflops=990),
+    "a100": DeviceSpec("A100", bandwidth_gbps=2039, fp32_tflops=19.5, fp16_tflops=312, bf16_tflops=312),
+    "cpu": CPU,
+}
+DEFAULT_GPU = SPECS["h100"]  # a GPU SPECS does not name plans with this one's figures
 
 
 def spec_named(name: str) -> DeviceSpec:
-    """'h100', 'h200', 'a100' or 'cpu': plan for that device, e.g. to preview on a laptop what an H100 would get."""
+    """A key of SPECS: plan for that device, e.g. to preview on a laptop what a data-centre GPU would get."""
     try:
         return SPECS[name.lower()]
     except KeyError:
@@ -47,15 +51,16 @@ def spec_named(name: str) -> DeviceSpec:
 
 
 def spec_for(device: torch.device | str | None = None) -> DeviceSpec:
-    """The DeviceSpec of a device, by name; unknown GPUs get H100 figures (the ratios, not the absolutes, matter)."""
+    """The DeviceSpec of a device, by name; an unknown GPU gets DEFAULT_GPU's figures (the ratios, not the absolutes,
+    matter)."""
     dev = torch.device(device) if device is not None else None
     if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
         return CPU
     gpu = torch.cuda.get_device_name(dev)
-    for key, spec in (("H200", H200), ("A100", A100)):
-        if key in gpu:
-            return spec
-    return H100
+    for key in ("h200", "a100"):
+        if key.upper() in gpu:
+            return SPECS[key]
+    return DEFAULT_GPU
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -30,14 +30,14 @@ def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callabl
 
 
 # Inductor's CUDA graphs (cudagraph trees), as torch.compile(mode="reduce-overhead") sets them. Not with
-# triton.cudagraph_skip_dynamic_graphs: on an H100 (torch 2.11) it split the Llama-style model's graphs into 75
-# partitions around ops it took for dynamic, one of which was recorded again at every step (160-260 ms a step against
-# 23 ms without it). A graph whose shapes do vary is left by the session instead (Session._leave_graphs).
+# triton.cudagraph_skip_dynamic_graphs: it split the Llama-style model's graphs into dozens of partitions around ops
+# it took for dynamic, one of which was recorded again at every step, making the step several times slower than
+# without it. A graph whose shapes do vary is left by the session instead (Session._leave_graphs).
 GRAPH_PATCHES = {"triton.cudagraphs": True}
 
 
-# CUDA graphs keep a memory pool of their own: on an H100 the Llama-style step peaked 0.6 GiB (10%) above the same
-# graphs without them (scripts/peak_reserved.py). A trial offers them only while the script's peak so far leaves room.
+# CUDA graphs keep a memory pool of their own: the Llama-style step peaked noticeably higher with them than the same
+# graphs without them. A trial offers them only while the script's peak so far leaves room.
 GRAPH_MEMORY_SHARE = 0.5
 
 
@@ -69,18 +69,19 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
 def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
-    region is part of the traced graph and compiles to different kernels: on an H100 the BERT-base MLM step ran GEMMs
-    in FP32 that the hand-written loop runs in bf16 (8.4 ms of FP32 GEMM kernels in place of 2.3 ms; kernel profiles,
-    scripts/compare_paths.py ... profile); around the call it matches the hand-written loop kernel for kernel. The
-    outputs go back to FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script
-    sees its own dtypes; a ModelOutput's fields only when read (automp.runtime.outputs).
+    region is part of the traced graph and compiles to different kernels: the BERT-base MLM step ran GEMMs in FP32
+    that the hand-written loop runs in bf16, its GEMM kernels taking several times as long (kernel profiles); around
+    the call it matches the hand-written loop kernel for kernel. The outputs go back to FP32 inside the compiled
+    function (Inductor fuses the cast), as on every other path: the script sees its own dtypes; a ModelOutput's fields
+    only when read (automp.runtime.outputs).
 
     graphs=True (Route.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
-    a few hundred kernels; on an H100 its kernels took 20.4 ms a step while the step itself ran 22 to 33 ms on
-    different hosts of the same kind, the rest being host work. Replayed, the Llama-style step ran 21.95 ms with no
-    spread (scripts/cudagraphs_gain.py). What the call returns is copied out of the graph's memory
-    (outputs.out_of_pool), and so are gradients the next replay would free (graph_pool.GradRescue); the returned
-    function's `pool` gives the graphs' memory back once the session leaves them (graph_pool.PoolRelease).
+    a few hundred kernels, and on a fast GPU the step takes longer than its kernels: the rest is host work, and how
+    much depends on the host (the same step varied widely between hosts of one kind). Replayed, the step runs at about
+    its kernels' time, without that spread (BENCHMARKS.md, "Host-bound anchors"). What the call returns is copied
+    out of the graph's memory (outputs.out_of_pool), and so are gradients the next replay would free
+    (graph_pool.GradRescue); the returned function's `pool` gives the graphs' memory back once the session leaves them
+    (graph_pool.PoolRelease).
 
     fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
     (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers."""
@@ -133,10 +134,9 @@ def keyed_by_autocast() -> Iterator[None]:
     """Adds the ambient autocast dtype to the compile caches' key (torch.compiler.config.cache_key_tag) while stock
     Inductor compiles a graph traced under it. The stock path enters autocast around the compiled call, so the dtype
     is not in the Dynamo graph, and torch before 2.13 keys AOTAutograd's cache on whether autocast is on, not on its
-    dtype (pytorch/pytorch#181564): on an H100 (torch 2.11) the ResNet-50 step of automp-fp16 ran bf16 convolutions
-    and GEMMs compiled by an earlier bf16 run of the same process (kernel profile, scripts/profile_dtype.py), and the
-    cache is on disk, so an fp16 run after a bf16 run of the same script would get them too. The user's own tag is
-    kept."""
+    dtype (pytorch/pytorch#181564): the ResNet-50 step of automp-fp16 ran bf16 convolutions and GEMMs compiled by an
+    earlier bf16 run of the same process (kernel profile), and the cache is on disk, so an fp16 run after a bf16 run
+    of the same script would get them too. The user's own tag is kept."""
     tag = autocast_tag()
     if not tag:
         yield
@@ -178,8 +178,8 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
     Nothing Dynamo keeps may hold the module or its _Root strongly: Dynamo keeps compiled functions and backends in
     process-wide caches (past automp.disable(), and past torch._dynamo.reset() in torch 2.11), and a _Root holds the
     parameters (for the eager path's casts). When the closures here held the _Root, a model that had run a trial
-    would outlive the script's last reference to it with its parameters and gradients (the zoo's LSTM: +0.28 GiB in
-    the next model's run on an H100).
+    would outlive the script's last reference to it with its parameters and gradients (the zoo's LSTM stayed resident
+    through the next model's run).
 
     The module is the function's first argument, as `self` is to the module's own compiled call (torch.compile(model)):
     Dynamo sees it as the hand-written loop's compile does. `bound` supplies the argument, held weakly."""

@@ -1,12 +1,12 @@
 """FP32 eager ruled out before it runs, by a lower bound of its iteration measured on the low-precision eager path.
 
 FP32 eager (the script as written) has the largest activations of any candidate, so timing it is what sets a trial's
-peak memory: on an H100, GPT-2 124M (B8, T1024) peaked at 14.8 GiB in its trial against 7.5 GiB for the
-hand-written bf16 loop. The GEMM-rate gap alone cannot rule it out: a launch-bound script (a 3-layer MLP on an H100)
-runs fastest as written, and automp must never be slower than that. So the gap is applied to the GEMMs the script
-measurably runs. During the low-precision eager path's first, untimed iteration (Route.EAGER_LOW, warmed up before
-FP32 eager), the dense GEMMs of the roots' forward calls are counted (FLOPs from torch.utils.flop_counter's own
-formulas), and so are the backward GEMMs seen to run before the iteration ends. Then
+peak memory: GPT-2 124M (B8, T1024) peaked at about twice the hand-written bf16 loop's memory in its trial. The
+GEMM-rate gap alone cannot rule it out: a launch-bound script (a 3-layer MLP on a fast GPU) runs fastest as written, and
+automp must never be slower than that. So the gap is applied to the GEMMs the script measurably runs. During the
+low-precision eager path's first, untimed iteration (Route.EAGER_LOW, warmed up before FP32 eager), the dense GEMMs of
+the roots' forward calls are counted (FLOPs from torch.utils.flop_counter's own formulas), and so are the backward GEMMs
+seen to run before the iteration ends. Then
 
     t_lb = (F_forward + F_backward) / R_fp32
 
@@ -23,18 +23,18 @@ It bounds FP32 eager's iteration from below:
 - a timed sample spans the device's work between two synchronizations, so it is no shorter than its GEMMs.
 It assumes what the trial assumes of every path: iterations alike (the same shapes each time).
 
-The rule (Trial): FP32 eager is dropped, never run, where t_lb > give_up x t_warm, t_warm being the wall time of
-low precision eager's second warm-up iteration (the one after the count), synchronized at both ends like a trial's
-samples. Not the counted first one: it carries what a process pays once (cuBLAS set-up, kernel loading, allocator
-growth) and the count's own host time; on an H200 GPT-2's first took 1107 ms against a bound of 119 ms, and ruled
-nothing out. The second is still a warm-up, taken to be no shorter than the path's later samples, and those are no
-shorter than the trial's best median. So FP32's samples would have
-measured above give_up x the best median: on CUDA, where CUDA graphs are recorded after the first round, that drops
-an eager path after its first sample (TrialConfig), and in any trial it keeps FP32 from winning. The first round's
-wider give_up_first is for a one-off slow sample; t_lb is no sample. Under torch.distributed there is no bound:
-nothing is dropped early there (ranks.for_ranks), as a drop would depend on one rank's timings. The rate is the one
-figure that errs the other way (a measured median, not a peak): the distance between give_up (1.3) and the 3% by
-which FP32 keeps its verdict (fp32_margin) covers a GEMM running up to 26% faster than the calibration saw.
+The rule (Trial): FP32 eager is dropped, never run, where t_lb > give_up x t_warm, t_warm being the wall time of low
+precision eager's second warm-up iteration (the one after the count), synchronized at both ends like a trial's samples.
+Not the counted first one: it carries what a process pays once (cuBLAS set-up, kernel loading, allocator growth) and the
+count's own host time; GPT-2's first took many times its bound, and ruled nothing out (BENCHMARKS.md, "The FP32 bound in
+the trial"). The second is still a warm-up, taken to be no shorter than the path's later samples, and those are no
+shorter than the trial's best median. So FP32's samples would have measured above give_up x the best median: on CUDA,
+where CUDA graphs are recorded after the first round, that drops an eager path after its first sample (TrialConfig), and
+in any trial it keeps FP32 from winning. The first round's wider give_up_first is for a one-off slow sample; t_lb is no
+sample. Under torch.distributed there is no bound: nothing is dropped early there (ranks.for_ranks), as a drop would
+depend on one rank's timings. The rate is the one figure that errs the other way (a measured median, not a peak): the
+distance between give_up (1.3) and the 3% by which FP32 keeps its verdict (fp32_margin) covers a GEMM running up to 26%
+faster than the calibration saw.
 
 Preconditions, else FP32 is timed as before (and the verdict's `bounds` say why): FP32 matmuls run in plain FP32
 (TF32 on, they run at a rate the calibration did not measure), and every floating parameter of a counted root is FP32

@@ -8,18 +8,18 @@ path the user did not ask for:
    pool (AccumulateGrad steals it). A script that keeps gradients across the next forward (accumulation over micro-
    batches, zero_grad(set_to_none=False)) then fails in its next backward with "accessing gradient tensor output of
    CUDAGraphs that has been overwritten", where the same script without automp ran. `GradRescue` copies such
-   gradients out of the pool just before a replay would free them (on an H100 four loop shapes then trained bit-
-   identically to the same graphs without CUDA graphs, scripts/graph_pool_check.py). The tutorial loop (forward,
-   zero_grad, backward, step) also reaches a forward with gradients alive, and sets them to None right after: there
-   the copies are wasted time and memory, so once copies were replaced by a new backward's gradients LEARN times in a
-   row, the loop is taken to be that one and copying stops. (A loop that zeroes at its top and accumulates drops its
-   copies at each step too, but reaches the next forward with no gradient: that is no evidence, and copying goes on.
-   Counting it as a drop would stop the copies of such a loop after two steps and silently change its result.)
+   gradients out of the pool just before a replay would free them (with it, four loop shapes trained bit-identically to
+   the same graphs without CUDA graphs). The tutorial loop (forward, zero_grad, backward, step) also reaches a forward
+   with gradients alive, and sets them to None right after: there the copies are wasted time and memory, so once copies
+   were replaced by a new backward's gradients LEARN times in a row, the loop is taken to be that one and copying stops.
+   (A loop that zeroes at its top and accumulates drops its copies at each step too, but reaches the next forward with
+   no gradient: that is no evidence, and copying goes on. Counting it as a drop would stop the copies of such a loop
+   after two steps and silently change its result.)
 2. Memory. A pool stays reserved while any function that replays into it is alive, and Dynamo keeps compiled
-   functions for the life of the process: CUDA graphs recorded for a trial they lost would keep their pool (on an
-   H100 the zoo's ConvNeXt held 14.4 GiB reserved on autocast-compiled, against 7.7 GiB for the hand-written loop).
+   functions for the life of the process: CUDA graphs recorded for a trial they lost would keep their pool (the
+   zoo's ConvNeXt then held about twice the hand-written loop's reserved memory on the path that won).
    `PoolRelease` gives the pool back (torch's reset of the trees) once nothing in it is alive, when automp's were the
-   only CUDA graphs of the process: released, that ConvNeXt reserves 7.41 GiB (BENCHMARKS.md, "CUDA graphs").
+   only CUDA graphs of the process: released, that ConvNeXt reserves about what the hand-written loop does.
    Graphs a script compiled itself are never touched: the pool is kept, and the report says so.
 
 Both reach into torch._inductor.cudagraph_trees (torch 2.11-2.13). Where its internals are not as expected, the

@@ -3,8 +3,8 @@
 A script written for FP32 must see FP32 tensors after the call (a loss outside the model, a `.numpy()`), so
 low-precision results are cast back at the module's boundary. For a plain tensor or tuple the cast is fused into the
 compiled graph's last kernel. But a transformers model returns a ModelOutput that often holds a huge tensor nobody
-reads: GPT-2's `model(**batch).loss` leaves 8x1024x50257 logits untouched, and casting them anyway costs 1.6 GB of
-memory at the peak and 2% of the step on an H100 (BENCHMARKS.md, "Unread outputs"). So ModelOutput-like results are cast
+reads: GPT-2's `model(**batch).loss` leaves 8x1024x50257 logits untouched, and casting them anyway costs an FP32
+copy of them (over a gigabyte) at the peak and a few percent of the step. So ModelOutput-like results are cast
 lazily: each low-precision field turns FP32 the first time it is read (attribute, key, values(), to_tuple(), ...), and a
 field never read never costs anything. Read or not, the script only ever sees FP32.
 

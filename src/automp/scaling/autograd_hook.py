@@ -53,11 +53,6 @@ def current() -> LossScaler | None:
     return _scaler
 
 
-def skipped_optimizer_steps() -> int:
-    """How many optimizer.step() calls were turned into no-ops since install() (a host sync: reports, tests)."""
-    return skip.skipped_steps()
-
-
 def install(scaler: LossScaler) -> LossScaler:
     """Start scaling with `scaler`. Mode "off" patches nothing (zero overhead); installing again swaps scalers."""
     global _scaler
@@ -167,8 +162,8 @@ def _scaled_root_grads(roots: tuple, grads: Any, scale: Tensor) -> list[Tensor |
 
 def _leaves(roots: tuple) -> list[Tensor]:
     """Every leaf the backward will accumulate into: the AccumulateGrad nodes reachable from the roots. A host cost of
-    every fp16 backward (on an H100 the GPU can be waiting for it), so AccumulateGrad nodes are read where they are
-    found instead of being pushed and visited."""
+    every fp16 backward (on a fast GPU the device can be waiting for it), so AccumulateGrad nodes are read where they
+    are found instead of being pushed and visited."""
     seen: set = set()
     found: dict[int, Tensor] = {}
     stack = []

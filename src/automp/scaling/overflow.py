@@ -17,8 +17,8 @@ from torch import Tensor
 @functools.lru_cache(maxsize=1)
 def _cuda_kernel() -> Callable[[list[Tensor], Tensor], Tensor] | None:
     """automp's fused Triton kernel (the `automp::unscale_and_check_` op), used where torch has no fused op of its
-    own. torch's multi-tensor-apply kernel needs no host-side chunk table, so where it exists it is preferred:
-    measured on an H100, the table rebuilt for fresh gradient buffers cost ~20 ms/step on GPT-124M."""
+    own. torch's multi-tensor-apply kernel needs no host-side chunk table, so where it exists it is preferred: the
+    table, rebuilt for fresh gradient buffers, cost a large share of a GPT-2 124M step."""
     if hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
         return None
     try:

@@ -1,10 +1,10 @@
 """2:4 weights on sparse tensor cores, only where that is faster: `to_semi_structured(model, example_inputs)`.
 
-A 2:4 GEMM does half the multiply-adds, but whether it beats cuBLAS depends on the shape: public H100 numbers
-for torch's semi-structured kernels (cuSPARSELt, CUTLASS) range from 0.4x to 1.2x of dense, losing on skinny
-token counts and small layers. So each 2:4 nn.Linear is measured at its real shape (the token count its input
-has for `example_inputs`): dense F.linear against the compressed weight, same input, same bias. The layer becomes
-sparse only when that wins by `min_gain`; every decision lands in the report with both timings and the reason.
+A 2:4 GEMM does half the multiply-adds, but whether it beats cuBLAS depends on the shape: published measurements of
+torch's semi-structured kernels (cuSPARSELt, CUTLASS) range from well below dense speed to a little above it, losing on
+skinny token counts and small layers. So each 2:4 nn.Linear is measured at its real shape (the token count its input has
+for `example_inputs`): dense F.linear against the compressed weight, same input, same bias. The layer becomes sparse
+only when that wins by `min_gain`; every decision lands in the report with both timings and the reason.
 
 Where it cannot run (a CPU, a GPU without sparse tensor cores, a torch without the kernels, fp32 weights, a shape
 the kernels do not take) the layer stays dense and the report says why; with choose=False (force) those raise.

@@ -8,10 +8,10 @@ model back to bf16 for the rest of the run. Then the watch stops: one report per
 The rules, in the order they are checked, on each loss in the order the backward calls came:
 - NONFINITE: the loss is nan or inf, at any time;
 - SPIKE: `patience` finite losses in a row above `factor` times the median of the last `window` finite losses (the
-  spiking ones are not added to it), once `history` of them exist and that median is positive. One batch's loss can
-  jump in a healthy run (a hard batch, in bf16 as well), while a divergence stays up: the defaults (1.5x the median of
-  32, twice in a row) report the second. A relative bound says nothing about a loss that hovers at or below zero:
-  such a loss is watched for non-finite values only.
+  spiking ones are not added to it), once `history` of them exist and that median is positive. One batch's loss can jump
+  in a healthy run (a hard batch, in bf16 as well), while a divergence stays up: the defaults (`factor` times the median
+  of the last `window` losses, `patience` of two in a row) report the second. A relative bound says nothing about a loss
+  that hovers at or below zero: such a loss is watched for non-finite values only.
 
 What is and is not lost:
 - A step whose loss is non-finite never updates the weights while the watch is installed, before and after its report:

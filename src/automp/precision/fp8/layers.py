@@ -9,8 +9,8 @@ Recipes (torchao's names and choices, as its float8 training README describes th
 
 Written as one torch.autograd.Function over torch._scaled_mm, not torchao's tensor subclass: Dynamo traces it into
 the joint graph as plain ops, so Inductor fuses each amax with its cast and the compile stays that of a bf16 model
-(torchao's float8 compile of a 16-layer Llama did not finish in 140 s on an H100, where bf16 took 43 s for two
-layers' worth less). torchao's recipes are the benchmark's anchors (`automp bench fp8`).
+(torchao's float8 compile of a 16-layer Llama had not finished after three times as long as the bf16 compile of a
+comparable model took). torchao's recipes are the benchmark's anchors (`automp bench fp8`).
 
 A layer is switched by `install` (its class becomes an FP8 subclass of its own class: same parameters, same state_dict,
 isinstance unchanged) and runs FP8 only inside `active()`: the runtime compiles its FP8 path under it and its bf16

@@ -191,8 +191,8 @@ def run_bf16(operands: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torc
 def _time_cuda(fn: Callable[[], object], device: torch.device) -> list[float]:
     """Milliseconds per call of `fn`, REPEATS samples, by CUDA events. The calls are replayed from a CUDA graph of
     GRAPH_CALLS back-to-back calls: launched one by one from Python, a layer's GEMMs at a few thousand tokens finish
-    faster than the CPU issues them (3 GEMMs of 2048x768x768 took 57 us launched eagerly on an H100, 20 us replayed
-    from a graph), so eager timing would measure dispatch overhead, which is larger for torch._scaled_mm than for
+    faster than the CPU issues them (three such GEMMs took well over twice as long launched eagerly as replayed from
+    a graph), so eager timing would measure dispatch overhead, which is larger for torch._scaled_mm than for
     torch.mm and which compiled code does not pay per GEMM. Each sample replays the graph for about TARGET_MS."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream()

@@ -1,15 +1,14 @@
 """channels_last activations for the convolutional modules that run eagerly, switched on only where it measured faster.
 
 cuDNN's fastest convolutions, above all depthwise and grouped ones in bf16/fp16, read and write NHWC. PyTorch runs a
-convolution in channels_last when its input (or weight) is, and the layout then carries through norms, activations
-and the next convolutions. A script that never asked for it gets NCHW everywhere. On an H100
-(scripts/memory_format.py; BENCHMARKS.md, "Activation layout of eager convolutions") converting each convolution's
-input made EfficientNet-B0's eager autocast loop 1.66x faster, its FP32 loop 1.41x, a torchvision Faster R-CNN
-1.13-1.19x, left ResNet-50 and ConvNeXt-T within 2%, and made a small DCGAN 3-4% slower (the hooks' host time on a
-launch-bound loop). Compiled paths are left to Inductor, which picks the layout inside its graphs itself (measured
-within 2.5% either way). So, like cuDNN's benchmark flag (automp.runtime.tuning.conv_tuning), it is a measured
-choice: once every root has its path, a script whose eager-path roots hold 2-d convolutions on CUDA runs a short
-trial of both layouts and keeps channels_last only when it leads by more than the anchor margin. The outcome is
+convolution in channels_last when its input (or weight) is, and the layout then carries through norms, activations and
+the next convolutions. A script that never asked for it gets NCHW everywhere. Converting each convolution's input made a
+depthwise-heavy network (EfficientNet-B0) much faster eagerly, in autocast and in FP32, a torchvision Faster R-CNN
+somewhat faster, left ResNet-50 and ConvNeXt-T about where they were, and made a small DCGAN a little slower (the hooks'
+host time on a launch-bound loop). Compiled paths are left to Inductor, which picks the layout inside its graphs itself
+(converting there changed nothing beyond noise). So, like cuDNN's benchmark flag (automp.runtime.tuning.conv_tuning), it
+is a measured choice: once every root has its path, a script whose eager-path roots hold 2-d convolutions on CUDA runs a
+short trial of both layouts and keeps channels_last only when it leads by more than the anchor margin. The outcome is
 cached with the verdicts.
 
 Nothing the script holds changes: its parameters keep their layout (so optimizer state, DDP's buckets, checkpoints

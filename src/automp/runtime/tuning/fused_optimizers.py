@@ -1,10 +1,11 @@
 """torch's Adam and AdamW, and SGD under loss scaling, switched to their fused CUDA implementation at their first step.
 
 A script that writes `torch.optim.AdamW(model.parameters())` gets the foreach implementation: a dozen multi-tensor
-kernels per step, each a pass over parameters and state. The fused one does the same arithmetic in one pass, and on
-an H100 the GPT-2 124M step is about 5% faster with it (BENCHMARKS.md, "Fused optimizers"): a speed-up the user gets
-without touching code, like the precision change. Fused optimizers also take the device-side found_inf of fp16 loss
-scaling, so a step with an overflow is skipped without a host sync.
+kernels per step, each a pass over parameters and state. The fused one does the same arithmetic in one pass, which
+matters most where the step waits on the host (a transformer such as GPT-2 124M is measurably faster with it;
+BENCHMARKS.md, "Host-bound anchors"): a speed-up the user gets without touching code, like the precision change. Fused
+optimizers also take the device-side found_inf of fp16 loss scaling, so a step with an overflow is skipped without a
+host sync.
 
 Only what torch itself would accept as `fused=True` is switched, and only where the user did not choose: both
 `fused` and `foreach` left at their default (None), the exact torch classes (a subclass may override step), no
@@ -26,10 +27,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
-# SGD only under loss scaling: its fused step measured no faster than foreach on ResNet-50 (H100, bf16), but it takes
-# found_inf, and foreach cannot: there an fp16 step reads the overflow flag on the host. On an H100 loss scaling then
-# cost 9-13% of ResNet-50's graphed fp16 step (scripts/ablate.py fp16 resnet50 autocast-graphs); with fused SGD
-# automp-fp16 ran 4% faster than automp-bf16 (BENCHMARKS.md, "fp16 against bf16").
+# SGD only under loss scaling: its fused step measured no faster than foreach on ResNet-50 in bf16, but it takes
+# found_inf, and foreach cannot: there an fp16 step reads the overflow flag on the host, and loss scaling then cost a
+# sizeable share of ResNet-50's graphed fp16 step; with fused SGD automp-fp16 ran ahead of automp-bf16
+# (BENCHMARKS.md, "fp16 against bf16").
 FUSABLE_UNDER_SCALING = FUSABLE + (torch.optim.SGD,)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 

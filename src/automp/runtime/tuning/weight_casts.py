@@ -3,9 +3,9 @@
 torch.autocast caches the low-precision copy of each parameter it casts, and drops the cache when the outermost
 region ends. A hand-written GAN loop runs `D(real)` and `D(fake.detach())` in one region, so D's weights are cast
 once (and their gradients cast back once, in one ToCopyBackward). automp's eager path enters autocast per root-module
-call, so each call ended the region, dropped the cache, and cast every weight again: on an H100 the zoo's DCGAN
-launched twice as many weight casts forward and backward, on a step that is launch-bound (GPU busy 4.4 ms of a
-13 ms step), and ran 5-7% behind the hand-written loop.
+call, so each call ended the region, dropped the cache, and cast every weight again: the zoo's DCGAN launched
+twice as many weight casts forward and backward, on a step that is launch-bound (the GPU idle for most of it), and
+ran measurably behind the hand-written loop.
 
 `SharedCasts.enter` keeps the cache across calls: it opens one extra autocast nesting level around automp's own
 region, so that region's exit does not clear the cache. A cached copy is only valid while its parameter is unchanged,
