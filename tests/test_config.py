@@ -145,3 +145,19 @@ def test_compile_goes_through_the_session_and_disable_removes_its_scaler(tmp_pat
     assert autograd_hook.current() is None and not automp.is_enabled()
     assert rep["graphs"] and report.exists()
     assert nn.Module.__call__ is ORIG_CALL  # compile alone patches no module call
+
+
+@pytest.mark.parametrize("name, value, accepts", [
+    ("path", None, r"path must be one of \['auto', 'compile'"), ("path", 3, "path must be one of"),
+    ("inner", None, r"inner must be one of \['inductor', 'eager'\]"),
+    ("fp8_recipe", None, r"fp8_recipe must be one of \['tensorwise', 'rowwise'\]"),
+    ("dtype", None, r"dtype must be one of \['auto', 'fp16', 'bf16', 'fp8'\]"),
+    ("spec", 5, r"spec must be None or one of \["), ("cache_dir", 3, "cache_dir must be None or a directory path"),
+    ("report", 3, "report must be None or a file path"), ("debug", None, "debug must be True or False"),
+    ("rank", None, "rank must be an integer >= 0")])
+def test_a_none_or_wrongly_typed_field_is_one_clear_error_naming_it(name, value, accepts, fresh_session):
+    with pytest.raises(ValueError, match=f"{accepts}.*got {value!r}$"):
+        AutoMPConfig(**{name: value})
+    with pytest.raises(ValueError, match=accepts):  # the same through enable(), before anything is installed
+        automp.enable(**{name: value})
+    assert not automp.is_enabled() and nn.Module.__call__ is ORIG_CALL

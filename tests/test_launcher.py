@@ -190,3 +190,42 @@ def test_fp8_on_a_machine_without_it_is_one_line_and_exit_code_2(tmp_path, capsy
     assert not marker.exists()  # the script did not run in bf16 behind the user's back
     import automp
     assert not automp.is_enabled()
+
+
+FUNC_GRAD = """import torch, torch.nn as nn
+from torch.func import functional_call, grad
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+x, y = torch.randn(4, 8), torch.randn(4, 4)
+params = {k: v.detach() for k, v in net.named_parameters()}
+for _ in range(3):
+    g = grad(lambda p: ((functional_call(net, p, (x,)) - y) ** 2).mean())(params)
+    params = {k: v - 0.1 * g[k] for k, v in params.items()}
+"""
+
+
+def test_a_compiled_path_that_ran_no_graph_is_said_so_not_claimed(tmp_path, automp_run):
+    """Gradients taken with torch.func.grad: torch.compile cannot trace a call made from eager code inside the
+    transform, so the forced automp-compiled path ran every call FP32 as written. The line says so, and why."""
+    script = tmp_path / "train.py"
+    script.write_text(FUNC_GRAD)
+    report = tmp_path / "r.json"
+    code, err = automp_run("--report", str(report), str(script))
+    assert code == 0, err
+    line = err[-1]
+    assert "automp-compiled (bf16)" not in line, line
+    assert "Sequential automp-compiled forced, but no graph ran through it: the model ran FP32 as written" in line
+    assert "torch.func" in line
+    (choice,) = json.loads(report.read_text())["choices"]
+    assert choice["calls"] == {"chosen": {"fp32-eager": 3}}
+
+
+def test_the_line_says_a_compiled_path_ran_where_its_graphs_did():
+    from automp.launcher import summary
+    config = AutoMPConfig(dtype="bf16", cache_dir=".")
+    report = {"dtype": "bfloat16", "choices": [{"module": "Net", "path": "automp-compiled", "rule": "forced",
+                                                "calls": {"chosen": {"automp-compiled": 5}}}],
+              "graphs": [{"name": "Net.0.forward"}], "fallbacks": []}
+    assert summary(report, config) == "automp: Net automp-compiled (bf16)"
+    report["graphs"] = []  # the calls took the compiled route, but no graph went through the pass (Dynamo skipped)
+    assert "Net automp-compiled forced, but no graph ran through it" in summary(report, config)

@@ -23,11 +23,18 @@ DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf
           "fp8": "fp8", "float8": "fp8"}
 FP8_RECIPES = ("tensorwise", "rowwise")
 INNERS = ("inductor", "eager")
+SPECS = ("a100", "cpu", "h100", "h200")  # automp.precision.cost.SPECS: the devices a plan can be made for
 PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs", "fp8-compile", "fp8-graphs")
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
                "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep", "RANK": "rank", "WORLD_SIZE": "world_size"}
 _FLAGS = ("fp8_output", "fp8_all_gather", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
+
+
+class FieldError(ValueError, TypeError):
+    """A field of AutoMPConfig given a value it does not accept (None where None means nothing, another type, an
+    unknown name): one error for every field, naming it, what it accepts and what it got. A ValueError, and a
+    TypeError too for the wrong types that raised TypeError before."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,9 +50,9 @@ class AutoMPConfig:
     "module.lm_head"); a comma-separated string is split. For the layers a user knows to be sensitive, or whose FP8
     casts cost memory that matters more than their speed (the LM head's logits gradient).
     fp8_output: let the model's output layer (the last linear layer its forward calls: an LM head, a classifier) run
-    FP8 too where measured to pay. Off by default, as torchao's and Transformer Engine's recipes leave it: on an H200
-    a 1.2B Llama whose tied LM head ran FP8 trailed bf16's loss from step ~550 on, and tracked it with the head kept
-    bf16 (BENCHMARKS.md, "FP8 loss parity").
+    FP8 too where measured to pay. Off by default, as torchao's and Transformer Engine's recipes leave it: an LM head
+    run in FP8 can make the loss drift from bf16's over a long run where the same model with its head kept bf16 tracks
+    it (BENCHMARKS.md, "FP8 loss parity").
     fp8_all_gather: under FSDP2, all-gather the FP8 layers' weights in FP8 once the model runs its FP8 path (the same
     FP8 values, half the bytes of bf16; automp.precision.fp8.gather). Off: FSDP2 gathers them in its own dtype and
     they are cast after the gather, an escape hatch, since the FP8 gather works inside FSDP2's parameter objects.
@@ -91,36 +98,46 @@ class AutoMPConfig:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}: expected 'auto', 'fp16', 'bf16' or 'fp8'")
+        self._check_kinds()
         self._set("dtype", DTYPES[self.dtype])
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise ValueError(f"unknown fp8_recipe {self.fp8_recipe!r}: expected one of {FP8_RECIPES}")
         self._set("fp8_keep", parse_patterns(self.fp8_keep, "fp8_keep"))
         if self.path.startswith("fp8-") and self.dtype != "fp8":
             raise ValueError(f"path {self.path!r} runs FP8 layers: it needs dtype='fp8', not {self.dtype!r}")
         self._set("loss_scale", parse_loss_scale(self.loss_scale))
-        if self.inner not in INNERS:
-            raise ValueError(f"unknown inner compiler {self.inner!r}: expected 'inductor' or 'eager'")
-        for flag in _FLAGS:
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.path not in PATHS:
-            raise ValueError(f"unknown path {self.path!r}: expected one of {sorted(PATHS)}")
         if self.path in ("autocast-graphs", "fp8-graphs") and not self.cuda_graphs:
             raise ValueError(f"path {self.path!r} asks for the CUDA graphs that cuda_graphs=False turns off")
-        if self.spec:
-            from automp.precision import cost
-            cost.spec_named(self.spec)
+        if self.spec and self.spec.lower() not in SPECS:
+            raise ValueError(f"unknown device spec {self.spec!r}: expected one of {list(SPECS)}")
         if self.report is not None:
-            if not isinstance(self.report, (str, os.PathLike)):
-                raise TypeError(f"report must be a file path, got {type(self.report).__name__}")
             self._set("report", os.path.abspath(os.fspath(self.report)))
         self._set("cache_dir", os.path.abspath(os.fspath(self.cache_dir or default_cache_dir(os.environ))))
-        for name in ("rank", "world_size"):
+
+    def _check_kinds(self) -> None:
+        """Every field holds a value of what it accepts (None only where None means something), before any of them
+        is read: a wrong one is one FieldError naming the field, what it accepts and what it got."""
+        def bad(name: str, accepts: str) -> FieldError:
+            return FieldError(f"{name} must be {accepts}, got {getattr(self, name)!r}")
+
+        if self.dtype not in DTYPES or not isinstance(self.dtype, str):
+            names, aliases = list(dict.fromkeys(DTYPES.values())), ", ".join(k for k, v in DTYPES.items() if k != v)
+            raise FieldError(f"unsupported dtype {self.dtype!r}: dtype must be one of {names} (or an alias: "
+                             f"{aliases}), got {self.dtype!r}")
+        for name, choices in (("fp8_recipe", FP8_RECIPES), ("inner", INNERS), ("path", PATHS)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise bad(name, f"one of {list(choices)}")
+        for flag in _FLAGS:
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "True or False")
+        if self.spec is not None and not isinstance(self.spec, str):
+            raise bad("spec", f"None or one of {list(SPECS)}")
+        if self.report is not None and not isinstance(self.report, (str, os.PathLike)):
+            raise bad("report", "None or a file path")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise bad("cache_dir", "None or a directory path")
+        for name, least in (("rank", 0), ("world_size", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "rank" else 1):
-                raise ValueError(f"{name} must be an integer >= {0 if name == 'rank' else 1}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(name, f"an integer >= {least}")
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # normalizing a frozen field, once, at construction
@@ -213,13 +230,13 @@ def parse_loss_scale(spec: Any) -> str | float | None:
         return None if spec != "dynamic" else "dynamic"
     problem = f"loss_scale must be 'dynamic', 'off' or a positive number, got {spec!r}"
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise ValueError(problem)
+        raise FieldError(problem)
     try:
         value = float(spec)
     except ValueError:
-        raise ValueError(problem) from None
+        raise FieldError(problem) from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"loss_scale must be a positive finite number, got {spec!r}")
+        raise FieldError(f"loss_scale must be a positive finite number, got {spec!r}")
     return value
 
 
@@ -231,10 +248,10 @@ def parse_patterns(value: Any, name: str) -> tuple[str, ...]:
         try:
             items = list(value)
         except TypeError:
-            raise TypeError(f"{name} must be a comma-separated string or a list of strings, got {value!r}") from None
+            raise FieldError(f"{name} must be a comma-separated string or a list of strings, got {value!r}") from None
         if not all(isinstance(p, str) for p in items):
-            raise TypeError(f"{name} must be a comma-separated string or a list of strings, got {value!r}")
+            raise FieldError(f"{name} must be a comma-separated string or a list of strings, got {value!r}")
         items = [p.strip() for p in items]
     if not all(items):
-        raise ValueError(f"{name} has an empty pattern: {value!r}")
+        raise FieldError(f"{name} has an empty pattern: {value!r}")
     return tuple(items)

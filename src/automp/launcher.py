@@ -19,11 +19,16 @@ from typing import Any, Sequence
 import automp
 from automp.config import AutoMPConfig
 from automp.files import check_writable, same_file
+from automp.runtime.report import notice
+from automp.runtime.decisions import (COMPILE_FAILED, COMPILED_PATHS, FORCED, FUNCTORCH, HALF_MODEL,
+                                      SCRIPTS_AUTOCAST)
 
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
-_ASIDE = {"script-autocast": "the script's own autocast", "half-model": "already half precision",
-          "compile-failed": "compilation failed"}
+_ASIDE = {SCRIPTS_AUTOCAST: "the script's own autocast", HALF_MODEL: "already half precision",
+          COMPILE_FAILED: "compilation failed"}  # by rule
+_COMPILED = {r.value for r in COMPILED_PATHS}
+_IN_TRANSFORM = "calls ran inside a torch.func transform, which torch.compile cannot trace from eager code"
 
 
 # What the script left in its globals, kept until the interpreter exits, as `python SCRIPT` keeps them. runpy returns
@@ -75,7 +80,7 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
             watch.failed(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
         hint = automp.script_failed(e)
         if hint:
-            print(hint, file=sys.stderr)
+            notice(hint)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
         if watch is not None:
@@ -94,22 +99,34 @@ def run_script(script: str, args: Sequence[str], config: AutoMPConfig | None = N
 
 
 def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
-    """One line: how each root module ran, from the report's paths and rules (never its reason strings)."""
+    """One line: how each root module ran, from the report's paths, rules and call counts (never its reason
+    strings): what really ran, the trial's calls included, not only the path a verdict named."""
     from automp.precision.fp8.gather import FP8_GATHER
+    from automp.runtime.report import calls_in_words
     low = _SHORT.get(report.get("dtype", ""), report.get("dtype", ""))
     parts = []
     for choice in report.get("choices", []):
         path, module = choice["path"], choice["module"]
+        trial = calls_in_words((choice.get("calls") or {}).get("trial"), low)
         if path == "as-written":
             parts.append(f"{module} as written ({_ASIDE.get(choice.get('rule'), 'left to the script')})")
         elif path == "unsettled":
-            parts.append(f"{module} trial unfinished")
+            parts.append(f"{module} trial unfinished" + (f" (trial: {trial})" if trial else ""))
+        elif _no_graph(report, choice):
+            parts.append(_without_graphs(report, choice, low))
+        elif path == "fp32-eager":
+            parts.append(f"{module} fp32-eager" + (f": kept FP32 as written (trial: {trial})" if trial else ""))
         else:
             fp8 = report.get("fp8", {}).get(module) if path.startswith("fp8-") else None
             layers = f", {fp8['fp8_layers']} of {fp8['layers_seen']} linear layers FP8" if fp8 else ""
             gathered = (fp8 or {}).get("all_gather", {}).get("rules", {}).get(FP8_GATHER)
             layers += f", {gathered} all-gathered in FP8" if gathered else ""
-            parts.append(f"{module} {path}" + ("" if path == "fp32-eager" else f" ({low}{layers})"))
+            layers += f"; trial: {trial}" if trial else ""
+            parts.append(f"{module} {path} ({low}{layers})")
+        also = {p: n for p, n in ((choice.get("calls") or {}).get("chosen") or {}).items() if p != path}
+        if also and not _no_graph(report, choice):  # moved off its verdict's path, or some calls could not take it
+            parts[-1] += "; also ran " + ", ".join(f"{n} call(s) {p}" for p, n in also.items()) + (
+                f" ({_IN_TRANSFORM})" if _fell_back(report, module, FUNCTORCH) else "")
     line = "; ".join(parts) or "no module ran under automp (none was called as model(x) while it was on)"
     left = report.get("fp8_fallback")
     if left:
@@ -118,6 +135,41 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
         line += f"; report in {config.report_path} (`automp report {config.report_path}`)"
     who = "automp" if config.world_size == 1 else f"automp (rank {config.rank})"
     return f"{who}: {line}"
+
+
+def _fell_back(report: dict[str, Any], module: str, rule: str) -> bool:
+    return any(f.get("where") == module and f.get("rule") == rule for f in report.get("fallbacks", []))
+
+
+def _no_graph(report: dict[str, Any], choice: dict[str, Any]) -> bool:
+    """A compiled path that ran no graph: none of the module's calls took it (a torch.func transform, where
+    torch.compile cannot trace), or automp's own pass saw no graph of it. Only where the report counted calls."""
+    path, chosen = choice["path"], (choice.get("calls") or {}).get("chosen") or {}
+    if path not in _COMPILED or not chosen:
+        return False
+    if not chosen.get(path):
+        return True
+    return path == "automp-compiled" and not any(g.get("name", "").split(".")[0] == choice["module"]
+                                                 for g in report.get("graphs", []))
+
+
+def _without_graphs(report: dict[str, Any], choice: dict[str, Any], low: str) -> str:
+    """What ran in place of a compiled path that ran no graph, and why."""
+    module, path = choice["module"], choice["path"]
+    chosen = (choice.get("calls") or {}).get("chosen") or {}
+    ran = max(chosen, key=chosen.get)
+    ran = "fp32-eager" if ran == path == "automp-compiled" else ran
+    what = ("FP32 as written" if ran == "fp32-eager" else f"{low} eager under torch.autocast" if ran != path
+            else f"{path} eagerly")
+    mine = [f for f in report.get("fallbacks", []) if f.get("where") == module]
+    if _fell_back(report, module, FUNCTORCH):
+        why = f"its {_IN_TRANSFORM}"
+    elif mine:
+        why = f"its graphs fell back: {mine[0]['reason']}"
+    else:
+        why = "Dynamo compiled no graph for it"
+    how = "forced" if choice.get("rule") == FORCED else "chosen"
+    return f"{module} {path} {how}, but no graph ran through it: the model ran {what} ({why})"
 
 
 def _script_problem(script: str, args: Sequence[str]) -> str | None:

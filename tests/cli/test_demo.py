@@ -11,6 +11,7 @@ import automp
 from automp.cli import demo
 from automp.models.data import MarkovCorpus
 from automp.models.gpt import GPT, GPTConfig
+from automp.runtime.decisions import AS_WRITTEN
 
 # Few steps of Adam from the same weights on the same batches: measured differences are ~0.01-0.1%. The CNN's
 # eval-mode loss goes through BatchNorm running statistics, which amplify small weight differences: 3% vs 2%.
@@ -68,7 +69,7 @@ def test_demo_on_cpu_keeps_the_path_it_measured_fastest_or_fp32_within_the_noise
         if len(c["timings_ms"]) > 1:  # a trial ran: the kept path is the fastest one measured, or the script as
             t, best = c["timings_ms"], min(c["timings_ms"].values())  # written when that led it by noise only
             assert t[c["path"]] == best or (c["path"] == "fp32-eager" and t["fp32-eager"] <= 1.03 * best
-                                            and "runs as written" in c["reason"])
+                                            and c["rule"] == AS_WRITTEN)
     assert rep["graphs"] == [] and rep["compiles"] == {}
     # measured afresh in a cache of the demo's own: nothing read from or left in the user's
     assert not any(c["cached"] for c in rep["choices"]) and not any(tmp_path.iterdir())
@@ -100,6 +101,9 @@ def test_a_run_that_kept_fp32_is_said_in_words_with_no_speedup(tmp_path, monkeyp
 @pytest.mark.parametrize("choice, words, ratio", [
     ({"path": "fp32-eager", "timings_ms": {"fp32-eager": 10.0, "low-precision-eager": 10.4}, "reason": "fastest"},
      "automp: kept FP32 as written — no low-precision path measured faster here", False),
+    ({"path": "fp32-eager", "timings_ms": {"fp32-eager": 10.0, "low-precision-eager": 10.4}, "reason": "fastest",
+      "calls": {"trial": {"low-precision-eager": 12, "fp32-eager": 6}, "chosen": {"fp32-eager": 62}}},
+     "kept FP32 as written — no low-precision path measured faster here (trial: 12 calls bfloat16, 6 FP32)", False),
     ({"path": "as-written", "timings_ms": {}, "reason": "compilation failed"}, "compilation failed", False),
     ({"path": "unsettled", "timings_ms": {"fp32-eager": 10.0}, "reason": "still timing"}, "still timing", False),
     ({"path": "low-precision-eager", "timings_ms": {"fp32-eager": 10.0, "low-precision-eager": 6.0}, "reason": "x"},

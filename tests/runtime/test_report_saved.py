@@ -49,6 +49,8 @@ def test_a_valid_report_prints(tmp_path, capsys):
     (_report(compiles=[3]), "compiles"),
     (_report(choices=[{"module": "GPT", "path": "compiled"}]), "choices[0]"),
     (_report(choices="GPT"), "choices"),
+    (_report(choices=[{"module": "GPT", "path": "fp32-eager", "reason": "r", "calls": {"trial": 3}}]),
+     "choices[0].calls"),
     ({k: v for k, v in _report().items() if k != "dtype"}, "'dtype'"),
 ])
 def test_wrong_shapes_are_one_line_errors(tmp_path, capsys, content, where):
@@ -86,6 +88,16 @@ def test_a_report_without_graphs_says_so_instead_of_an_empty_table(capsys):
     print_report(_report())
     out = capsys.readouterr().out
     assert "no graph went through" not in out and "casts +/-/=" in out and "g0.forward" in out
+
+
+def test_the_calls_each_precision_ran_are_printed_with_the_choice(capsys):
+    """A run that kept FP32 after its trial ran some calls in low precision: the report says how many."""
+    from automp.runtime.report import print_report
+    choices = [{"module": "CNN", "path": "fp32-eager", "reason": "r",
+                "calls": {"trial": {"low-precision-eager": 12, "fp32-eager": 6}, "chosen": {"fp32-eager": 30}}}]
+    print_report(_report(graphs=[], choices=choices))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "CNN runs fp32-eager (trial: 12 calls bfloat16, 6 FP32; chosen: 30 calls FP32)" in out
 
 
 def _binary(tmp_path):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import automp
 import automp.runtime.session
 from automp.precision import capture
+from automp.runtime.decisions import FORCED, GRAPH_BREAK, HALF_MODEL, NO_ROOTS, SCRIPTS_AUTOCAST
 from automp.scaling import autograd_hook
 
 from .sessions import candidates, inject
@@ -34,7 +35,7 @@ def test_script_with_its_own_autocast_runs_and_automp_steps_aside():
     assert out.dtype == torch.bfloat16 and net.weight.grad.dtype == torch.float32
     rep = automp.disable()
     (choice,) = rep["choices"]
-    assert choice["path"] == "as-written" and "autocast" in choice["reason"]
+    assert choice["path"] == "as-written" and choice["rule"] == SCRIPTS_AUTOCAST
     assert autograd_hook.current() is None  # the script's own GradScaler would otherwise scale twice
     assert rep["graphs"] == []
 
@@ -78,7 +79,7 @@ def test_users_exception_propagates_once_and_the_module_stays_compiled():
     assert (net.calls, int(net.bn.num_batches_tracked)) == (before[0] + 1, before[1] + 1)  # not run twice
     net(x).sum().backward()
     rep = automp.disable()
-    assert [c["path"] for c in rep["choices"]] == ["automp-compiled"]  # not demoted to FP32
+    assert [(c["path"], c["rule"]) for c in rep["choices"]] == [("automp-compiled", FORCED)]  # not demoted
     assert not [f for f in rep["fallbacks"] if f["where"] == "Fragile"]
 
 
@@ -91,7 +92,7 @@ def test_half_precision_model_keeps_its_dtypes_and_the_report_says_so(dtype):
     assert out.dtype == torch.float16
     rep = automp.disable()
     (choice,) = rep["choices"]
-    assert choice["path"] == "as-written" and "float16" in choice["reason"]
+    assert choice["path"] == "as-written" and choice["rule"] == HALF_MODEL
     assert rep["graphs"] == []  # no pass claimed anything about a model it did not touch
 
 
@@ -224,7 +225,7 @@ def test_graph_break_report_says_how_the_eager_part_ran(monkeypatch, path, how, 
     net(torch.randn(8, 16)).sum().backward()
     rep = automp.disable()
     assert net.seen == [under_autocast]
-    (fallback,) = [f for f in rep["fallbacks"] if f["where"] == "graph break"]
+    (fallback,) = [f for f in rep["fallbacks"] if f.get("rule") == GRAPH_BREAK]
     assert f"runs eagerly {how} between compiled graphs" in fallback["reason"]
 
 
@@ -240,10 +241,23 @@ def test_loss_scaling_is_taken_off_when_every_module_runs_fp32():
 
 
 def test_loss_scaling_stays_on_for_a_low_precision_path():
-    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    """The first module decided (fp16, compiled) must not switch scaling off: its backward runs scaled, by the
+    initial dynamic scale, and hands the script unscaled gradients."""
+    import copy
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(4, 16)
+    ref = copy.deepcopy(net)
+    ref(x).mean().backward()  # gradients of ~0.1: scaled by 2**16, they stay within fp16's range
     _compile(dtype="fp16")
-    net(torch.randn(4, 16)).sum().backward()
-    assert autograd_hook.current() is not None  # the first module decided must not switch scaling off
+    seen = []
+    net[2].weight.register_hook(lambda g: seen.append(g.detach().clone()))  # inside the backward: scaled units
+    net(x).mean().backward()
+    scaler = autograd_hook.current()
+    assert scaler is not None and scaler.enabled and scaler.steps == 1  # this backward went through the scaler
+    (inside,) = seen
+    assert torch.allclose(inside, 2.0 ** 16 * ref[2].weight.grad, rtol=1e-2)
+    assert torch.allclose(net[2].weight.grad, ref[2].weight.grad, rtol=1e-2, atol=1e-3)  # unscaled afterwards
+    assert automp.disable()["loss_scale"]["steps"] == 1
 
 
 def test_session_switches_default_adam_to_fused_reports_it_and_disable_removes_the_hook(monkeypatch):
@@ -359,7 +373,7 @@ def test_a_script_that_calls_forward_directly_is_told_why_nothing_changed(fresh_
     automp.enable(dtype="bf16")
     net.forward(torch.randn(2, 8)).sum().backward()  # bypasses nn.Module.__call__, and so automp
     rep = automp.disable()
-    assert rep["choices"] == [] and [f["where"] for f in rep["fallbacks"]] == ["modules"]
+    assert rep["choices"] == [] and [f["rule"] for f in rep["fallbacks"]] == [NO_ROOTS]
     assert "model.forward(x)" in rep["fallbacks"][0]["reason"]
     automp.enable(dtype="bf16", path="eager")
     net(torch.randn(2, 8)).sum().backward()
@@ -424,3 +438,39 @@ def test_a_lazy_module_runs_its_first_call_with_uninitialized_parameters(path, f
     if path == "eager":
         assert (out2 - ref).norm() / ref.norm() < 1e-2
     assert out2.dtype == torch.float32
+
+
+def test_the_report_and_the_line_count_the_calls_each_path_ran_in_a_run_that_kept_fp32(fresh_session):
+    """A run that ends on FP32 ran its trial's calls in bf16 too: the report counts the calls of each path, in the
+    trial and on the verdict, and the line says how many ran in which precision."""
+    from automp.launcher import summary
+    from automp.config import AutoMPConfig
+    from automp.runtime.decisions import Route
+    from automp.runtime.session import Session
+
+    cost = {Route.FP32: 0.010, Route.EAGER_LOW: 0.020}
+    now = [0.0]
+    config = AutoMPConfig(dtype="bf16", inner="eager")
+    session = Session(config, clock=lambda: now[0], candidates=candidates(cost))
+    session.install()
+    ran = []
+    try:
+        net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
+        for _ in range(30):
+            out = net(x)
+            root = session.roots[net]
+            path = root.path or root.trial.current
+            ran.append((root.path is None, path.value))
+            now[0] += cost[path]
+            out.sum().backward()
+    finally:
+        report = session.uninstall()
+    (choice,) = report["choices"]
+    assert choice["path"] == Route.FP32.value
+    trial = {p: sum(1 for t, q in ran if t and q == p) for p in {q for t, q in ran if t}}
+    chosen = sum(1 for t, _ in ran if not t)
+    assert choice["calls"] == {"trial": trial, "chosen": {"fp32-eager": chosen}}
+    low, fp32 = trial["low-precision-eager"], trial["fp32-eager"]
+    assert low > 0 and fp32 > 0 and chosen > 0
+    assert f"Sequential fp32-eager: kept FP32 as written (trial: {low} calls bf16, {fp32} FP32)" in summary(
+        report, config)

@@ -3,7 +3,7 @@ clock: the switch, the cache, a script that ends first, a GAN's two modules."""
 import torch
 import torch.nn as nn
 
-from automp.runtime.decisions import Route
+from automp.runtime.decisions import MEASURED, REMEASURED, Route
 from automp.runtime.trial import TrialConfig
 from automp.config import AutoMPConfig
 from automp.runtime.session import Session
@@ -51,7 +51,7 @@ def test_a_verdict_is_re_measured_in_steady_state_and_the_cache_keeps_the_confir
     ran, settled_at, report = run(120)
     (choice,) = report["choices"]
     assert choice["path"] == Route.EAGER_LOW.value and choice["confirmed"] and not choice["cached"]
-    assert "re-measured in steady state" in choice["reason"] and "automp-compiled" in choice["reason"]
+    assert choice["rule"] == REMEASURED
     first_eager = ran.index(Route.COMPILED) + ran[ran.index(Route.COMPILED):].index(Route.EAGER_LOW)
     assert ran[-1] is Route.EAGER_LOW and settled_at is not None and settled_at > first_eager
     ran2, settled2, report2 = run(5)  # the cached verdict is the confirmed one: no trial, no re-measurement
@@ -72,8 +72,8 @@ def test_a_script_that_ends_before_the_re_measurement_keeps_the_trials_verdict(m
     finally:
         report = session.uninstall()
     (choice,) = report["choices"]
-    assert choice["path"] == Route.EAGER_LOW.value and not choice["confirmed"]
-    assert choice["reason"].endswith("not re-measured in steady state: the script ended first")
+    assert choice["path"] == Route.EAGER_LOW.value and not choice["confirmed"] and choice["rule"] == MEASURED
+    assert choice["confirm_unfinished"]  # its re-measurement was due: the script ended first
 
 
 def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fresh_session, tmp_path):
@@ -108,7 +108,7 @@ def test_a_generator_and_discriminator_are_re_measured_together(monkeypatch, fre
     iterations, report = run(120)
     assert {Route.FP32} in iterations and {Route.EAGER_LOW} in iterations
     assert [c["path"] for c in report["choices"]] == [Route.FP32.value] * 2
-    assert all(c["confirmed"] and "re-measured in steady state" in c["reason"] for c in report["choices"])
+    assert all(c["confirmed"] and c["rule"] == REMEASURED for c in report["choices"])
     # a run that ends after its trial but before the re-measurement caches unconfirmed verdicts ...
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "second"))
     _, report = run(25)

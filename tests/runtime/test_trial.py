@@ -3,7 +3,8 @@ module is picked, and the re-measurement in steady state (the verdict cache: tes
 import pytest
 import torch
 
-from automp.runtime.decisions import RECORD_LAST, Route, Verdict
+from automp.runtime.decisions import (ANCHOR_KEPT, AS_WRITTEN, CONFIRMED, FORCED, MEASURED, ONLY_LEFT,
+                                      RECORD_LAST, REMEASURED, Route, Verdict)
 from automp.runtime.trial import Trial, TrialConfig, candidate_paths
 
 
@@ -169,7 +170,7 @@ def test_a_compiled_contender_must_beat_the_hand_written_path_by_more_than_the_n
     cost = {contender: 0.100, Route.COMPILED_AUTOCAST: 0.100 * (1 + lead), Route.EAGER_LOW: 0.2}
     trial, _ = run_until_verdict(cost)
     assert trial.verdict.path is (Route.COMPILED_AUTOCAST if kept else contender)
-    assert ("hand-written loop's own path is kept" in trial.verdict.reason) == kept
+    assert trial.verdict.rule == (ANCHOR_KEPT if kept else MEASURED)
     assert trial.verdict.timings_ms[contender.value] == pytest.approx(100.0)  # the measured timings, unchanged
 
 
@@ -178,13 +179,27 @@ def test_cuda_graphs_are_a_candidate_on_cuda_only():
     assert Route.GRAPHED not in candidate_paths("cpu", 10.0, "bf16")[0]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_gemm_rate_in_the_reason_says_which_way_it_goes(device):
+    """The calibrated gain is low precision's GEMM rate over FP32's: above 1 its GEMMs are faster, below 1 slower.
+    "measured 10.8x FP32" read either way; the words say the direction."""
+    paths, why = candidate_paths(device, 0.25, "bfloat16")  # a quarter of FP32's rate: 4x slower
+    assert paths == [Route.FP32]
+    assert "bfloat16 GEMMs took 4.0x as long as FP32" in why and "GEMMs ran" not in why and "0.25x" not in why
+    paths, why = candidate_paths(device, 10.8, "bfloat16")
+    assert Route.EAGER_LOW in paths
+    assert "bfloat16 GEMMs ran 10.8x as fast as FP32" in why and "took" not in why
+    assert "ran 1.1x as fast as FP32" in candidate_paths(device, 1.1, "bfloat16")[1]  # faster, but not enough
+    assert "not measured" in candidate_paths(device, 0.0, "bfloat16")[1]
+
+
 @pytest.mark.parametrize("lead, chosen", [(0.02, Route.FP32), (0.10, Route.EAGER_LOW)])
 def test_another_path_must_beat_the_script_as_written_by_more_than_the_noise(lead, chosen):
     # a 2% lead on a shared CPU became 0.92x of FP32 in steady state (automp demo): the script as written is kept
     cost = {Route.FP32: 0.100 * (1 + lead), Route.EAGER_LOW: 0.100}
     trial, _ = run_until_verdict(cost)
     assert trial.verdict.path is chosen
-    assert ("the script runs as written" in trial.verdict.reason) == (chosen is Route.FP32)
+    assert trial.verdict.rule == (AS_WRITTEN if chosen is Route.FP32 else MEASURED)
 
 
 def test_the_anchor_rule_and_the_fp32_rule_compose():
@@ -199,17 +214,18 @@ def test_a_verdict_is_re_measured_only_against_eager_paths_that_came_close():
     timings = {Route.COMPILED.value: 100.0, Route.EAGER_LOW.value: 120.0, Route.FP32.value: 140.0,
                Route.COMPILED_AUTOCAST.value: 101.0}
     config = TrialConfig()  # confirm_within 25%: low precision eager is re-measured, FP32 (40% slower) is not
-    trial = confirmation(Verdict(Route.COMPILED, "trial", timings), config, lambda: 0.0, lambda: None)
+    measured = Verdict(Route.COMPILED, "trial", timings, rule=MEASURED)
+    trial = confirmation(measured, config, lambda: 0.0, lambda: None)
     assert trial.candidates == [Route.COMPILED, Route.EAGER_LOW] and trial.incumbent is Route.COMPILED
     assert trial.current is Route.COMPILED  # the verdict's path runs on first, untimed, for confirm_after iterations
     wide = TrialConfig(confirm_within=0.5)
-    assert confirmation(Verdict(Route.COMPILED, "", timings), wide, lambda: 0.0, lambda: None).candidates == [
+    assert confirmation(measured, wide, lambda: 0.0, lambda: None).candidates == [
         Route.COMPILED, Route.FP32, Route.EAGER_LOW]
-    for verdict, cfg in [(Verdict(Route.FP32, "", timings), config),  # the script as written: nothing to guard
-                         (Verdict(Route.COMPILED, "", timings, confirmed=True), config),  # done once already
-                         (Verdict(Route.COMPILED, "forced", {}), config),  # never timed
-                         (Verdict(Route.COMPILED, "", timings), TrialConfig(confirm_after=0)),  # switched off
-                         (Verdict(Route.COMPILED, "", timings), TrialConfig(confirm_within=0.1))]:  # none close
+    for verdict, cfg in [(Verdict(Route.FP32, "", timings, rule=MEASURED), config),  # as written: nothing to guard
+                         (Verdict(Route.COMPILED, "", timings, rule=MEASURED, confirmed=True), config),  # done once
+                         (Verdict(Route.COMPILED, "forced", {}, rule=FORCED), config),  # never timed
+                         (measured, TrialConfig(confirm_after=0)),  # switched off
+                         (measured, TrialConfig(confirm_within=0.1))]:  # none close
         assert confirmation(verdict, cfg, lambda: 0.0, lambda: None) is None
 
 
@@ -233,10 +249,10 @@ def test_the_confirmation_replaces_a_verdict_the_cold_start_misled():
     first, again, ran = run_confirmation(
         {Route.COMPILED: 0.113, Route.EAGER_LOW: 0.130, Route.FP32: 0.131, Route.COMPILED_AUTOCAST: 0.140},
         {Route.COMPILED: 0.115, Route.EAGER_LOW: 0.098, Route.FP32: 0.107, Route.COMPILED_AUTOCAST: 0.115}, config)
-    assert first.path is Route.COMPILED and not first.confirmed
+    assert first.path is Route.COMPILED and not first.confirmed and first.rule == MEASURED
     assert ran[:config.confirm_after] == [Route.COMPILED] * config.confirm_after  # steady state before timing
     assert again.verdict.path is Route.EAGER_LOW and again.verdict.confirmed
-    assert "re-measured in steady state" in again.verdict.reason
+    assert again.verdict.rule == REMEASURED
     assert again.verdict.timings_ms[Route.EAGER_LOW.value] == pytest.approx(98.0)
 
 
@@ -246,13 +262,13 @@ def test_the_confirmation_keeps_its_incumbent_within_the_noise(lead, chosen):
     _, again, _ = run_confirmation({Route.COMPILED: 0.100, Route.EAGER_LOW: 0.110, Route.FP32: 0.2,
                                     Route.COMPILED_AUTOCAST: 0.2}, steady, TrialConfig())
     assert again.verdict.path is chosen and again.verdict.confirmed
-    assert ("so automp-compiled is kept" in again.verdict.reason) == (chosen is Route.COMPILED)
+    assert again.verdict.rule == (CONFIRMED if chosen is Route.COMPILED else REMEASURED)
 
 
 def test_the_confirmation_gives_the_script_back_when_its_lead_over_fp32_is_noise():
     steady = {Route.EAGER_LOW: 0.100, Route.FP32: 0.102}
     _, again, _ = run_confirmation({Route.EAGER_LOW: 0.100, Route.FP32: 0.120}, steady, TrialConfig())
-    assert again.verdict.path is Route.FP32 and "the script runs as written" in again.verdict.reason
+    assert again.verdict.path is Route.FP32 and again.verdict.rule == AS_WRITTEN
 
 
 def test_a_trial_goes_on_without_the_paths_it_excludes():
@@ -273,6 +289,11 @@ def test_a_trial_goes_on_without_the_paths_it_excludes():
     assert trial.verdict.timings_ms[Route.EAGER_LOW.value] == pytest.approx(20.0)  # no interval spans the switch
     with pytest.raises(ValueError, match="all of its candidates"):
         Trial([Route.COMPILED], TrialConfig(), clock, lambda: None).exclude({Route.COMPILED}, "x")
+    alone = Trial([Route.EAGER_LOW, Route.COMPILED], TrialConfig(), clock, lambda: None)
+    while alone.current is not Route.COMPILED:  # low precision eager warmed up, nothing timed yet
+        clock.run(alone)
+    alone.exclude({Route.COMPILED}, "test: no compile")  # one candidate left, never timed
+    assert alone.verdict.path is Route.EAGER_LOW and alone.verdict.rule == ONLY_LEFT
 
 
 def test_evaluation_calls_inside_a_training_loop_are_not_iterations():

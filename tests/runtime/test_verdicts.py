@@ -3,13 +3,13 @@ import json
 
 import torch.nn as nn
 
-from automp.runtime.decisions import Route, Verdict
+from automp.runtime.decisions import AS_WRITTEN, CACHED_LEGACY, MEASURED, Route, Verdict
 from automp.runtime.verdicts import VerdictCache, module_key
 
 
 def test_verdict_cache_round_trip_and_corrupt_file(tmp_path):
     cache = VerdictCache(tmp_path)
-    v = Verdict(Route.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0})
+    v = Verdict(Route.EAGER_LOW, "measured", {"low-precision-eager": 1.0, "fp32-eager": 2.0}, rule=MEASURED)
     cache.put({"k": v})
     got = cache.get("k")
     assert got.path is Route.EAGER_LOW and got.cached and got.timings_ms == v.timings_ms
@@ -21,6 +21,17 @@ def test_verdict_cache_round_trip_and_corrupt_file(tmp_path):
     assert stored["k2"]["path"] == stored["k3"]["path"] == "low-precision-eager"
     cache.path.write_text(json.dumps({"k": {"path": "warp-drive"}}))
     assert cache.get("k") is None
+
+
+def test_the_cache_keeps_each_verdicts_rule_and_loads_entries_written_before_rules(tmp_path):
+    cache = VerdictCache(tmp_path)
+    cache.put({"k": Verdict(Route.FP32, "within the noise", {"fp32-eager": 1.0, "low-precision-eager": 0.99},
+                            rule=AS_WRITTEN)})
+    assert cache.get("k").rule == AS_WRITTEN and json.loads(cache.path.read_text())["k"]["rule"] == AS_WRITTEN
+    old = {k: v for k, v in json.loads(cache.path.read_text())["k"].items() if k != "rule"}  # an older automp's
+    cache.path.write_text(json.dumps({"old": old}))
+    got = cache.get("old")
+    assert got.path is Route.FP32 and got.rule == CACHED_LEGACY and got.cached
 
 
 def test_module_key_depends_on_shapes_not_values():
@@ -35,8 +46,8 @@ def test_module_key_depends_on_shapes_not_values():
 
 def test_verdict_cache_keeps_whether_a_verdict_was_confirmed(tmp_path):
     cache = VerdictCache(tmp_path)
-    cache.put({"a": Verdict(Route.COMPILED, "r", {"automp-compiled": 1.0}, confirmed=True),
-               "b": Verdict(Route.COMPILED, "r", {"automp-compiled": 1.0})})
+    cache.put({"a": Verdict(Route.COMPILED, "r", {"automp-compiled": 1.0}, rule=MEASURED, confirmed=True),
+               "b": Verdict(Route.COMPILED, "r", {"automp-compiled": 1.0}, rule=MEASURED)})
     assert cache.get("a").confirmed and not cache.get("b").confirmed
 
 
@@ -45,7 +56,7 @@ def _put_many(directory, prefix, n, start):
     start.wait()
     cache = VerdictCache(directory)
     for i in range(n):
-        cache.put({f"{prefix}{i}": Verdict(Route.FP32, "r", {"fp32-eager": float(i)})})
+        cache.put({f"{prefix}{i}": Verdict(Route.FP32, "r", {"fp32-eager": float(i)}, rule=MEASURED)})
 
 
 def test_concurrent_writers_keep_every_verdict(tmp_path):

@@ -29,6 +29,7 @@ import automp
 from automp.models.cnn import CNN, CNNConfig
 from automp.models.data import MarkovCorpus, PatternImages
 from automp.models.gpt import GPT, GPTConfig
+from automp.runtime.report import calls_in_words
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -62,8 +63,11 @@ def describe(choice: dict[str, Any] | None, dtype: str) -> tuple[str, bool]:
     step time differs from FP32's by more than noise: only where it ran a low-precision or compiled path."""
     path = choice.get("path") if choice else None
     if path == "fp32-eager":
-        if len(choice.get("timings_ms") or {}) > 1:  # a trial measured the other paths
-            return "automp: kept FP32 as written — no low-precision path measured faster here", False
+        # its trial's calls ran the other paths: the final loss may differ from FP32's by what they changed
+        trial = calls_in_words(((choice.get("calls") or {}).get("trial")), dtype)
+        if trial or len(choice.get("timings_ms") or {}) > 1:  # a trial measured the other paths
+            return ("automp: kept FP32 as written — no low-precision path measured faster here"
+                    + (f" (trial: {trial})" if trial else "")), False
         return f"automp: FP32 as written — {choice.get('reason', '')}", False
     if path == "as-written":
         return f"automp: runs as written in FP32 — {choice.get('reason', '')}", False

@@ -26,9 +26,9 @@ class Route(enum.Enum):
 
 # Candidates a trial warms up only after its first round has dropped the clear losers. CUDA graphs record a memory
 # pool that stays for the rest of the trial; recorded before that round, the pool sits beside FP32 eager's
-# activations, the largest of any path and the path most often dropped in that round. On an H100 ResNet-50's trial
-# reserved 18.2 GiB that way, against 6.7 GiB in steady state; recorded last, its whole-run peak (11.3 GiB) is below
-# the FP32 script's 12.5 (BENCHMARKS.md, "Large models").
+# activations, the largest of any path and the path most often dropped in that round, and the trial's peak memory
+# then exceeds both the steady state's and the FP32 script's. Recorded last, it stays below the FP32 script's
+# (BENCHMARKS.md, "Large models").
 RECORD_LAST = frozenset({Route.GRAPHED, Route.FP8_GRAPHED})
 EAGER_PATHS = (Route.FP32, Route.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
 GRAPHED_PATHS = frozenset({Route.GRAPHED, Route.FP8_GRAPHED})  # replayed as CUDA graphs
@@ -41,11 +41,48 @@ BF16_TWIN = {Route.FP8_COMPILED: Route.COMPILED_AUTOCAST, Route.FP8_GRAPHED: Rou
 WITHOUT_GRAPHS = {Route.GRAPHED: Route.COMPILED_AUTOCAST, Route.FP8_GRAPHED: Route.FP8_COMPILED}
 
 
+# Why a verdict's path was chosen (Verdict.rule): what reports, the verdict cache and tests key on; the reason beside
+# it is for people. Each is set where its verdicts are built.
+MEASURED = "measured-fastest"  # a trial's fastest path, ahead of the others by more than the margins (trial.Trial)
+ONLY_LEFT = "only-candidate-left"  # every other candidate was taken out of the trial before it was timed
+ANCHOR_KEPT = "anchor-kept"  # automp-compiled or autocast-graphed led autocast-compiled by noise only: the anchor kept
+AS_WRITTEN = "as-written-kept"  # the winner led the script as written (FP32 eager, a setting's own value) by noise only
+TWIN_KEPT = "bf16-twin-kept"  # an FP8 path led its bf16 twin by noise only: the step stays bf16
+CONFIRMED = "confirmed"  # re-measured in steady state (trial.confirmation): the verdict's path stood
+REMEASURED = "remeasured-faster"  # re-measured in steady state: an eager path beat the verdict's path
+ONLY_CANDIDATE = "only-candidate"  # the device offers one path (low precision does not pay there, or no calibration)
+FORCED = "forced"  # AutoMPConfig.path forced it: nothing was timed
+INPUT_GRADS = "input-grads-eager"  # forced onto a compiled path, but the script takes its input's gradient
+DOUBLE_BACKWARD = "double-backward-eager"  # an earlier run crashed differentiating a compiled backward: eager only
+RECOMPILES = "left-on-recompiles"  # its compiled path recompiled more than it saved (guards.recompile_watch)
+GRAPHS_OFF = "left-cuda-graphs"  # off CUDA graphs after its verdict: new input shapes, or a second module
+FP8_LEFT = "left-fp8-diverged"  # the loss diverged on FP8: its bf16 twin from then on (fp8_layers)
+RANK0 = "rank0-verdict"  # rank 0's verdict, which every rank of a lockstep module runs (ranks.agreed)
+ENDED = "ended-early"  # a setting decided without (the rest of) its trial (tuning.conv_tuning)
+SCRIPTS_SETTING = "script-setting"  # a setting left as the script set it (tuning.conv_tuning.left_alone)
+SHAPES_CHURN = "too-many-shapes"  # cuDNN's benchmark mode back off: too many input shapes (tuning.conv_tuning)
+CACHED_LEGACY = "cached-legacy"  # a cached verdict written before verdicts carried a rule
+UNSETTLED = "trial-unfinished"  # a report's choice only: the script ended before the trial did
+# Why a module runs as written (a report's choice whose path is "as-written")
+SCRIPTS_AUTOCAST = "script-autocast"  # the script runs it under its own torch.autocast (and maybe a GradScaler)
+HALF_MODEL = "half-model"  # its parameters are already half precision
+COMPILE_FAILED = "compile-failed"  # automp's compilation failed before any of the script's code ran
+# Why a report's fallback entry (Recorder.add_fallback) is there, where the runtime records one
+NO_ROOTS = "no-roots"  # no module with parameters was called as model(x)
+SCALING_PAUSED = "scaling-paused"  # loss scaling off: every module runs FP32
+FUNCTORCH = "functorch-transform"  # calls inside torch.func transforms: torch.compile cannot trace them from eager code
+GRAPH_BREAK = "graph-break"  # Dynamo broke a graph (guards.graph_breaks)
+RNN_FUSED = "rnn-fused"  # the break automp makes at an RNN, by design (guards.rnn)
+FP8_OFF = "fp8-off"  # FP8 not used for a module (no FP8 on its device, no GEMM times, none chosen)
+FP8_SKIPPED = "fp8-skipped-steps"  # optimizer steps the FP8 loss watch skipped
+
+
 @dataclass
 class Verdict:
     path: Route  # or another enum for trials of something else than a path (automp.runtime.tuning.conv_tuning.Flag)
     reason: str
     timings_ms: dict[str, float]
+    rule: str = field(kw_only=True)  # why this path (MEASURED, FORCED, ...): what reports and tests key on
     cached: bool = False
     # output fields detached when it ran (automp.runtime.guards.unread_outputs): cached, not reported
     detach: tuple[str, ...] = ()
@@ -58,18 +95,16 @@ class Verdict:
     bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path.value, "reason": self.reason, "timings_ms": self.timings_ms, "cached": self.cached,
-                "confirmed": self.confirmed, **({"bounds": self.bounds} if self.bounds else {})}
-
-
+        return {"path": self.path.value, "rule": self.rule, "reason": self.reason, "timings_ms": self.timings_ms,
+                "cached": self.cached, "confirmed": self.confirmed, **({"bounds": self.bounds} if self.bounds else {})}
 
 
 # The route each value of AutoMPConfig.path forces; None: "auto", a trial decides.
-FORCED = {"auto": None, "compile": Route.COMPILED, "eager": Route.EAGER_LOW, "fp32": Route.FP32,
-          "autocast-compile": Route.COMPILED_AUTOCAST, "autocast-graphs": Route.GRAPHED,
-          "fp8-compile": Route.FP8_COMPILED, "fp8-graphs": Route.FP8_GRAPHED}
+FORCED_ROUTES = {"auto": None, "compile": Route.COMPILED, "eager": Route.EAGER_LOW, "fp32": Route.FP32,
+                 "autocast-compile": Route.COMPILED_AUTOCAST, "autocast-graphs": Route.GRAPHED,
+                 "fp8-compile": Route.FP8_COMPILED, "fp8-graphs": Route.FP8_GRAPHED}
 
 
 def forced(config: Any) -> Route | None:
     """The route `config` forces, or None where a trial decides."""
-    return FORCED[config.path]
+    return FORCED_ROUTES[config.path]

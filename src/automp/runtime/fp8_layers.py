@@ -5,7 +5,7 @@ The choice needs the real shapes, so it is made at a root's first call, before i
 in bf16 without gradients (automp.precision.fp8.choice.probe) gives each layer's GEMM shape and FP8 error, the
 device's timing table (automp.precision.fp8.table, measured once per device and cached) predicts each layer's gain,
 and the chosen layers are made FP8-capable. They run FP8 only on the FP8 paths, which the trial then times against
-their bf16 twins (automp.runtime.trial.BF16_TWIN): a prediction that does not hold on the whole step loses there.
+their bf16 twins (automp.runtime.decisions.BF16_TWIN): a prediction that does not hold on the whole step loses there.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import torch.nn as nn
 from automp.config import AutoMPConfig
 from automp.precision import fp8
 from automp.precision.fp8.guard import Divergence, LossWatch
-from automp.runtime.report import Recorder
+from automp.runtime.report import Recorder, notices_from_warnings
 from automp.runtime.ranks import from_rank0
-from automp.runtime.decisions import BF16_TWIN, FP8_PATHS, Verdict
+from automp.runtime.decisions import BF16_TWIN, FP8_LEFT, FP8_OFF, FP8_PATHS, FP8_SKIPPED, Verdict
 
 
 
@@ -61,16 +61,17 @@ class Fp8Layers:
         different graphs around the same collectives, and their verdict keys would differ."""
         why = self.check(device)
         if why is not None:
-            self.recorder.add_fallback(label, f"FP8 not used: {why}; runs bf16")
+            self.recorder.add_fallback(label, f"FP8 not used: {why}; runs bf16", FP8_OFF)
             return ()
         config = self.config
-        conversion = fp8.convert(module, run, device=device, recipe=config.fp8_recipe,
-                                 low=config.low_dtype(device), cache_dir=config.cache_dir, table_loader=self.table,
-                                 keep=config.fp8_keep, output_fp8=config.fp8_output,
-                                 all_gather=config.fp8_all_gather, agree=from_rank0 if shared else None)
+        with notices_from_warnings():  # the FP8 timing table's doubts and cache trouble: one line each
+            conversion = fp8.convert(module, run, device=device, recipe=config.fp8_recipe,
+                                     low=config.low_dtype(device), cache_dir=config.cache_dir, table_loader=self.table,
+                                     keep=config.fp8_keep, output_fp8=config.fp8_output,
+                                     all_gather=config.fp8_all_gather, agree=from_rank0 if shared else None)
         if conversion.table_error is not None:
             self.recorder.add_fallback(label, f"FP8 GEMM times could not be measured ({conversion.table_error}): "
-                                              "runs bf16")
+                                              "runs bf16", FP8_OFF)
         self.conversions.append(conversion)
         if conversion.all_gather is not None:
             self.gathers[label] = conversion.all_gather
@@ -114,16 +115,17 @@ class Fp8Layers:
             verdict = Verdict(BF16_TWIN[root.path], f"left FP8 at backward {divergence.step}: {divergence.rule} "
                                                     f"(loss {divergence.loss:.4g}, recent median {divergence.median});"
                                                     f" bf16 from the next step",
-                              dict(root.verdict.timings_ms) if root.verdict else {})
+                              dict(root.verdict.timings_ms) if root.verdict else {}, rule=FP8_LEFT)
             move(root, verdict)
-            self.recorder.add_fallback(root.label, verdict.reason)
+            self.recorder.add_fallback(root.label, verdict.reason, FP8_LEFT)
 
     def uninstall(self) -> None:
         if self.watch is not None:
             self.watch.flush()
             skipped = self.watch.skipped_steps
             if skipped:
-                self.recorder.add_fallback("fp8", f"{skipped} optimizer step(s) skipped: their loss was not finite")
+                self.recorder.add_fallback("fp8", f"{skipped} optimizer step(s) skipped: their loss was not finite",
+                                           FP8_SKIPPED)
             self._unwatch()
             self.watch = self._unwatch = None
         for conversion in self.conversions:

@@ -19,9 +19,10 @@ from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool
 from automp.runtime.guards import input_grads
 from automp.runtime.fp32_bound import Fp32Floor
-from automp.runtime.report import Recorder
-from automp.runtime.decisions import (COMPILED_PATHS, GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Route, Verdict,
-                                      forced)
+from automp.runtime.report import Recorder, notices_from_warnings
+from automp.runtime.decisions import (COMPILED_PATHS, GRAPHED_PATHS, GRAPHS_OFF, INPUT_GRADS, ONLY_CANDIDATE,
+                                      RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, UNSETTLED, WITHOUT_GRAPHS, Route,
+                                      Verdict, forced)
 from automp.runtime.trial import Trial, TrialConfig, candidate_paths, confirmation
 from automp.runtime.ranks import agreed, distributed, for_ranks
 from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
@@ -92,7 +93,7 @@ class RootPaths:
         if len(candidates) > 1:  # a new trial may run fp16: scaling paused for FP32 is needed again
             self.scaling.resume()
         if len(candidates) == 1:
-            verdict = Verdict(candidates[0], why, {})
+            verdict = Verdict(candidates[0], why, {}, rule=ONLY_CANDIDATE)
             self.decide(root, verdict)
             self.cache.put({root.key: verdict})
             return
@@ -181,10 +182,10 @@ class RootPaths:
     def graphs_for_one_module(self) -> None:
         """CUDA graphs only while automp runs a single module. Cudagraph trees start a new generation of their
         memory at a compiled call after a backward: a GAN's discriminator backward, then its call on the generator's
-        output, freed the generator's saved activations before the generator's backward (an H100 run of the zoo's
-        DCGAN crashed on "accessing tensor output of CUDAGraphs that has been overwritten"; BENCHMARKS.md, "CUDA
-        graphs"). So a second module that automp runs takes CUDA graphs out of every trial, and a module already on
-        them moves to the same graphs without them (a forced path stays)."""
+        output, freed the generator's saved activations before the generator's backward (the zoo's DCGAN crashed on
+        "accessing tensor output of CUDAGraphs that has been overwritten"; BENCHMARKS.md, "CUDA graphs"). So a second
+        module that automp runs takes CUDA graphs out of every trial, and a module already on them moves to the same
+        graphs without them (a forced path stays)."""
         roots = [r for r in self.roots.values() if r.aside is None]
         if len(roots) < 2:
             return
@@ -213,7 +214,7 @@ class RootPaths:
         why = why or (f"{Route.GRAPHED.value} recompiled after its verdict (new input shapes): CUDA graphs would be "
                       f"recorded again for every shape, so it runs without them")
         self.move(root, Verdict(WITHOUT_GRAPHS.get(root.path, Route.COMPILED_AUTOCAST), f"{why} ({old.reason})",
-                                dict(old.timings_ms), bounds=dict(old.bounds)))
+                                dict(old.timings_ms), rule=GRAPHS_OFF, bounds=dict(old.bounds)))
 
     def move(self, root: Root, verdict: Verdict) -> None:
         """Off its path after the verdict, for good: `verdict` from now on, no re-measurement, and in the cache."""
@@ -240,12 +241,14 @@ class RootPaths:
             timings = {p.value: 1e3 * min(s) for p, s in trial.samples.items() if s}
             bounds = {"bounds": dict(trial.bounds)} if trial.bounds else {}
             for label in labels:
-                self.recorder.add_choice(label, {"path": "unsettled", "timings_ms": timings, "cached": False, **bounds},
+                self.recorder.add_choice(label, {"path": "unsettled", "rule": UNSETTLED, "timings_ms": timings,
+                                                 "cached": False, **bounds},
                                          f"trial unfinished: the script ended (or the module was freed) before its "
                                          f"candidates were measured; it ran {trial.current.value} last")
         for root in self.roots.values():  # the script ended before the verdict was re-measured: it stands as is
             if root.confirm is not None and root.verdict is not None:
-                self.recorder.add_choice(root.label, root.verdict.as_dict(), f"{root.verdict.reason}; not "
+                self.recorder.add_choice(root.label, {**root.verdict.as_dict(), "confirm_unfinished": True},
+                                         f"{root.verdict.reason}; not "
                                          f"re-measured in steady state: the script ended first")
 
     def _floor(self, root: Root, candidates: list[Route]) -> Fp32Floor | None:
@@ -263,7 +266,8 @@ class RootPaths:
         A module that appears later and needs a trial brings it back (Session._new_root)."""
         if not self.scaling.on or any(r.aside is None and r.path is not Route.FP32 for r in self.roots.values()):
             return  # some module runs (or may run, mid-trial) in low precision
-        self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect")
+        self.recorder.add_fallback("loss scaling", "off: every module runs FP32, no fp16 gradients to protect",
+                                   SCALING_PAUSED)
         self.scaling.pause()
 
     def step_aside(self, root: Root, why: str, rule: str) -> None:
@@ -283,7 +287,7 @@ class RootPaths:
         eager paths if a compiled one had won (or straight to low precision eager where the configuration forced
         one)."""
         root.eager_only = True
-        self.recorder.add_fallback(root.label, input_grads.REASON)
+        self.recorder.add_fallback(root.label, input_grads.REASON, INPUT_GRADS)
         if root.path is None:
             root.trial.exclude(COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
             if root.trial.verdict is not None:
@@ -293,7 +297,8 @@ class RootPaths:
             return
         root.confirm = None
         if forced(self.config) is not None:
-            self.decide(root, Verdict(Route.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {}))
+            self.decide(root, Verdict(Route.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {},
+                                      rule=INPUT_GRADS))
             return
         eager = [Route.EAGER_LOW, Route.FP32]
         root.trial = Trial(eager, for_ranks(self.trial_config), self.clock, sync_for(root.device),
@@ -316,7 +321,8 @@ class CalibratedCandidates:
         from automp.precision import calibrate
         try:
             if device not in self.calibrations:  # once per session and device, not per module
-                self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
+                with notices_from_warnings():
+                    self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
             gain = calibrate.low_precision_gain(self.calibrations[device], low)
         except (RuntimeError, ValueError) as e:
             return [Route.FP32], f"could not measure this device ({e}): kept FP32"
@@ -335,12 +341,6 @@ class CalibratedCandidates:
         cal = self.calibrations.get(device)
         rates = cal.gemm_tflops.get("float32") if cal is not None and not cal.doubts else None
         return max(rates.values()) if device.type == "cuda" and rates else None
-
-
-# Why a module runs as written (a report's choice "rule" where its "path" is "as-written").
-SCRIPTS_AUTOCAST = "script-autocast"  # the script runs it under its own torch.autocast (and maybe a GradScaler)
-HALF_MODEL = "half-model"  # its parameters are already half precision
-COMPILE_FAILED = "compile-failed"  # automp's compilation failed before any of the script's code ran
 
 
 def as_written(rule: str) -> dict[str, Any]:

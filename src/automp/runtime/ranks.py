@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from automp.runtime.decisions import Route, Verdict
+from automp.runtime.decisions import RANK0, Route, Verdict
 from automp.runtime.trial import TrialConfig
 
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own (DDP,
@@ -88,5 +88,5 @@ def agreed(verdict: Verdict) -> Verdict:
     path, timings = from_rank0((verdict.path.value, verdict.timings_ms))
     if path == verdict.path.value:
         return replace(verdict, timings_ms=timings)
-    return replace(verdict, path=Route(path), timings_ms=timings,
+    return replace(verdict, path=Route(path), timings_ms=timings, rule=RANK0,
                    reason=f"rank 0's verdict (all ranks run one path); this rank measured: {verdict.reason}")

@@ -4,11 +4,14 @@ A tool that silently changes numerics is not trusted; one that says, node by nod
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -20,6 +23,50 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+_NOTICED: set[str] = set()  # the notices this process has written
+
+
+def notice(message: str) -> None:
+    """Tell the user something, in one line on stderr, `automp: ...`, once per process for each message: what a
+    Python warning would say, without its file, line and source line, which point into automp, not the script."""
+    line = " ".join(message.split())
+    line = line if line.startswith("automp") else f"automp: {line}"
+    if line not in _NOTICED:
+        _NOTICED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def notices_from_warnings() -> Iterator[None]:
+    """Around the runtime's calls into automp's libraries (calibration, FP8 timing tables), which warn as libraries
+    do: their `automp: ...` warnings become notices; any other warning goes on as it was raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        if str(w.message).startswith("automp:"):
+            notice(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def precision_of(path: str, low: str) -> str:
+    """The precision a call on `path` (a Route's value, or "as-written") computed in; `low`: the run's low dtype as
+    the caller names it ("bf16", "bfloat16")."""
+    return {"fp32-eager": "FP32", "as-written": "as written"}.get(path, "FP8" if path.startswith("fp8-") else low)
+
+
+def calls_in_words(calls: dict[str, int] | None, low: str) -> str:
+    """A phase's calls (a choice's "calls" entry) by precision, low precision first: "12 calls bf16, 6 FP32"; ""
+    when there were none."""
+    by: dict[str, int] = {}
+    for path, n in (calls or {}).items():
+        by[precision_of(path, low)] = by.get(precision_of(path, low), 0) + n
+    order = [low, "FP8", "FP32", "as written"]
+    items = sorted(by.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+    return ", ".join(f"{n} calls {p}" if i == 0 else f"{n} {p}" for i, (p, n) in enumerate(items))
 
 
 @dataclass
@@ -44,6 +91,9 @@ class Recorder:
     # (automp.runtime.fp8_layers); fp8_fallback: the loss divergence that took the run back to bf16, if one did
     fp8: dict[str, dict[str, Any]] = field(default_factory=dict)
     fp8_fallback: dict[str, Any] | None = None
+    # per root module: its calls by phase ("trial": while its paths were timed, the re-measurement included;
+    # "chosen": on its verdict) and by the path each call really ran (count_call); reported in its choice
+    calls: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -67,16 +117,26 @@ class Recorder:
         entry = dict(verdict) if verdict else {"path": "as-written", "timings_ms": {}, "cached": False}
         self.choices.append({"module": module, **entry, "reason": why})
 
+    def count_call(self, module: str, phase: str, path: str) -> None:
+        """One call of a root module, in `phase` ("trial" or "chosen"), that ran `path` (a Route's value, or
+        "as-written")."""
+        counts = self.calls.setdefault(module, {}).setdefault(phase, {})
+        counts[path] = counts.get(path, 0) + 1
+
     def add_setting(self, entry: dict[str, Any]) -> None:
         """A later entry for the same setting replaces the earlier one."""
         self.settings = [e for e in self.settings if e["setting"] != entry["setting"]] + [entry]
 
-    def add_fallback(self, where: str, why: str) -> None:
-        self.fallbacks.append({"where": where, "reason": why})
+    def add_fallback(self, where: str, why: str, rule: str | None = None) -> None:
+        """`rule`: what tools key on (automp.runtime.decisions names the runtime's); the precision pass's own
+        fallbacks (a graph that failed to compile) carry none."""
+        self.fallbacks.append({"where": where, "reason": why, **({"rule": rule} if rule else {})})
 
     def as_dict(self) -> dict[str, Any]:
+        choices = [{**c, "calls": {phase: dict(n) for phase, n in self.calls[c["module"]].items()}}
+                   if c["module"] in self.calls else c for c in self.choices]
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
-                "fallbacks": self.fallbacks, "choices": self.choices, "compiles": self.compiles,
+                "fallbacks": self.fallbacks, "choices": choices, "compiles": self.compiles,
                 "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings,
                 "fp8": self.fp8, "fp8_fallback": self.fp8_fallback}
 
@@ -122,6 +182,11 @@ def check_report(report: Any) -> None:
         _require(isinstance(report.get(key, {}), dict), f"{key} is not an object")
     _check_entries(report.get("fallbacks", []), "fallbacks", ("where", "reason"))
     _check_entries(report.get("choices", []), "choices", ("module", "path", "reason"), strings=("module",))
+    for i, c in enumerate(report.get("choices", [])):
+        calls = c.get("calls", {})
+        _require(isinstance(calls, dict) and all(
+            isinstance(n, dict) and all(isinstance(p, str) and isinstance(k, int) for p, k in n.items())
+            for n in calls.values()), f"choices[{i}].calls is not an object of call counts by phase and path")
     _check_entries(report.get("optimizers", []), "optimizers", ("optimizer", "change"))
     _check_entries(report.get("settings", []), "settings", ("setting", "value", "reason"))
     unread = report.get("unread_outputs", {})
@@ -183,8 +248,10 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
     for c in report.get("choices", []):
         graphs = f", {e(compiles[c['module']])} graph(s) compiled" if c["module"] in compiles else ""
         cached = " (verdict from cache)" if c.get("cached") else ""
-        console.print(f"[cyan]{e(c['module'])}[/cyan] runs [bold]{e(c['path'])}[/bold]{cached}{graphs}: "
-                      f"{e(c['reason'])}")
+        calls = "; ".join(f"{phase}: {calls_in_words(n, str(report['dtype']))}"
+                          for phase, n in (c.get("calls") or {}).items() if n)
+        console.print(f"[cyan]{e(c['module'])}[/cyan] runs [bold]{e(c['path'])}[/bold]{cached}{graphs}"
+                      + (f" ({e(calls)})" if calls else "") + f": {e(c['reason'])}")
     for o in report.get("optimizers", []):
         console.print(f"[cyan]{e(o['optimizer'])}[/cyan]: {e(o['change'])}")
     for s in report.get("settings", []):

@@ -34,11 +34,11 @@ from automp.runtime.fp8_layers import Fp8Layers
 from automp.runtime.guards.graph_breaks import graph_breaks, report_graph_breaks
 from automp.runtime.guards.once_logging import ignore_once_logging
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
-from automp.runtime.paths import (BUILT, COMPILE_FAILED, HALF_MODEL, SCRIPTS_AUTOCAST, CalibratedCandidates,
-                                  Candidates, Root, RootPaths, as_written, built)
+from automp.runtime.paths import BUILT, CalibratedCandidates, Candidates, Root, RootPaths, as_written, built
 from automp.runtime.report import Recorder, dtype_name
-from automp.runtime.decisions import (BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS, GRAPHED_PATHS, WITHOUT_GRAPHS,
-                                      Route, Verdict, forced)
+from automp.runtime.decisions import (BF16_TWIN, COMPILE_FAILED, COMPILED_PATHS, DOUBLE_BACKWARD, EAGER_PATHS,
+                                      FORCED, FP8_OFF, FP8_PATHS, FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, NO_ROOTS,
+                                      SCRIPTS_AUTOCAST, WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.trial import TrialConfig
 from automp.runtime.ranks import distributed, lockstep, rank0_start
 from automp.runtime.tuning.allocator import ExpandableSegments
@@ -85,6 +85,7 @@ class Session:
         self.tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
         self._undo: list[Callable[[], None]] = []
         self._scaling_undo = self._logging_undo = False
+        self._in_transform: set[str] = set()  # roots whose calls ran inside a torch.func transform (_ran)
 
     # -- install / uninstall --------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -159,7 +160,7 @@ class Session:
         report_graph_breaks(self.recorder, self.roots.values(), self.breaks_before)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
         if not self.labels and not any(f["where"] == "modules" for f in self.recorder.fallbacks):
-            self.recorder.add_fallback("modules", _NO_ROOTS)
+            self.recorder.add_fallback("modules", _NO_ROOTS, NO_ROOTS)
         self.paths.report_unsettled()
 
     def compile(self, model: nn.Module, config: AutoMPConfig) -> nn.Module:
@@ -251,11 +252,15 @@ class Session:
             self.paths.give_up_compiled(root, root.watch)
         return out
 
-    def _run(self, module: nn.Module, root: Root, path: Route, args: tuple, kwargs: dict) -> Any:
+    def _run(self, module: nn.Module, root: Root, path: Route, args: tuple, kwargs: dict, count: bool = True) -> Any:
+        """One call of a root on `path`, counted in the report by the path it really ran (`count`: a call of the
+        script's, not automp's own re-run or probe)."""
         # saved and restored, not reset: a re-run (automp.runtime.guards.unread_outputs) may start inside another root's call
         state = call_state.local
         outer = getattr(state, "depth", 0), getattr(state, "path", None), getattr(state, "low", None)
         state.depth, state.path, state.low = 1, path, root.low
+        ran = "as-written" if root.aside is not None else self._ran(root, path).value
+        phase = "trial" if root.aside is None and (root.path is None or root.confirm is not None) else "chosen"
         try:
             if path is Route.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
@@ -271,16 +276,37 @@ class Session:
             try:
                 with traceable_attention():
                     out = compiled(*args, **kwargs)
-                return self._deliver(root, out, lambda: self._run(module, root, path, args, kwargs))
+                return self._deliver(root, out, lambda: self._run(module, root, path, args, kwargs, count=False))
             except torch._dynamo.exc.TorchDynamoException as e:
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
                 # own error and propagates once, untouched.
                 self.paths.step_aside(root, f"compilation failed, runs as written in FP32: {type(e).__name__}: "
                                             f"{(str(e).strip().splitlines() or [''])[0][:200]}", COMPILE_FAILED)
+                ran = "as-written"
         finally:
             state.depth, state.path, state.low = outer
+            if count:
+                if ran == path.value and path in COMPILED_PATHS and root.graphs == 0:  # Dynamo ran it as written
+                    ran = _eager_twin(path).value
+                self.recorder.count_call(root.label, phase, ran)
         return ORIG_CALL(module, *args, **kwargs)
+
+    def _ran(self, root: Root, path: Route) -> Route:
+        """The path a call on `path` really runs. Inside a torch.func transform (grad, vmap, jacrev), torch.compile
+        cannot trace a call made from eager code (Dynamo runs the frame as written, pytorch/pytorch#128711): a
+        compiled path runs eagerly there, in FP32 for automp's own pass, under the autocast region around the call
+        for the stock ones. The report says so once per module."""
+        if path not in COMPILED_PATHS or torch._C._functorch.peek_interpreter_stack() is None:
+            return path
+        ran = _eager_twin(path)
+        if root.label not in self._in_transform:
+            self._in_transform.add(root.label)
+            self.recorder.add_fallback(root.label, f"called inside a torch.func transform (grad, vmap, ...): "
+                                                   f"torch.compile cannot trace a call made from eager code inside one "
+                                                   f"(pytorch/pytorch#128711), so {path.value} ran no graph for it "
+                                                   f"and the call ran {ran.value}", FUNCTORCH)
+        return ran
 
     def _deliver(self, root: Root, out: Any, rerun: Callable[[], Any] | None) -> Any:
         """What the script gets: its FP32 dtypes (automp.runtime.outputs) and, for a ModelOutput, a watch over which
@@ -313,7 +339,7 @@ class Session:
         # autocast: automp steps aside there (call), and the probe would run the script's own (maybe compiled) model
         if self.fp8 is not None and not torch.is_autocast_enabled(device.type):
             root.fp8_layers = self.fp8.prepare(module, root.label, device,
-                                               lambda: self._run(module, root, Route.FP32, args, kwargs),
+                                               lambda: self._run(module, root, Route.FP32, args, kwargs, count=False),
                                                shared=root.lockstep)
             extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
         root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}", extra=extra)
@@ -321,17 +347,18 @@ class Session:
         if route in FP8_PATHS and not root.fp8_layers:
             route = BF16_TWIN[route]
             self.recorder.add_fallback(root.label, f"path {self.config.path!r} forced, but no linear layer was chosen "
-                                                   f"for FP8: runs {route.value}")
+                                                   f"for FP8: runs {route.value}", FP8_OFF)
         if route is not None:
-            self.paths.decide(root, Verdict(route, f"path forced by configuration (path={self.config.path!r})", {}))
+            self.paths.decide(root, Verdict(route, f"path forced by configuration (path={self.config.path!r})", {},
+                                            rule=FORCED))
             return root
         cached = self.cache.get(root.key)
         if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without
             root.eager_only, cached = True, None       # them (automp.runtime.guards.input_grads)
-            self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED)
+            self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED, DOUBLE_BACKWARD)
         if cached is not None:
             candidates, why = [], ""
-        elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (trial.BF16_TWIN)
+        elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (decisions.BF16_TWIN)
             candidates = [Route.GRAPHED, Route.FP8_GRAPHED]
             why = (f"{len(root.fp8_layers)} linear layer(s) predicted faster in FP8 ({self.config.fp8_recipe}); "
                    f"the whole step timed in FP8 and in bf16")
@@ -363,7 +390,8 @@ class Session:
         if not input_grads.is_double_backward(error):
             return self.allocator.hint(error)
         compiled = [r for r in self.roots.values() if r.compiled is not None or r.stock is not None]
-        self.cache.put({r.key: Verdict(Route.EAGER_LOW, input_grads.REASON_CRASHED, {}, eager_only=True)
+        self.cache.put({r.key: Verdict(Route.EAGER_LOW, input_grads.REASON_CRASHED, {}, rule=DOUBLE_BACKWARD,
+                                       eager_only=True)
                         for r in compiled if r.key})
         return input_grads.HINT.format(modules=", ".join(r.label for r in compiled) or "its modules")
 
@@ -387,6 +415,12 @@ class Session:
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
         return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
                                                                 label=root.label, debug=self.config.debug))
+
+
+def _eager_twin(path: Route) -> Route:
+    """What a call on a compiled path runs where Dynamo runs it as written: FP32 for automp's own pass, low precision
+    eager for the stock paths, whose autocast region is around the compiled call."""
+    return Route.FP32 if path is Route.COMPILED else Route.EAGER_LOW
 
 
 def open_session(config: AutoMPConfig, recorder: Recorder) -> Session:

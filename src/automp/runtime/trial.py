@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from automp.runtime.decisions import (AUTOCAST_PATHS, BF16_TWIN, COMPILED_PATHS, EAGER_PATHS, FP8_PATHS,
-                                      GRAPHED_PATHS, RECORD_LAST, WITHOUT_GRAPHS, Route, Verdict)
+from automp.runtime.decisions import (ANCHOR_KEPT, AS_WRITTEN, BF16_TWIN, COMPILED_PATHS, CONFIRMED, EAGER_PATHS,
+                                      MEASURED, ONLY_LEFT, REMEASURED, TWIN_KEPT, Route, Verdict)
 from automp.runtime.fp32_bound import RULED_OUT, Fp32Floor
 
 
@@ -29,24 +29,24 @@ class TrialConfig:
     rounds of timed samples (one per candidate per round, each `block` iterations); give_up: after the second and later
     rounds, a candidate whose fastest sample is this much slower than the best median is dropped — a clear loser needs
     no more evidence, and every trial iteration of a slow path is time the user loses. give_up_first: the same after the
-    first round, where each candidate has one sample and one sample can be a one-off: on an H100 the first timed
-    iteration of a compiled path measured 1.4-1.8x its later ones in some runs (BERT-base: 51-69 ms against 31-34),
-    which dropped the path that would have won. Where CUDA graphs are recorded after this round (RECORD_LAST), an eager
-    path's first sample is judged by give_up: it compiles nothing, so its first timed iteration is like its later ones,
-    and a clear eager loser kept into the second round ran beside the graph pool recorded then: T5-small's trial
-    reserved 7.1 GiB on an H100, against 4.7 GiB for the FP32 script itself. Without graphs to come (a CPU) the first
-    round keeps its wider margin: one sample on a shared host can be a one-off for any path. anchor_margin:
-    autocast-compiled is what a user hand-writes (stock Inductor under torch.autocast), so keeping it can never leave
-    the script slower than that; automp's own graph pass replaces it only when it measured faster by more than the
-    margin. Two identical loops measured 3-6% apart on an H100 (BENCHMARKS.md, "Noise between identical loops"),
-    and trials chose automp-compiled on leads of 0.2% that an interleaved run then showed 3% slower (ResNet-50).
-    fp32_margin: the same for the script as written (FP32 eager): any other path changes the script's numerics, so it
-    must lead by more than the noise to be kept; `automp demo` on a 2-core CPU chose low precision for its GPT on a 2%
-    trial lead and then ran at 0.92x of FP32. confirm_after: a verdict for a path other than FP32 eager is re-measured
-    once, after this many iterations on it, against the eager paths that came within confirm_within of it (see
-    `confirmation`); 0: never. churn: a compiled path's recompiling training calls after its verdict before it may go
-    back to the eager path it beat, if compiling cost more than it saved (automp.runtime.guards.recompile_watch); 0: never.
-    give_up also rules FP32 eager out before it runs, by a lower bound of its step (automp.runtime.fp32_bound)."""
+    first round, where each candidate has one sample and one sample can be a one-off: the first timed iteration of a
+    compiled path can still carry compile-time work and measure well above its later ones, which dropped the path that
+    would have won. Where CUDA graphs are recorded after this round (RECORD_LAST), an eager path's first sample is
+    judged by give_up: it compiles nothing, so its first timed iteration is like its later ones, and a clear eager
+    loser kept into the second round ran beside the graph pool recorded then, lifting the trial's peak memory above
+    the FP32 script's own. Without graphs to come (a CPU) the first round keeps its wider margin: one sample on a shared
+    host can be a one-off for any path. anchor_margin: autocast-compiled is what a user hand-writes (stock Inductor
+    under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph pass replaces
+    it only when it measured faster by more than the margin. Two identical loops differ by a few percent from run to
+    run (BENCHMARKS.md, "Noise between identical loops"), and trials that chose automp-compiled on a lead far inside
+    that noise were then slower in an interleaved run. fp32_margin: the same for the script as written (FP32 eager):
+    any other path changes the script's numerics, so it must lead by more than the noise to be kept; on a small shared
+    CPU, low precision chosen on a lead inside the noise then ran slower than FP32. confirm_after: a verdict for a
+    path other than FP32 eager is re-measured once, after this many iterations on it, against the eager paths that
+    came within confirm_within of it (see `confirmation`); 0: never. churn: a compiled path's recompiling training
+    calls after its verdict before it may go back to the eager path it beat, if compiling cost more than it saved
+    (automp.runtime.guards.recompile_watch); 0: never. give_up also rules FP32 eager out before it runs, by a lower
+    bound of its step (automp.runtime.fp32_bound)."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
@@ -77,9 +77,8 @@ class Trial:
 
     A sample is `block` iterations run back to back, with the device synchronized only at its two ends: the script
     after the trial overlaps one iteration's host work with the previous one's kernels, and a sample of one
-    synchronized iteration does not. On an H100 (scripts/trial_timing.py) one synchronized iteration measured
-    automp-compiled 11-12% slower than its unsynchronized steps on the LSTM and the detector, and the eager paths
-    from 7% slower to 5% faster: an error of the size of the margins the trial decides by. Two iterations halve it.
+    synchronized iteration does not: timed one synchronized iteration at a time, a path can measure slower or faster
+    than its unsynchronized steps by as much as the margins the trial decides by. Two iterations halve that error.
 
     `floor` (automp.runtime.fp32_bound): low precision eager warms up before FP32 eager, its GEMMs counted in its first
     iteration, and FP32 eager is dropped before it ever runs where that count bounds it above give_up x its second."""
@@ -274,27 +273,30 @@ class Trial:
         why = f"{self.note}; " if self.note else ""
         tie = ""
         inc = self.incumbent
+        rule = MEASURED if inc is None else CONFIRMED if winner is inc else REMEASURED
         if inc is not None and winner not in (inc, Route.FP32) and self._within(inc, winner, timings,
                                                                              self.config.anchor_margin):
             tie = (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {inc.value} (this "
                    f"measurement's noise), so {inc.value} is kept")
-            winner = inc
+            winner, rule = inc, CONFIRMED
         twin = BF16_TWIN.get(winner)
         if twin is not None and self._within(twin, winner, timings, self.config.anchor_margin):
             tie += (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% of {twin.value} (this "
                     f"measurement's noise), so the step stays bf16")
-            winner = twin
+            winner, rule = twin, TWIN_KEPT
         if winner in (Route.COMPILED, Route.GRAPHED) and self._within(Route.COMPILED_AUTOCAST, winner, timings,
                                                                     self.config.anchor_margin):
             tie += (f"; {winner.value} was within {100 * self.config.anchor_margin:g}% (this measurement's "
                     f"noise), so the hand-written loop's own path is kept")
-            winner = Route.COMPILED_AUTOCAST
+            winner, rule = Route.COMPILED_AUTOCAST, ANCHOR_KEPT
         if winner is not Route.FP32 and self._within(Route.FP32, winner, timings, self.config.fp32_margin):
             tie += (f"; {winner.value} was within {100 * self.config.fp32_margin:g}% of {Route.FP32.value} (this "
                     f"measurement's noise), so the script runs as written")
-            winner = Route.FP32
+            winner, rule = Route.FP32, AS_WRITTEN
+        if not parts:
+            rule = ONLY_LEFT
         measured = f"measured per iteration: {parts}" if parts else "the only candidate left, nothing timed"
-        self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings,
+        self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings, rule=rule,
                                confirmed=inc is not None, bounds=dict(self.bounds))
 
     def _within(self, kept: Route, winner: Route, timings: dict[str, float], margin: float) -> bool:
@@ -310,23 +312,35 @@ MIN_GAIN = 1.2
 def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Route], str]:
     """Which paths can win on a device whose `dtype` GEMMs run `gain` times FP32's rate, and why. A device where low
     precision is not clearly faster gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
-    compiled graphs can save, so only the eager paths are timed."""
+    compiled graphs can save, so only the eager paths are timed. The GEMM rate alone does not decide: a step is more
+    than its GEMMs (casts, launches, the rest of the model), so the trial times whole steps and may still keep FP32."""
+    rate = gemm_speed(dtype, gain, {"cpu": "CPU", "cuda": "GPU"}.get(device_type, device_type))
     if gain < MIN_GAIN:
-        return [Route.FP32], (f"{dtype} GEMMs measured {gain:.2f}x FP32's rate on this {device_type}: low precision "
-                             f"does not pay here, kept FP32")
+        return [Route.FP32], (f"{rate}: low precision does not pay here (it needs GEMMs at least {MIN_GAIN}x as "
+                              f"fast), kept FP32")
     if device_type != "cuda":
-        return [Route.FP32, Route.EAGER_LOW], (f"{dtype} GEMMs measured {gain:.1f}x FP32 on this CPU; compiled graphs "
-                                             f"not tried on a CPU (compile time)")
+        return [Route.FP32, Route.EAGER_LOW], (f"{rate}; whole steps timed as written and in low precision eager "
+                                             f"(GEMMs are only part of a step); compiled graphs not tried on a CPU "
+                                             f"(compile time)")
     every = [Route.EAGER_LOW, Route.COMPILED, Route.COMPILED_AUTOCAST, Route.GRAPHED, Route.FP32]
-    return every, f"{dtype} GEMMs measured {gain:.1f}x FP32"
+    return every, rate
+
+
+def gemm_speed(dtype: str, gain: float, where: str) -> str:
+    """`gain` (low precision's GEMM rate over FP32's) in words that say which way it goes."""
+    if gain <= 0:
+        return f"{dtype} GEMMs were not measured on this {where}"
+    if gain >= 1:
+        return f"{dtype} GEMMs ran {gain:.1f}x as fast as FP32 on this {where}"
+    return f"{dtype} GEMMs took {1 / gain:.1f}x as long as FP32 on this {where}"
 
 
 def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], float], sync: Callable[[], None],
                  after: Trial | None = None) -> Trial | None:
     """A second, shorter trial that re-measures a verdict once the script runs in steady state, or None when there
     is nothing to re-measure. The trial times every path in the script's first iterations, where allocator, cuDNN
-    and data-loader warm-up land on whichever path runs then: on an H100 its Faster R-CNN trial put both eager paths
-    at 130 ms and kept automp's compiled graphs at 113 ms, while the same eager loops ran 98-107 ms afterwards. So
+    and data-loader warm-up land on whichever path runs then: a detector's trial measured both eager paths slower than
+    automp's compiled graphs, while the same eager loops ran faster than those graphs afterwards. So
     the winner runs `confirm_after` iterations, then is timed again against the eager paths (FP32 as written, low
     precision eager) that the trial measured within `confirm_within` of it: they need no compilation, so
     re-measuring costs a few iterations. The same margins apply, and another low-precision path must beat the

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from automp.files import atomic_output
 from automp.runtime.ranks import writer
-from automp.runtime.decisions import Route, Verdict
+from automp.runtime.decisions import CACHED_LEGACY, Route, Verdict
 
 try:
     import fcntl
@@ -58,6 +58,7 @@ class VerdictCache:
         entry = self._load().get(key)
         try:
             return Verdict(kind(entry["path"]), entry["reason"], dict(entry["timings_ms"]), cached=True,
+                           rule=str(entry.get("rule", CACHED_LEGACY)),
                            detach=tuple(str(n) for n in entry.get("detach", ())),
                            confirmed=bool(entry.get("confirmed", False)), eager_only=bool(entry.get("eager_only")))
         except (TypeError, KeyError, ValueError):

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import automp
 from automp.config import AutoMPConfig
-from automp.runtime.decisions import Route
+from automp.runtime.decisions import DOUBLE_BACKWARD, INPUT_GRADS, Route
 from automp.runtime.trial import TrialConfig
 from automp.runtime.guards.input_grads import asks_input_grad
 
@@ -66,7 +66,7 @@ def test_a_gradient_penalty_takes_the_critic_off_the_compiled_paths(monkeypatch,
     rep = automp.disable()
     assert {c["path"] for c in rep["choices"]} <= {Route.EAGER_LOW.value, Route.FP32.value}
     assert all("automp-compiled" not in c["timings_ms"] for c in rep["choices"])
-    assert any("requiring grad" in f["reason"] for f in rep["fallbacks"])
+    assert any(f.get("rule") == INPUT_GRADS for f in rep["fallbacks"])
 
 
 @pytest.mark.parametrize("penalty_from", [0, 12])
@@ -117,7 +117,7 @@ def test_a_double_backward_crash_is_explained_and_the_next_run_stays_eager(tmp_p
     (choice,) = rep["choices"]
     assert choice["path"] in (Route.EAGER_LOW.value, Route.FP32.value)
     assert Route.COMPILED.value not in choice["timings_ms"]
-    assert any("earlier run" in f["reason"] for f in rep["fallbacks"])
+    assert any(f.get("rule") == DOUBLE_BACKWARD for f in rep["fallbacks"])
 
 
 def test_other_errors_of_the_script_get_no_hint(fresh_session):

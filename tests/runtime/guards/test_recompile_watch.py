@@ -4,7 +4,7 @@ costs seconds."""
 import torch
 import torch.nn as nn
 
-from automp.runtime.decisions import Route, Verdict
+from automp.runtime.decisions import FORCED, MEASURED, RECOMPILES, Route, Verdict
 from automp.runtime.trial import TrialConfig
 from automp.config import AutoMPConfig
 from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
@@ -16,17 +16,19 @@ TIMINGS = {"automp-compiled": 20.0, "low-precision-eager": 25.0, "fp32-eager": 3
 
 
 def test_the_watch_falls_back_to_the_fastest_eager_path_the_verdict_measured():
-    watch = watch_for(Verdict(Route.COMPILED, "trial", dict(TIMINGS)), churn=3)
+    watch = watch_for(Verdict(Route.COMPILED, "trial", dict(TIMINGS), rule=MEASURED), churn=3)
     assert watch.fallback is Route.EAGER_LOW and watch.lead_ms == 5.0
-    stock = watch_for(Verdict(Route.COMPILED_AUTOCAST, "trial", {"autocast-compiled": 20.0, "fp32-eager": 26.0}), 3)
+    stock = watch_for(Verdict(Route.COMPILED_AUTOCAST, "trial", {"autocast-compiled": 20.0, "fp32-eager": 26.0},
+                              rule=MEASURED), 3)
     assert stock.fallback is Route.FP32 and stock.lead_ms == 6.0
 
 
 def test_nothing_is_watched_without_a_compiled_path_an_eager_timing_or_a_churn():
-    assert watch_for(Verdict(Route.EAGER_LOW, "trial", dict(TIMINGS)), 3) is None
-    assert watch_for(Verdict(Route.COMPILED, "forced by configuration", {}), 3) is None
-    assert watch_for(Verdict(Route.COMPILED, "trial", {"automp-compiled": 20.0, "autocast-compiled": 21.0}), 3) is None
-    assert watch_for(Verdict(Route.COMPILED, "trial", dict(TIMINGS)), 0) is None
+    assert watch_for(Verdict(Route.EAGER_LOW, "trial", dict(TIMINGS), rule=MEASURED), 3) is None
+    assert watch_for(Verdict(Route.COMPILED, "forced by configuration", {}, rule=FORCED), 3) is None
+    assert watch_for(Verdict(Route.COMPILED, "trial", {"automp-compiled": 20.0, "autocast-compiled": 21.0},
+                             rule=MEASURED), 3) is None
+    assert watch_for(Verdict(Route.COMPILED, "trial", dict(TIMINGS), rule=MEASURED), 0) is None
 
 
 def test_the_path_is_given_up_at_the_churn_th_late_recompile_that_cost_more_than_it_saved():
@@ -104,7 +106,7 @@ def test_a_compiled_path_that_keeps_recompiling_goes_eager_and_the_next_run_star
     assert QUIET < gave_up - first <= QUIET + 3  # at the third recompile after the quiet calls
     (choice,) = report["choices"]
     assert choice["path"] == Route.EAGER_LOW.value
-    assert "automp-compiled recompiled 3 times between training calls 10 and" in choice["reason"] and "depend on the data" in choice["reason"]
+    assert choice["rule"] == RECOMPILES
     torch._dynamo.reset()
     ran2, report2, _ = _train(monkeypatch, churn=None, per_graph_s=5.0, calls=5)
     assert set(ran2) == {Route.EAGER_LOW} and report2["choices"][0]["cached"]  # no trial, no compile
@@ -132,7 +134,7 @@ def test_a_ddp_modules_path_is_not_watched_every_rank_must_run_the_same_one(fres
     from automp.runtime.paths import Root
 
     session = Session(AutoMPConfig(dtype="bf16", inner="eager", spec="h100"))
-    verdict = Verdict(Route.COMPILED, "trial", dict(TIMINGS))
+    verdict = Verdict(Route.COMPILED, "trial", dict(TIMINGS), rule=MEASURED)
     alone = Root("Net", torch.device("cpu"), torch.bfloat16)
     ranked = Root("DistributedDataParallel", torch.device("cpu"), torch.bfloat16, lockstep=True)
     for root in (alone, ranked):

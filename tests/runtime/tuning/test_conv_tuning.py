@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from automp.runtime.decisions import AS_WRITTEN, MEASURED, SCRIPTS_SETTING, SHAPES_CHURN
 from automp.runtime.tuning import allocator, conv_tuning
 from automp.runtime.trial import TrialConfig
 from automp.config import AutoMPConfig
@@ -55,8 +56,7 @@ def test_the_flag_is_kept_on_only_when_it_leads_by_more_than_the_margin(tmp_path
     assert entry["setting"] == SETTING and entry["value"] is kept and not entry["cached"]
     assert entry["timings_ms"]["cudnn-benchmark"] == pytest.approx(1e3 * on_ms)
     assert entry["timings_ms"]["cudnn-heuristics"] == pytest.approx(1e3)
-    if on_ms == 0.99:
-        assert "within 3%" in entry["reason"]
+    assert entry["rule"] == (AS_WRITTEN if on_ms == 0.99 else MEASURED)  # 0.99: a lead within the noise
 
 
 def test_a_second_run_starts_on_the_cached_outcome(tmp_path, cudnn_flags):
@@ -90,7 +90,8 @@ def test_a_script_that_chose_its_own_cudnn_settings_is_left_alone(tmp_path, cudn
     setattr(torch.backends.cudnn, flag, True)  # the script's first lines, after `automp run` enabled automp
     flags = _drive(tuning, _conv(), {True: 0.5, False: 1.0}, now, 5)
     assert flags == [flag == "benchmark"] * 5 and tuning.idle and not tuning.pending([(_conv(), DEV)])
-    assert why in reports[0]["reason"] and reports[0]["value"] is (flag == "benchmark")
+    assert reports[0]["rule"] == SCRIPTS_SETTING and reports[0]["value"] is (flag == "benchmark")
+    assert why in reports[0]["reason"]  # which of the script's settings, in words
     tuning.restore()
     assert getattr(torch.backends.cudnn, flag) is True
 
@@ -114,7 +115,7 @@ def test_changing_input_shapes_turn_the_flag_back_off(tmp_path, cudnn_flags):
     assert torch.backends.cudnn.benchmark
     _drive(tuning, net, {True: 0.5, False: 1.0}, now, 1, shape=(2, 3, 99, 99))
     assert not torch.backends.cudnn.benchmark and tuning.idle
-    assert "more than 8 input shapes" in reports[-1]["reason"] and reports[-1]["value"] is False
+    assert reports[-1]["rule"] == SHAPES_CHURN and reports[-1]["value"] is False
 
 
 def tuned(report):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from automp.runtime.decisions import AUTOCAST_PATHS, COMPILED_PATHS, Route
+from automp.runtime.decisions import AUTOCAST_PATHS, COMPILED_PATHS, GRAPH_BREAK, RNN_FUSED, Route
 from automp.runtime.report import Recorder
 
 _RNN_BREAK = ("_rnn_call", "allow_rnn", "RNN, GRU, or LSTM")
@@ -34,6 +34,8 @@ def report_graph_breaks(rec: Recorder, roots: Iterable[Any], before: dict[str, i
         if new <= 0 or any(fb["reason"].startswith(short) for fb in rec.fallbacks):
             continue
         if any(k in reason for k in _RNN_BREAK):
-            rec.add_fallback("rnn", f"{short} (x{new}): by design, the RNN runs as one fused op in low precision")
+            rec.add_fallback("rnn", f"{short} (x{new}): by design, the RNN runs as one fused op in low precision",
+                             RNN_FUSED)
         else:
-            rec.add_fallback("graph break", f"{short} (x{new}): runs eagerly {how} between compiled graphs")
+            rec.add_fallback("graph break", f"{short} (x{new}): runs eagerly {how} between compiled graphs",
+                             GRAPH_BREAK)

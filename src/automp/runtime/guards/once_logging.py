@@ -2,10 +2,9 @@
 
 transformers models call `logger.warning_once(...)` inside forward (GPT-2's loss, for one). Dynamo cannot trace a
 Logger method, so each such call is a graph break: the forward becomes several graphs, the loss is compiled apart
-from the model and Inductor cannot fuse across the seam. Measured on an H100 (BENCHMARKS.md, "Log-once calls"): automp's
-compiled GPT-2 124M step went from 34.2 ms with the break to 27.0 ms without it (the hand-written anchor, 34.5 and
-32.8 ms in the same runs, gains nothing from the same switch: 31.9 vs 31.6 ms), at the price of 0.73 GiB more peak
-memory, still under half of the FP32 script's. That price is torch's pytorch/pytorch#131794: with the loss in the
+from the model and Inductor cannot fuse across the seam. Without the break automp's compiled GPT-2 step is clearly
+faster (the hand-written anchor gains nothing from the same switch; BENCHMARKS.md, "Log-once calls"), at the price of
+more peak memory, still well under the FP32 script's. That price is torch's pytorch/pytorch#131794: with the loss in the
 same graph, the logits become an output nobody differentiates, and AOTAutograd (through torch 2.13) hands the
 backward a materialized zero gradient of their size (checked on a CPU: the single graph's backward takes a [B, T,
 vocab] tangent, the split graphs' do not). A once-only message has been printed by the eager calls that precede

@@ -1,10 +1,9 @@
 """Never slower after the trial, too: a compiled path that keeps recompiling goes back to the eager path it beat.
 
-A trial times a few iterations. A model whose graphs depend on its data recompiles later, as training moves it: on
-an H100 the zoo's Faster R-CNN (proposals, sampling and NMS) ran automp's compiled graphs at 72 ms per iteration in
-its trial, then recompiled at iterations 33, 38, 40, 41 and 44, 1 to 15 s each (scripts/detector_steps.py): 1.5 s per
-iteration on average, against 93 ms for the hand-written eager loop. Dynamo's recompile limit ends that only after
-minutes, and then runs those frames uncompiled.
+A trial times a few iterations. A model whose graphs depend on its data recompiles later, as training moves it: the
+zoo's Faster R-CNN (proposals, sampling and NMS) won its trial on automp's compiled graphs, then recompiled again and
+again, seconds each time, until its iterations took many times as long on average as the hand-written eager loop's.
+Dynamo's recompile limit ends that only after minutes, and then runs those frames uncompiled.
 
 So each root on a compiled path keeps a balance once its verdict is in: the time its training calls spent compiling
 again (the wall time of a call that compiled a graph; the backward's lazy compile is not counted, so the balance errs
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from automp.runtime.decisions import COMPILED_PATHS, EAGER_PATHS, Route, Verdict
+from automp.runtime.decisions import COMPILED_PATHS, EAGER_PATHS, RECOMPILES, Route, Verdict
 
 
 @dataclass
@@ -52,7 +51,7 @@ class CompileWatch:
                f"{self.calls} after the trial, {self.spent_s:.1f} s of compiling against {self.saved_s():.2f} s its "
                f"measured lead of {self.lead_ms:.2f} ms per iteration saved: its graphs depend on the data, so it "
                f"runs {self.fallback.value} (the trial had measured {_listed(old.timings_ms)})")
-        return Verdict(self.fallback, why, dict(old.timings_ms))
+        return Verdict(self.fallback, why, dict(old.timings_ms), rule=RECOMPILES)
 
 
 def watch_for(verdict: Verdict, churn: int) -> CompileWatch | None:

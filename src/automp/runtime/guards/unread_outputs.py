@@ -3,8 +3,8 @@
 Why: a transformers model called with labels returns its loss and its logits, and a training loop reads the loss.
 With the loss computed inside the compiled graph, the logits are an output that requires grad but never receives one,
 and AOTAutograd (pytorch/pytorch#131794, open through torch 2.13) hands the compiled backward a materialized zero
-gradient of their size: for GPT-2 124M at B8 x T1024, 8x1024x50257 bf16 = 0.77 GiB at the step's peak. A field
-detached inside the compiled function is an output without a gradient, so the backward takes none for it.
+gradient of their size: batch x sequence x vocabulary, the largest tensor of a language model's step, at its peak. A
+field detached inside the compiled function is an output without a gradient, so the backward takes none for it.
 
 Which fields: the tensors that required grad in the module's outputs and were not read by the script
 (automp.runtime.outputs sees every read of a ModelOutput field: attribute, key, to_tuple, values, ...) in the calls

@@ -1,15 +1,14 @@
 """cuDNN's benchmark mode, switched on only where it measured faster.
 
 Without `torch.backends.cudnn.benchmark`, cuDNN picks each convolution's algorithm from heuristics; with it, cuDNN
-times the algorithms at a shape's first call and keeps the fastest. On an H100 (scripts/cudnn_benchmark.py;
-BENCHMARKS.md, "cuDNN benchmark mode") the flag made ResNet-50 under autocast + torch.compile 7.7% faster and
-ConvNeXt-T 3%, left a DCGAN and the eager loops unchanged, and made EfficientNet-B0 10% slower: it times each
-algorithm alone, not among the kernels around it. So it is a measured choice, like the path: once every root module
-has its path, a script whose roots hold convolutions on a CUDA device runs a short trial of the flag off and on
-(runtime.trial.Trial's timing: whole iterations, alternating rounds), and keeps it on only when that leads by more
-than the anchor margin. The flag is process-wide and read when a convolution runs, forward and backward, so the
-timed iteration sees it throughout. The outcome is cached with the verdicts, so a second run of the script starts on
-it.
+times the algorithms at a shape's first call and keeps the fastest. The flag makes some compiled convolutional
+networks faster, leaves others and the eager loops unchanged, and makes some slower (BENCHMARKS.md, "cuDNN benchmark
+mode"): it times each algorithm alone, not among the kernels around it. So it is a measured choice, like the path:
+once every root module has its path, a script whose roots hold convolutions on a CUDA device runs a short trial of
+the flag off and on (runtime.trial.Trial's timing: whole iterations, alternating rounds), and keeps it on only when
+that leads by more than the anchor margin. The flag is process-wide and read when a convolution runs, forward and
+backward, so the timed iteration sees it throughout. The outcome is cached with the verdicts, so a second run of the
+script starts on it.
 
 Left alone: a script that turned the flag on itself, one that asked for deterministic algorithms (benchmark picks
 by timing, which is not reproducible), and one that disabled cuDNN. With the flag on, every new input shape is
@@ -28,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from automp.runtime.decisions import Verdict
+from automp.runtime.decisions import AS_WRITTEN, ENDED, MEASURED, SCRIPTS_SETTING, SHAPES_CHURN, Verdict
 from automp.runtime.trial import Trial, TrialConfig
 from automp.runtime.verdicts import VerdictCache
 
@@ -50,10 +49,11 @@ class SettingTrial(Trial):
         default = next(iter(type(winner)))
         ours = timings.get(default.value)
         margin = self.config.anchor_margin
+        rule = MEASURED
         if winner is not default and ours is not None and ours <= (1 + margin) * timings[winner.value]:
-            winner = default
+            winner, rule = default, AS_WRITTEN
             parts += f"; within {100 * margin:g}% (this measurement's noise), so {default.value} is kept"
-        self.verdict = Verdict(winner, f"measured per iteration: {parts}", timings)
+        self.verdict = Verdict(winner, f"measured per iteration: {parts}", timings, rule=rule)
 
 
 def left_alone() -> str | None:
@@ -160,7 +160,7 @@ class SettingTuning:
         why = self.left_alone()
         if why is not None:
             self.done = True
-            self.report({"setting": self.SETTING, "value": self.scripts_value(),
+            self.report({"setting": self.SETTING, "value": self.scripts_value(), "rule": SCRIPTS_SETTING,
                          "reason": f"left as the script set it: {why}"})
             return
         self.begin()
@@ -170,8 +170,8 @@ class SettingTuning:
             self._apply(cached, cached=True)
             return
         # the other value's first iteration does the setting's one-off work; longer samples than a path trial's:
-        # nothing to compile, and on an H100 two trials of ResNet-50's cuDNN flag with two-iteration samples found
-        # it 7% ahead, then 6% behind
+        # nothing to compile, and with two-iteration samples two trials of the same network's flag could find it
+        # ahead, then behind
         config = replace(self.config, measure=max(self.config.measure, 6), block=max(self.config.block, 4))
         values = list(self.KIND)
         self.trial = SettingTrial(values[::-1], config, self.clock, self.sync, warmup=self.WARMUP)
@@ -184,9 +184,9 @@ class SettingTuning:
     def scripts_value(self) -> Any:
         return None
 
-    def end(self, value: enum.Enum, reason: str) -> None:
+    def end(self, value: enum.Enum, reason: str, rule: str = ENDED) -> None:
         """Decided without (the rest of) a trial: cached, reported, put in force."""
-        self._apply(Verdict(value, reason, {}), cached=False)
+        self._apply(Verdict(value, reason, {}, rule=rule), cached=False)
 
     def _apply(self, verdict: Verdict, cached: bool) -> None:
         if not cached:
@@ -194,7 +194,8 @@ class SettingTuning:
         self.trial, self.done = None, True
         self.put(verdict.path)
         self.report({"setting": self.SETTING, "value": self.value_of(verdict.path), "timings_ms": verdict.timings_ms,
-                     "cached": cached, "reason": f"{self.describe(verdict.path)}; {verdict.reason}"})
+                     "cached": cached, "rule": verdict.rule,
+                     "reason": f"{self.describe(verdict.path)}; {verdict.reason}"})
 
 
 class ConvTuning(SettingTuning):
@@ -243,7 +244,7 @@ class ConvTuning(SettingTuning):
         if len(self.shapes) > MAX_SHAPES:
             self.on = False
             torch.backends.cudnn.benchmark = False
-            self.report({"setting": SETTING, "value": False,
+            self.report({"setting": SETTING, "value": False, "rule": SHAPES_CHURN,
                          "reason": f"back off: the convolutional modules were called with more than {MAX_SHAPES} "
                                    f"input shapes, and benchmark mode times cuDNN's algorithms again for each new "
                                    f"one"})
