@@ -13,15 +13,19 @@ from typing import Any, Callable
 import torch
 
 
-def time_fn(fn: Callable[[], Any], warmup: int = 10, iters: int = 50, flush_l2: bool = False) -> float:
+def time_fn(fn: Callable[[], Any], warmup: int = 10, iters: int = 50, flush_l2: bool = False,
+            device: str | torch.device | None = None) -> float:
     """Median milliseconds per call: CUDA events on a GPU, perf_counter on the CPU.
 
     Median, not mean, so one preempted iteration does not move the figure; an optional L2 flush between iterations
-    keeps bandwidth-bound kernels from being measured out of cache.
+    keeps bandwidth-bound kernels from being measured out of cache. `device` is where `fn` runs: None means CUDA
+    where it is available; a CPU device is timed on the host clock even on a GPU machine (CUDA events would see none
+    of its work).
     """
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
         scratch = torch.empty(64 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
         times = []

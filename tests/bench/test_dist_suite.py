@@ -4,10 +4,12 @@ import importlib.util
 import json
 import math
 import subprocess
+from datetime import timedelta
 
 import pytest
 import torch
 
+from automp.bench import dist_worker
 from automp.bench.suites import dist
 from tests import gloo
 
@@ -81,7 +83,8 @@ def test_usage_errors_exit_2_before_any_launch(tmp_path, capsys, monkeypatch):
                        (["--models", "llama-d2048"], "--models: unknown 'llama-d2048'"),
                        (["--gpus", "0"], "--gpus"), (["--gpus", "1,x"], "--gpus"), (["--gpus", ""], "--gpus"),
                        (["--blocks", "0"], "--blocks must be at least 1"),
-                       (["--layers-d4096", "0"], "--layers-d4096 must be at least 1")):
+                       (["--layers-d4096", "0"], "--layers-d4096 must be at least 1"),
+                       (["--collective-timeout", "0"], "--collective-timeout must be at least 1")):
         assert dist.main([*args, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("automp bench dist: ") and says in err and "\n" not in err, err
@@ -94,7 +97,7 @@ def test_usage_errors_exit_2_before_any_launch(tmp_path, capsys, monkeypatch):
 def test_more_ranks_than_visible_gpus_is_a_usage_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(dist, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(dist, "device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     assert dist.main(["--gpus", "1,2", "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip() == "automp bench dist: --gpus 2: only 1 CUDA device(s) visible"
@@ -115,6 +118,29 @@ class _DyingWorker:
         if self.hang and timeout is not None:
             raise subprocess.TimeoutExpired("torchrun", timeout)
         return -9 if self.hang else 1
+
+
+def test_the_collective_timeout_is_the_workers_argument_not_an_environment_variable(tmp_path, monkeypatch):
+    """--collective-timeout (default 900 s) goes on the worker's command line and into init_process_group;
+    AUTOMP_DIST_TIMEOUT, which the worker once read, changes nothing."""
+    gloo.cpu_host(monkeypatch)
+    monkeypatch.setenv("AUTOMP_DIST_TIMEOUT", "5")
+    commands = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **k: commands.append(cmd) or _DyingWorker(cmd))
+    for extra, seconds in (([], 900.0), (["--collective-timeout", "60"], 60.0)):
+        commands.clear()
+        dist.main(["--gpus", "1", "--models", "llama-d2048-ddp", "--modes", "automp-bf16",
+                   "--out", str(tmp_path / "t"), *extra])
+        worker_argv = commands[0][commands[0].index("automp.bench.dist_worker") + 1:]
+        assert dist_worker.parser().parse_args(worker_argv).collective_timeout == seconds
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    joined = {}
+    monkeypatch.setattr(dist_worker.dist, "init_process_group", lambda backend, timeout: joined.update(
+        backend=backend, timeout=timeout))
+    dist_worker.Rank(60.0)
+    assert joined == {"backend": "gloo", "timeout": timedelta(seconds=60)}
 
 
 @pytest.mark.parametrize("hang", [False, True])

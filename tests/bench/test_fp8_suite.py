@@ -52,12 +52,12 @@ def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, 
 def test_bad_names_are_a_usage_error(tmp_path, capsys):
     for args in (["--models", "gpt3"], ["--modes", "automp-int4"], ["--steps", "0"], ["--mode-timeout", "-1"],
                  ["--models", "gpt2,"]):
-        assert fp8.main([*args, "--out", str(tmp_path / "x")]) == 2
+        assert fp8.main([*args, "--out", str(tmp_path / "x"), "--quick"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("automp bench fp8: ") and "\n" not in err
+        assert err.startswith("automp bench fp8: ") and "\n" not in err and "CUDA GPU" not in err, err
     assert not list(tmp_path.iterdir())  # nothing written
     (tmp_path / "r.json").mkdir()
-    assert fp8.main(["--out", str(tmp_path / "r")]) == 2
+    assert fp8.main(["--out", str(tmp_path / "r"), "--quick"]) == 2
     assert capsys.readouterr().err.strip() == f"automp bench fp8: --out {tmp_path / 'r.json'} is a directory"
 
 
@@ -113,7 +113,7 @@ def test_every_mode_reads_its_loss_after_the_same_number_of_steps(tmp_path, cach
         out = tmp_path / blocks
         assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,torchao-rowwise,automp-bf16",
                          "--out", str(out), "--steps", "2", "--warmup", "3", "--first-steps", "2",
-                         "--mode-timeout", "0"]) == 0
+                         "--mode-timeout", "0", "--quick"]) == 0
         rows = _rows(out)
         common = 3 + fp8.ROUNDS * 2
         assert {r["loss"] for r in rows.values()} == {float(common)}
@@ -133,7 +133,7 @@ def test_a_mode_past_its_timeout_is_skipped(tmp_path, cache, fake_models, monkey
     monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", slow)
     out = tmp_path / "t"
     assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead", "--out", str(out), "--steps", "20",
-                     "--warmup", "1", "--first-steps", "1", "--mode-timeout", "0.3"]) == 0
+                     "--warmup", "1", "--first-steps", "1", "--mode-timeout", "0.3", "--quick"]) == 0
     assert _rows(out)[("gpt2", "bf16-reduce-overhead")]["skipped"].startswith("timeout")
 
 
@@ -149,10 +149,17 @@ def test_torchao_filter_keeps_the_head_and_odd_dims_in_bf16():
     assert not wl.torchao_filter(torch.nn.Linear(64, 10), "blocks.0.fc")
 
 
-def test_gpu_slug():
-    assert fp8.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
-    assert fp8.gpu_slug("NVIDIA H200") == "h200"
-    assert fp8.gpu_slug("cpu") == "cpu"
+def test_a_cpu_run_without_quick_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """GPT-2 and the Llamas at full size take minutes per step on a CPU: the suite says so and trains nothing."""
+    gloo.cpu_host(monkeypatch)
+    monkeypatch.setattr(fp8, "run_model", lambda *a, **k: pytest.fail("trained on a CPU"))
+    out = tmp_path / "new" / "fp8"
+    assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "automp bench fp8: needs a CUDA GPU (these models take minutes per step on a CPU); add --quick for a "
+        "CPU-sized smoke run\n")
+    assert not list(tmp_path.iterdir())  # nothing written, no folder made
 
 
 def test_a_missing_library_skips_its_rows_only(tmp_path, cache, fake_models, monkeypatch):

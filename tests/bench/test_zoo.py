@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import automp
-from automp.bench import zoo_scripts
+from automp.bench import harness, zoo_scripts
 from automp.bench.suites import zoo
+from tests import gloo
 
 REQUIRED = {"model", "mode", "step_ms", "peak_gib", "loss"}
 
@@ -126,12 +127,29 @@ def test_mode_past_its_time_limit_gives_error_row(monkeypatch):
     assert not automp.is_enabled()
 
 
-def test_gpu_slug(monkeypatch):
+def test_device_name_and_gpu_slug(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, slug in [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA H200", "h200"),
                        ("NVIDIA GeForce RTX 4090", "4090")]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
-        assert zoo.gpu_slug("cuda") == slug
-    assert zoo.gpu_slug("cpu") == "cpu"
+        assert harness.device_name("cuda") == name and harness.gpu_slug(harness.device_name("cuda")) == slug
+    assert harness.device_name("cpu") == "cpu" and harness.gpu_slug("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in (None, "cuda"):  # no GPU visible: the processor is named
+        assert harness.device_name(device).startswith("cpu (")
+
+
+@pytest.mark.parametrize("argv", [["--models", "gpt2,resnet50"], ["--device", "cpu", "--models", "mlp"]])
+def test_a_cpu_run_without_quick_is_refused_in_one_line(argv, tmp_path, capsys, monkeypatch):
+    """GPT-2 124M and ResNet-50 take minutes per step on a CPU: the suite says so and trains nothing."""
+    gloo.cpu_host(monkeypatch)
+    monkeypatch.setattr(zoo, "run_model", lambda *a, **k: pytest.fail("trained on a CPU"))
+    assert zoo.main([*argv, "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "automp bench zoo: needs a CUDA GPU (these models take minutes per step on a CPU); add --quick for a "
+        "CPU-sized smoke run\n")
+    assert not list(tmp_path.iterdir())
 
 
 def test_list(capsys):

@@ -1,8 +1,8 @@
 """Tiny convergence runs on CPU: fp16 with automp's loss scaling reaches the FP32 result on every family, and the
 small-loss case stalls without scaling and recovers with it. Everything runs through automp.enable() (graph pass,
-planned as for an H100 since a CPU's own costs keep these tiny shapes in FP32, and the autograd loss-scaling hook);
-one test also checks the autocast backend. Tolerances are
-each family's `tolerance`, in its metric's units (accuracy points, perplexity, moment error)."""
+planned with a GPU's cost table, spec="h100", since a CPU's own costs keep these tiny shapes in FP32, and the
+autograd loss-scaling hook); one test also checks the autocast backend. Tolerances are each family's `tolerance`, in
+its metric's units (accuracy points, perplexity, moment error)."""
 import json
 
 import pytest
@@ -69,4 +69,23 @@ def test_suite_writes_table_json_and_plots(tmp_path):
     assert rows["cnn-small-loss/fp16-noscale"]["extra"]["gap_vs_fp32"] > 0.1
     assert "cnn-small-loss/fp16-dynamic" in (tmp_path / "convergence.md").read_text()
     for case in ("widedeep", "cnn-small-loss"):
-        assert (tmp_path / f"convergence-{case}.png").stat().st_size > 1000
+        _assert_loss_plot(tmp_path / f"convergence-{case}.png", modes=3)
+
+
+def _assert_loss_plot(path, modes):
+    """A PNG of about the plot's 6 x 4 inches at 100 dpi (the tight bounding box trims or widens it a little), with
+    axes and text drawn, and a line in each of the first `modes` colours of matplotlib's cycle (the legend's, at
+    least): one curve per mode, not a blank or truncated image."""
+    import matplotlib.image as mpimg
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[2] in (3, 4), img.shape
+    height, width = img.shape[:2]
+    assert 300 <= height <= 500 and 450 <= width <= 750, img.shape
+    rgb = img[..., :3]
+    assert (rgb.min(axis=-1) < 0.5).mean() > 0.01  # axes, ticks, labels: not a blank canvas
+    for k in range(modes):
+        near = np.abs(rgb - np.array(to_rgb(f"C{k}"))).max(axis=-1) < 0.05
+        assert near.sum() >= 10, f"{path.name}: no line in colour C{k}"

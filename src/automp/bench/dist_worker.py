@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from automp.bench import fp8_workloads as wl
-from automp.bench.fp8_run import cold_cache, free
-from automp.bench.harness import one_line
+from automp.bench.fp8_run import cold_cache
+from automp.bench.harness import free, one_line
+from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import fuse_adam, time_limit
 from automp.files import atomic_output
 
@@ -38,13 +39,15 @@ MODES = ("bf16-compile", "torchao-float8", "automp-bf16", "automp-fp8", "automp-
 DEFAULT_MODES = MODES[:4]
 ROW_KEYS = ("model", "mode", "gpus", "step_ms", "spread", "tokens_per_s_per_gpu", "scaling_eff", "ratio_vs_bf16",
             "peak_gib", "loss", "first_run_s", "automp_paths", "fp8_layers")
+COLLECTIVE_TIMEOUT_S = 900.0  # a rank stuck this long in a collective fails it (the launch's own limit ends the rest)
 
 
 class Rank:
     """Where this process stands: rank, world size, device, and the collectives the suite needs on top of
-    torch.distributed (a reduction of Python numbers on the backend's device)."""
+    torch.distributed (a reduction of Python numbers on the backend's device). `timeout_s`: how long a collective
+    waits for the other ranks before torch.distributed fails it."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local = int(os.environ.get("LOCAL_RANK", 0))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +56,7 @@ class Rank:
         elif sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on one host: loopback, whatever the NICs are
         dist.init_process_group("nccl" if self.device == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=float(os.environ.get("AUTOMP_DIST_TIMEOUT", 900))))
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
     @property
     def where(self) -> str:
@@ -164,14 +167,7 @@ class Mode:
                 settled = rank.all_settled(automp.settled())
         if automp_mode:
             self.row["settled"] = settled
-        means = []
-        for _ in range(opts.blocks):
-            sync()
-            b0 = time.perf_counter()
-            for _ in range(opts.steps):
-                self.step()
-            sync()
-            means.append((time.perf_counter() - b0) / opts.steps * 1e3)
+        means = [block_ms(self.step, opts.steps, rank.device) for _ in range(opts.blocks)]
         means = rank.reduce(means, dist.ReduceOp.MAX)  # per block, the slowest rank sets the pace
         ms = statistics.median(means)
         self.row.update(step_ms=round(ms, 3), spread=[round(min(means), 3), round(max(means), 3)],
@@ -246,13 +242,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-warmup", type=int, default=300)
     p.add_argument("--first-steps", type=int, default=20)
     p.add_argument("--mode-timeout", type=float, default=240)
+    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+                   help="seconds a collective waits for the other ranks (init_process_group's timeout)")
     p.add_argument("--quick", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parser().parse_args(argv)
-    rank = Rank()
+    rank = Rank(opts.collective_timeout)
     rows: list[dict[str, Any]] = []
     # Every mode compiles the same model class's forward (automp's trial two paths of its own): the default limit of
     # 8 compiled versions per frame would let a later mode run eager unnoticed. Caches off: every mode compiles cold
@@ -262,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in opts.modes.split(","):
                 dist.barrier()
                 row = Mode(model, mode, rank, opts).run()
-                free(rank.device)
+                free(dynamo=True)
                 if rank.rank == 0:
                     rows.append(row)
                     write_rows(opts.result, rows)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import math
 import os
 import shutil
@@ -16,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from automp.bench.fp8_workloads import LOOPS, MODELS
-from automp.bench.harness import one_line
+from automp.bench.harness import free, one_line
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import time_limit
 
@@ -140,7 +139,7 @@ class Run:
         if not self.live:
             return
         self.step_fn = None
-        free(self.device)  # the first run's model, optimizer state and compiled graphs
+        free(dynamo=True)  # the first run's model, optimizer state and compiled graphs
         expired: list[BaseException] = []
         try:
             if self.mode.startswith("automp"):
@@ -161,7 +160,7 @@ class Run:
                 report = automp.disable()
                 self.row["second_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
             step = None
-            free(self.device)
+            free(dynamo=True)
 
     def block(self, steps: int, timed: bool = True) -> None:
         def go() -> None:
@@ -203,11 +202,3 @@ def cold_cache() -> tempfile.TemporaryDirectory:
         if not name.startswith("verdicts.") and os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), tmp.name)
     return tmp
-
-def free(device: str, dynamo: bool = True) -> None:
-    """Drop what a finished mode left: its tensors, its cached blocks and (dynamo) every compiled graph."""
-    gc.collect()
-    if dynamo:
-        torch._dynamo.reset()
-    if device == "cuda":
-        torch.cuda.empty_cache()

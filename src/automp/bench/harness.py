@@ -5,6 +5,7 @@ so ratios are meaningful even when clocks or neighbours change between runs.
 """
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import re
@@ -43,10 +44,25 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def device_name() -> str:
+def device_name(device: str | torch.device | None = None) -> str:
+    """The name results carry for `device`: "cpu" for a CPU device; otherwise (CUDA, or None: this process's default)
+    the GPU's name (torch.cuda.get_device_name), or "cpu (<processor>)" where no GPU is visible."""
+    if device is not None and torch.device(device).type == "cpu":
+        return "cpu"
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def free(dynamo: bool = False) -> None:
+    """Drop what a finished model, mode or case left: its tensors and the reference cycles they sit in (models and
+    their decoders, CUDA graphs, compiled code), the allocator's cached blocks and (dynamo) every compiled graph,
+    dropped first so that what only its graphs held is collected with the rest."""
+    if dynamo:
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
@@ -133,9 +149,19 @@ def usage_problem(names: list[tuple[str, str, tuple[str, ...]]], bounds: list[tu
     return None
 
 
+def cpu_refusal(suite: str, device: str, quick: bool) -> str | None:
+    """The one line a suite of full-size training workloads refuses to run on a CPU with, or None where it runs (on
+    CUDA, or the CPU-sized --quick smoke run): its models take minutes per step there, and a run that trains them
+    for an hour without a word helps nobody."""
+    if device == "cuda" or quick:
+        return None
+    return (f"automp bench {suite}: needs a CUDA GPU (these models take minutes per step on a CPU); add --quick for "
+            f"a CPU-sized smoke run")
+
+
 def gpu_slug(name: str) -> str:
-    """A device name's short form for file names: 'NVIDIA H100 80GB HBM3' -> 'h100' (the first word with a digit),
-    'cpu' -> 'cpu'."""
+    """A device name's short form for file names: its first word with a digit, NVIDIA dropped and lower-cased
+    ('NVIDIA GeForce RTX 4090' -> '4090'); 'cpu' -> 'cpu'."""
     m = re.search(r"\b([A-Z]*\d+[A-Z]*)\b", name.upper().replace("NVIDIA", ""))
     return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 

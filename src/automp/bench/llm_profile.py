@@ -18,8 +18,6 @@ Rows merge by (model, case, batch) into `<out>/llm-profile-<gpu>.json` (and `.md
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from collections import defaultdict
 from typing import Callable
 
@@ -28,6 +26,7 @@ import torch.nn as nn
 
 from automp.bench.harness import fmt, header
 from automp.bench.llm_results import one_line, sync
+from automp.timing import time_fn
 
 CATEGORIES = ("quantized", "attention", "matmul", "other")
 _PATTERNS = (  # first match wins
@@ -72,15 +71,8 @@ def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10) ->
     replays = min(replays, dec.max_len - dec.next_pos - 3)  # every step fills one more cache slot
     if replays < 1:
         raise RuntimeError(f"the decoder has {dec.max_len - dec.next_pos} free cache slots, need at least 4")
-    for _ in range(2):  # compiled and captured already, unless this decoder is new
-        dec.step(tok)
-    walls = []
-    for _ in range(replays):
-        sync(device)
-        t0 = time.perf_counter()
-        dec.step(tok)
-        sync(device)
-        walls.append(time.perf_counter() - t0)
+    # two warm-up steps: compiled and captured already, unless this decoder is new
+    wall_ms = time_fn(lambda: dec.step(tok), warmup=2, iters=replays, device=device)
     kernels = _profiled(lambda: dec.step(tok), device)
     source = "graph replay" if dec.graph is not None else f"{dec.mode} step"
     if not kernels and device.type == "cuda":
@@ -95,7 +87,7 @@ def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10) ->
         entry[1] += us / 1e3
         entry[2] += 1
     top = sorted(by_name.values(), key=lambda e: -e[1])[:12]
-    return {"step_ms": statistics.median(walls) * 1e3, "kernel_ms": sum(by_cat.values()), "kernels": len(kernels),
+    return {"step_ms": wall_ms, "kernel_ms": sum(by_cat.values()), "kernels": len(kernels),
             **{f"{c}_ms": by_cat.get(c, 0.0) for c in CATEGORIES}, "source": source,
             "top": [{"name": n, "ms": round(ms, 4), "count": k, "category": c} for n, ms, k, c in top]}
 

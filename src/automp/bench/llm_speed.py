@@ -17,8 +17,8 @@ Cases, each through automp.llm.generate's static-cache decode (compiled and capt
                      only: a case whose fp16 model fails to quantize or to run one token is rebuilt in bf16 and its
                      row's note says so. They compile under the Inductor settings torchao recommends for them
                      (TORCHAO_INDUCTOR: coordinate-descent tuning, int_mm fused with its scale), applied to these
-                     cases only: on an H200 without them, torchao's int8 cast its weights to fp16 in a kernel of
-                     their own and decoded at 0.55x the fp16 anchor, no peer worth the name.
+                     cases only: without them torchao's int8 casts its weights to fp16 in a kernel of their own at
+                     every step and falls far behind the fp16 anchor, no peer worth the name.
 
 Each case builds its model once and then decodes at each batch size in turn. generate keeps one decoder per model,
 made for one batch size (its static cache, compiled step and CUDA graph have that batch's shapes), so every batch
@@ -36,10 +36,8 @@ Rows merge by (model, case, batch) into `<out>/llm-<gpu>.json` and `.md`, rewrit
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -47,8 +45,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from automp.bench.harness import fmt
-from automp.bench.llm_results import ROW_KEYS, Results, one_line, summary, sync
+from automp.bench.harness import fmt, free
+from automp.bench.llm_results import ROW_KEYS, Results, one_line, summary
+from automp.timing import time_fn
 
 MODELS = {
     "llama-8b-shape": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -56,8 +55,9 @@ MODELS = {
                            rms_norm_eps=1e-5, tie_word_embeddings=False),
     "llama-1b": {},  # automp.llm.store's built-in as it is: TinyLlama-1.1B's shape
 }
+# --quick, CPU-sized: the FFN 7/2 of the hidden width, 4 heads a KV head
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=1, max_position_embeddings=1024)  # --quick: FFN 3.5x and 4 heads a KV head, CPU-sized
+            num_key_value_heads=1, max_position_embeddings=1024)
 
 
 @dataclass(frozen=True)
@@ -77,25 +77,6 @@ class Matrix:
     case_timeout: float       # seconds per case, 0 = none
     time_limit: float         # seconds for the whole run, 0 = none
     profile: bool
-
-
-# ----------------------------------------------------------------------------------------------- timing helpers
-def free() -> None:
-    """Models and their decoders (CUDA graphs, compiled code) form reference cycles: collect them now."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------------------------- models and cases
@@ -220,8 +201,8 @@ def measure(model: nn.Module, m: Matrix, batch: int, row: dict, bandwidth: float
     warm = time.perf_counter() - t0
     if tuple(out.shape) != (batch, m.prompt + m.new_tokens):
         raise RuntimeError(f"generated {tuple(out.shape)}, expected {(batch, m.prompt + m.new_tokens)}")
-    full = median_seconds(lambda: run(m.new_tokens), device, m.repeats)
-    one = median_seconds(lambda: run(1), device, m.repeats)
+    full = time_fn(lambda: run(m.new_tokens), warmup=0, iters=m.repeats, device=device) / 1e3
+    one = time_fn(lambda: run(1), warmup=0, iters=m.repeats, device=device) / 1e3
     info = decode_info(model)
     notes = [row["note"]] if row.get("note") else []
     if info.get("mode") != m.mode or info.get("reason"):
@@ -252,8 +233,7 @@ def run_matrix(m: Matrix, results: Results, profiles: Results | None, meta: dict
     with torch._dynamo.config.patch(recompile_limit=max(64, 2 * len(m.batches) + 2)):
         for case in m.cases:
             run_case(case, m, bandwidth, deadline, meta, results, profiles, log)
-            torch._dynamo.reset()  # the next case compiles other graphs: drop this one's
-            free()
+            free(dynamo=True)  # the next case compiles other graphs: drop this one's
     log(f"{summary(results.added)} in {time.perf_counter() - start:.0f} s")
 
 

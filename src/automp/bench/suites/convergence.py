@@ -6,8 +6,8 @@ scale, fp16 with automp's dynamic scale, and bf16. The table gives the held-out 
 whether that is within the family's tolerance; one PNG of loss curves per case.
 
 Backends: "automp" is automp.enable()/disable() around the unchanged training loop (what `automp run` does).
-On a CPU it plans as for an H100 (a CPU's own costs keep these tiny shapes in FP32). "autocast" is torch.autocast
-for the fp16/bf16 compute plus automp's loss-scaling hook, for comparison.
+On a CPU it plans with a GPU's cost table (spec="h100": a CPU's own costs keep these tiny shapes in FP32).
+"autocast" is torch.autocast for the fp16/bf16 compute plus automp's loss-scaling hook, for comparison.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def precision(mode: str, backend: str, device: torch.device) -> Iterator[dict[st
         import automp
         # inner="eager": the same precision decisions without Inductor's compile time; this suite measures
         # training quality, not speed (Inductor's fusions would only keep more intermediates in FP32)
-        # on a CPU, plan as for an H100: the CPU's own cost model keeps these tiny shapes in FP32, and this suite is
+        # on a CPU, plan with a GPU's costs: the CPU's own cost model keeps these tiny shapes in FP32, and this suite is
         # about what low precision does to training, so the low-precision decisions must actually be taken
         automp.enable(dtype=dtype, loss_scale=loss_scale, inner="eager", path="compile",
                       spec="h100" if device.type == "cpu" else None)

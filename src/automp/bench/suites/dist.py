@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from automp.bench.dist_worker import DEFAULT_MODES, MODELS, MODES, ROW_KEYS
+from automp.bench.dist_worker import COLLECTIVE_TIMEOUT_S, DEFAULT_MODES, MODELS, MODES, ROW_KEYS
 from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
 from automp.files import write_json_and_markdown
 
@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-warmup", type=int, default=300, help="cap on automp's warm-up while it has not settled")
     p.add_argument("--first-steps", type=int, default=20, help="first_run_s is the time to the end of this step")
     p.add_argument("--mode-timeout", type=float, default=240, help="seconds one mode may take; 0: no limit")
+    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+                   help="seconds a rank waits in a collective (all-reduce, barrier) for the others before "
+                        "torch.distributed fails it (default: %(default)g)")
     p.add_argument("--quick", action="store_true", help="tiny dims of every model (a CPU smoke run)")
     p.add_argument("--out", default=None, help="writes OUT.json, .md, .png (default: benchmarks/dist-<gpu>)")
     return p
@@ -129,7 +132,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
                          [("--steps", args.steps, 1), ("--blocks", args.blocks, 1), ("--warmup", args.warmup, 0),
                           ("--layers-d2048", args.layers_d2048, 1), ("--layers-d4096", args.layers_d4096, 1),
                           ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
-                          ("--mode-timeout", args.mode_timeout, 0)], args.out)
+                          ("--mode-timeout", args.mode_timeout, 0),
+                          ("--collective-timeout", args.collective_timeout, 1)], args.out)
 
 
 class Stopped(Exception):
@@ -147,7 +151,8 @@ def launch(world: int, models: list[str], modes: list[str], args: argparse.Names
     second value is True, and the rows finished so far are still returned to be written)."""
     flags = ["--layers-d2048", args.layers_d2048, "--layers-d4096", args.layers_d4096, "--steps", args.steps,
              "--blocks", args.blocks, "--warmup", args.warmup, "--max-warmup", args.max_warmup,
-             "--first-steps", args.first_steps, "--mode-timeout", args.mode_timeout]
+             "--first-steps", args.first_steps, "--mode-timeout", args.mode_timeout,
+             "--collective-timeout", args.collective_timeout]
     limit = len(models) * len(modes) * (args.mode_timeout + LAUNCH_SLACK_S) if args.mode_timeout > 0 else None
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
@@ -184,7 +189,7 @@ def _skipped(model: str, mode: str, world: int, why: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    device = device_name() if torch.cuda.is_available() else "cpu"
+    device = device_name("cuda" if torch.cuda.is_available() else "cpu")
     args.out = args.out or os.path.join("benchmarks", f"dist-{gpu_slug(device)}" + ("-quick" if args.quick else ""))
     error = _usage_error(args)
     if error:

@@ -217,7 +217,7 @@ def main(argv: list[str]) -> int:
     if any(v < 1 for v in overrides.values()):
         p.error("--labeled and --steps must be >= 1")
     setup = Setup(**{**asdict(setup), **overrides})
-    meta = {"suite": "distill", "device": device_name() if args.device == "cuda" else "cpu",
+    meta = {"suite": "distill", "device": device_name(args.device),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
             "command": "automp bench distill " + " ".join(argv)}
     if args.threads < 1:

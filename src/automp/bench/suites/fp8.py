@@ -35,6 +35,8 @@ script pays instead: the caches are on, each mode with an Inductor cache directo
 run, so no mode is served another's graphs), and after its timed blocks each mode is built again from nothing and
 runs its first --first-steps steps once more (second_run_s, second_peak_gib); automp's modes keep their verdict
 cache, so their second run starts on the verdict and skips the trial, as `automp run` does.
+
+On a CPU the suite runs only with --quick (tiny dims, a smoke run): the full-size models take minutes per step there.
 """
 from __future__ import annotations
 
@@ -47,9 +49,10 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache, free
+from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS
-from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
+from automp.bench.harness import (cpu_refusal, device_name, fmt, free, gpu_slug, header, ratio_bars, row_notes,
+                                  usage_problem)
 from automp.files import write_json_and_markdown
 
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
@@ -113,7 +116,7 @@ def run_model(name: str, modes: list[str], opts: argparse.Namespace, emit: Calla
         if opts.second_run:
             run.second(opts.quick, opts.layers)
         emit(run.finish())
-        free(opts.device, dynamo=True)
+        free(dynamo=True)
     if plain and not timed:  # no automp phase ran: the hand-written modes alternate on their own
         _alternate(plain, opts.steps)
     for run in plain + later:
@@ -205,8 +208,12 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = device_name() if args.device == "cuda" else "cpu"
+    device = device_name(args.device)
     args.out = args.out or os.path.join("benchmarks", f"fp8-{gpu_slug(device)}" + ("-quick" if args.quick else ""))
+    error = cpu_refusal("fp8", args.device, args.quick)  # before the usage check makes --out's folder
+    if error:
+        print(error, file=sys.stderr)
+        return 2
     error = _usage_error(args)
     if error:
         print(f"automp bench fp8: {error}", file=sys.stderr)
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     modes.append(m)
             if modes:
                 run_model(name, modes, args, emit)
-                free(args.device)
+                free(dynamo=True)
             plot(rows, args.out + ".png")
     print(markdown(rows))
     print(f"wrote {args.out}.json, .md, .png", flush=True)

@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = device_name() if args.device == "cuda" else "cpu"
+    device = device_name(args.device)
     args.out = args.out or os.path.join("benchmarks", f"fp8-parity-{gpu_slug(device)}" + ("-quick" if args.quick
                                                                                           else ""))
     try:

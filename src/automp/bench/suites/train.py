@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import math
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from automp.argtypes import int_at_least
 from automp.bench.harness import Result, device_name, write_results
+from automp.timing import time_fn
 
 
 class Block(nn.Module):
@@ -107,18 +107,10 @@ def _step_fn(mode: str, model: nn.Module, batch, loss_of: Callable, device: str)
 
 
 def _time_steps(step: Callable, warmup: int, iters: int, device: str) -> tuple[float, float]:
-    for _ in range(warmup):
-        loss = step()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        loss = step()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2], float(loss.detach())
+    """(median ms per step, the last step's loss)."""
+    losses = []
+    ms = time_fn(lambda: losses.append(step()), warmup, iters, device=device)
+    return ms, float(losses[-1].detach())
 
 
 def run_model(name: str, modes: list[str], quick: bool, device: str, warmup: int, iters: int) -> list[Result]:

@@ -9,15 +9,16 @@ off: every mode compiles cold (torch 2.11's cache key ignores the autocast dtype
 bf16 graphs), so compile_s compares like with like. A mode that runs past --mode-timeout ends with an error row.
 
 Results go to <out>/zoo-<gpu>.json (rows merged by model, so runs of model subsets build one file), .md and .png.
+On a CPU the suite runs only with --quick (tiny configs, a smoke run): the full-size models take minutes per step there.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -26,10 +27,9 @@ import torch
 from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
-from automp.bench import harness
-from automp.bench.harness import device_name, fmt, one_line, ratio_bars
-from automp.bench.suites.train import _time_steps
+from automp.bench.harness import cpu_refusal, device_name, fmt, free, gpu_slug, one_line, ratio_bars
 from automp.files import write_json_and_markdown
+from automp.timing import time_fn
 
 COMPILE_TIMEOUT_FACTOR = 2  # automp modes get this many times --mode-timeout: two compiles before the trial settles
 SKIP_HINT = "skipped: pip install automp[zoo]"
@@ -85,15 +85,15 @@ def _measure(row: dict[str, Any], name: str, mode: str, quick: bool, device: str
     row.update(compile_s=round(time.perf_counter() - t0, 2), warmup_steps=len(losses))
     if use_automp:
         row["settled"] = bool(settled())
-    ms, _ = _time_steps(step, 0, steps, device)
+    ms = time_fn(step, warmup=0, iters=steps, device=device)
     # the loss of the same step in every mode (fp32's last): automp's longer warmup must not look like progress
     loss = float(losses[warmup + steps - 1])
     row.update(step_ms=round(ms, 3), loss=loss if math.isfinite(loss) else None)
     if not math.isfinite(loss):
         row["note"] = f"loss {loss}"
     if device == "cuda":
-        # CUDA graphs replay into a private pool the allocated count misses once they are recorded (automp's
-        # autocast-graphed Llama read 1.47 GiB allocated against 6.46 in a process of its own): reserved counts it
+        # CUDA graphs replay into a private pool the allocated count misses once they are recorded (a graphed
+        # model's allocated peak can read a fraction of what its process holds): reserved counts it
         row.update(peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3))
 
@@ -130,14 +130,11 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
             # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
             limit = timeout * COMPILE_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
             row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
-            gc.collect()  # free this mode's model, optimizer state and compiled graphs before the next one
-            torch._dynamo.reset()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            free(dynamo=True)  # this mode's model, optimizer state and compiled graphs, before the next one
             runs[mode].append(row)
-            print(f"[{name}] {mode}: " + (row.get("error") or f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, "
-                                                              f"peak {row['peak_gib']} GiB, warmup {row['compile_s']} s"),
-                  flush=True)
+            shown = row.get("error") or (f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, peak {row['peak_gib']} "
+                                         f"GiB, warmup {row['compile_s']} s")
+            print(f"[{name}] {mode}: {shown}", flush=True)
     rows = add_ratios([_median_pass(r) for r in runs.values()])
     if interleave and "automp-bf16" in modes:
         zoo_interleave.add_to_row(next(r for r in rows if r["mode"] == "automp-bf16"), name, quick, device, steps,
@@ -177,11 +174,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if fp32_loss is not None and r["loss"] is not None:
             r["loss_vs_fp32"] = r["loss"] - fp32_loss
     return rows
-
-
-def gpu_slug(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100' on "cuda" (harness.gpu_slug of the device's name), else 'cpu'."""
-    return harness.gpu_slug(torch.cuda.get_device_name()) if device == "cuda" else "cpu"
 
 
 def _order(row: dict[str, Any]) -> tuple[int, str, int]:
@@ -296,14 +288,18 @@ def main(argv: list[str]) -> int:
         p.error(f"--passes must be at least 1, got {args.passes}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no GPU visible")
+    refusal = cpu_refusal("zoo", args.device, args.quick)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    meta = {"device": device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    meta = {"device": device_name(args.device), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick, "passes": args.passes,
             "interleave": args.interleave}
     print(f"automp bench zoo: {meta['device']}, torch {meta['torch']}, TF32 off, {args.steps} timed steps",
           flush=True)
-    stem = f"zoo-{gpu_slug(args.device)}" + ("-quick" if args.quick else "")
+    stem = f"zoo-{gpu_slug(meta['device'])}" + ("-quick" if args.quick else "")
     md = ""
     try:
         with torch._inductor.config.patch(fx_graph_cache=False), \

@@ -1,8 +1,8 @@
 """Drift-free ratios for `automp bench zoo --interleave`: automp-bf16 and the anchor in alternating blocks, one process.
 
-The zoo runs its modes one after another, minutes apart, and a shared H100 host drifts by 10-40% over minutes: the
-same BERT anchor ran 34.0 ms in one run and 45.8 ms in another; EfficientNet's automp row read 1.37x in one run and
-0.88x in the next (BENCHMARKS.md, "Noise between identical loops"). Here both loops live in one process: the anchor
+The zoo runs its modes one after another, minutes apart, and a shared GPU host drifts by tens of percent over
+minutes: the same anchor, and automp's ratio to it, can move more between two runs than the effect being measured
+(BENCHMARKS.md, "Noise between identical loops"). Here both loops live in one process: the anchor
 (autocast-bf16 + torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would,
 then blocks of steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block
 hits both.
@@ -15,7 +15,6 @@ automp loop.
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from typing import Any, Callable
@@ -23,11 +22,12 @@ from typing import Any, Callable
 import torch
 
 from automp.bench import zoo_modes as zoo
+from automp.bench.harness import free
 
 ROUNDS = 6  # even: each side leads in half of them
 # The bar a model's automp row is held to: the hand-written autocast + compile loop for the large models,
-# the eager loops for the small scripts, where compiling does not pay. The detector's own compile ran past 100 s on
-# the H100 (data-dependent shapes), so its practical bar is the eager loop as well.
+# the eager loops for the small scripts, where compiling does not pay. The detector's own compile takes minutes
+# (data-dependent shapes), so its practical bar is the eager loop as well.
 EAGER_BAR = ("gan", "recsys", "lstm", "mlp", "detector")
 
 
@@ -113,10 +113,7 @@ def add_to_row(row: dict[str, Any], name: str, quick: bool, device: str, steps: 
         print(f"[{name}] interleaved: {row['interleave_error']}", flush=True)
         return
     finally:
-        gc.collect()
-        torch._dynamo.reset()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        free(dynamo=True)
     row.update(ratio_interleaved=got["ratio"], step_ms_interleaved=got["automp_ms"],
                anchor_ms_interleaved=got["anchor_ms"], anchor_interleaved=anchor)
     blocks = got.get("blocks") or {}

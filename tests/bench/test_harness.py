@@ -1,0 +1,46 @@
+"""The helpers every suite shares: one timer (automp.timing.time_fn), one `free`, and the CPU refusal of the suites
+whose full-size models need a GPU."""
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from automp import timing
+from automp.bench import harness
+from automp.timing import time_fn
+
+
+def test_time_fn_times_a_cpu_call_on_the_host_clock_even_where_cuda_exists(monkeypatch):
+    """CUDA events would see none of a CPU call's work: a CPU device is timed with perf_counter."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", lambda **k: pytest.fail("CUDA events for a CPU call"))
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = time_fn(work, warmup=2, iters=5, device=torch.device("cpu"))
+    assert len(calls) == 7 and 1.5 < ms < 500
+
+
+def test_time_fn_is_the_median_of_its_iterations(monkeypatch):
+    clock = iter([0.0, 0.001, 1.0, 1.010, 2.0, 2.003])  # 1, 10 and 3 ms: the median is 3
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert time_fn(lambda: None, warmup=0, iters=3, device="cpu") == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_free_resets_dynamo_only_when_asked(monkeypatch, dynamo):
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    harness.free(dynamo=dynamo)
+    assert resets == ([1] if dynamo else [])
+
+
+def test_cpu_refusal_names_the_suite_and_the_way_out():
+    assert harness.cpu_refusal("zoo", "cuda", quick=False) is None
+    assert harness.cpu_refusal("zoo", "cpu", quick=True) is None
+    line = harness.cpu_refusal("fp8", "cpu", quick=False)
+    assert line.startswith("automp bench fp8: needs a CUDA GPU") and "--quick" in line and "\n" not in line
