@@ -44,3 +44,17 @@ def test_cpu_refusal_names_the_suite_and_the_way_out():
     assert harness.cpu_refusal("zoo", "cpu", quick=True) is None
     line = harness.cpu_refusal("fp8", "cpu", quick=False)
     assert line.startswith("automp bench fp8: needs a CUDA GPU") and "--quick" in line and "\n" not in line
+
+
+def test_commit_is_read_from_the_checkouts_git_without_a_git_binary(tmp_path):
+    from automp.bench.harness import commit, provenance
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    assert commit(tmp_path) == "0123456789ab"
+    (git / "refs" / "heads" / "main").unlink()
+    (git / "packed-refs").write_text("# pack-refs\nfedcba9876543210fedcba9876543210fedcba98 refs/heads/main\n")
+    assert commit(tmp_path) == "fedcba987654"
+    assert commit(tmp_path / "elsewhere") == "unknown"
+    assert set(provenance("cpu")) == {"device", "torch", "date", "commit"} and provenance("cpu")["device"] == "cpu"

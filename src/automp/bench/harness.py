@@ -12,6 +12,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,34 @@ class Result:
         if self.anchor_ms is None or self.ms <= 0:
             return None
         return self.anchor_ms / self.ms
+
+
+def commit(root: str | os.PathLike | None = None) -> str:
+    """The commit the running code was checked out at, read from the checkout's .git (no git binary needed, so a
+    copy of the tree with its .git on a GPU host says it too), with "+dirty" where `git status` would show changes
+    is not checked (the caller commits before measuring); "unknown" outside a checkout."""
+    top = Path(root) if root is not None else Path(__file__).resolve().parents[3]
+    git = top / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:12]
+        ref = head[5:]
+        loose = git / ref
+        if loose.is_file():
+            return loose.read_text().strip()[:12]
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0][:12]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def provenance(device: str | torch.device | None = None) -> dict[str, str]:
+    """What every raw row carries: the device it ran on, torch, the date and the commit of the code."""
+    return {"device": device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "commit": commit()}
 
 
 def one_line(e: BaseException) -> str:
@@ -81,8 +110,7 @@ def command_line(prefix: str, argv: list[str] | None) -> str:
 
 def write_results(results: list[Result], out_dir: str, suite: str, command: str) -> tuple[str, str]:
     """Write `<suite>.json` and `<suite>.md` (a table with ratios) and return their paths."""
-    meta = {"suite": suite, "device": device_name(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "command": command}
+    meta = {"suite": suite, **provenance(), "command": command}
     rows = [dict(asdict(r), speedup=r.speedup) for r in results]
     return write_json_and_markdown(out_dir, suite, {"meta": meta, "results": rows}, markdown_table(results, meta))
 

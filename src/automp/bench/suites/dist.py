@@ -33,13 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+
 from typing import Any
 
 import torch
 
 from automp.bench.dist_worker import COLLECTIVE_TIMEOUT_S, DEFAULT_MODES, MODELS, MODES, ROW_KEYS
-from automp.bench.harness import device_name, fmt, gpu_slug, header, ratio_bars, row_notes, usage_problem
+from automp.bench.harness import device_name, fmt, gpu_slug, header, provenance, ratio_bars, row_notes, usage_problem
 from automp.files import write_json_and_markdown
 
 ANCHOR = "bf16-compile"
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"automp bench dist: {error}", file=sys.stderr)
         return 2
     out_dir, stem = os.path.split(os.path.abspath(args.out))
-    meta = {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    meta = {**provenance(), "device": device}
     models, rows = args.models.split(","), []
     print(f"automp bench dist: {device}, torch {torch.__version__}, world sizes {args.gpus}", flush=True)
     previous = signal.signal(signal.SIGTERM, _stop)

@@ -44,14 +44,14 @@ import argparse
 import importlib.util
 import os
 import sys
-import time
+
 from typing import Any, Callable
 
 import torch
 
 from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS
-from automp.bench.harness import (cpu_refusal, device_name, fmt, free, gpu_slug, header, ratio_bars, row_notes,
+from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, ratio_bars, row_notes,
                                   usage_problem)
 from automp.files import write_json_and_markdown
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"automp bench fp8: {error}", file=sys.stderr)
         return 2
     out_dir, stem = os.path.split(os.path.abspath(args.out))
-    meta = {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    meta = {**provenance(), "device": device}
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from automp.bench.fp8_workloads import LOOPS, LR, MODELS
-from automp.bench.harness import device_name, fmt, gpu_slug, one_line, usage_problem
+from automp.bench.harness import device_name, fmt, gpu_slug, one_line, provenance, usage_problem
 from automp.bench.suites.fp8 import ANCHOR, MODES
 from automp.files import write_json_and_markdown
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"automp bench fp8_parity: {error}", file=sys.stderr)
         return 2
     out_dir, stem = os.path.split(os.path.abspath(args.out))
-    meta = {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    meta = {**provenance(), "device": device}
     mine: dict[tuple[str, str], dict[str, Any]] = {}
 
     def emit(row: dict[str, Any]) -> None:

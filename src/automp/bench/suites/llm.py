@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from automp.bench.harness import copy_bandwidth_gbps, device_name, free, gpu_slug, usage_problem
+from automp.bench.harness import copy_bandwidth_gbps, device_name, free, gpu_slug, provenance, usage_problem
 from automp.bench.llm_results import CASES
 from automp.files import write_json_and_markdown
 from automp.llm.corpus import stdlib_docstrings
@@ -339,8 +339,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
         ",")), prompt=cfg.prompt, new_tokens=cfg.new_tokens, repeats=3, group=cfg.group,
         device=cfg.device, tiny=args.quick, mode="eager" if cfg.device == "cpu" else args.decode,
         case_timeout=case_timeout, time_limit=time_limit, profile=args.profile)
-    meta = {"device": device_name(cfg.device), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "command": "automp llm bench " + " ".join(argv or [])}
+    meta = {**provenance(cfg.device), "command": "automp llm bench " + " ".join(argv or [])}
     run_matrix(m, results, profiles, meta, _log)
     print(matrix_markdown(results.rows))
     if profiles is not None:
@@ -379,8 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows, bandwidth = speed(cfg, mode) if args.only != "accuracy" else ([], None)
     acc = accuracy(cfg) if args.only != "speed" else None
-    result = {"meta": {"device": device_name(cfg.device), "torch": torch.__version__,
-                       "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+    result = {"meta": {**provenance(cfg.device), "transformers": transformers.__version__,
                        "command": "automp llm bench " + " ".join(argv or []), "bandwidth_gbps": bandwidth,
                        "config": asdict(cfg), "seconds": round(time.perf_counter() - t0, 1)},
               "speed": rows, "accuracy": acc}

@@ -27,7 +27,7 @@ import torch
 from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
-from automp.bench.harness import cpu_refusal, device_name, fmt, free, gpu_slug, one_line, ratio_bars
+from automp.bench.harness import cpu_refusal, fmt, free, gpu_slug, one_line, provenance, ratio_bars
 from automp.files import write_json_and_markdown
 from automp.timing import time_fn
 
@@ -75,11 +75,16 @@ def _measure(row: dict[str, Any], name: str, mode: str, quick: bool, device: str
         return losses[-1]
 
     settled = getattr(automp, "settled", lambda: True)
+    if device == "cuda":  # the first run's peak counts from this mode's start: compile, warm-up and automp's trial
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     while len(losses) < warmup or (use_automp and not settled() and len(losses) < max_warmup):
         step()
     if device == "cuda":  # the cached blocks warm-up (and automp's trial) left go back: reserved counts what stays
         torch.cuda.synchronize()
+        row.update(first_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                   first_peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     row.update(compile_s=round(time.perf_counter() - t0, 2), warmup_steps=len(losses))
@@ -152,7 +157,7 @@ def _median_pass(rows: list[dict[str, Any]]) -> dict[str, Any]:
         row["step_ms_passes"] = [r.get("step_ms") for r in rows]
         if done:
             row["step_ms"] = statistics.median(r["step_ms"] for r in done)
-            for key in ("peak_gib", "peak_reserved_gib"):
+            for key in ("peak_gib", "peak_reserved_gib", "first_peak_gib", "first_peak_reserved_gib"):
                 peaks = [r[key] for r in done if r.get(key) is not None]
                 row[key] = max(peaks) if peaks else None
         errors = [r["error"] for r in rows if r.get("error")]
@@ -294,8 +299,7 @@ def main(argv: list[str]) -> int:
         return 2
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    meta = {"device": device_name(args.device), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "quick": args.quick, "passes": args.passes,
+    meta = {**provenance(args.device), "steps": args.steps, "quick": args.quick, "passes": args.passes,
             "interleave": args.interleave}
     print(f"automp bench zoo: {meta['device']}, torch {meta['torch']}, TF32 off, {args.steps} timed steps",
           flush=True)
