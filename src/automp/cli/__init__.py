@@ -11,6 +11,7 @@ from typing import Sequence
 
 from automp import __version__
 from automp.argtypes import int_at_least
+from automp.config import PATHS
 
 
 def _add_precision_args(p: argparse.ArgumentParser) -> None:
@@ -35,8 +36,7 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="write the precision report JSON here (under torchrun, rank 0 writes this path and rank N "
                         "writes <stem>.rankN<suffix> beside it)")
     p.add_argument("--path", default=None,
-                   choices=["auto", "compile", "eager", "autocast-compile", "autocast-graphs", "fp32", "fp8-compile",
-                            "fp8-graphs"],
+                   choices=list(PATHS),
                    help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
                         "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
                         "model and device; default: the environment's, else auto); or force one")
