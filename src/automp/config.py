@@ -10,7 +10,6 @@ This module imports nothing else of automp at import time: every layer may read 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 from dataclasses import dataclass, fields

@@ -108,11 +108,12 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
     for choice in report.get("choices", []):
         path, module = choice["path"], choice["module"]
         trial = calls_in_words((choice.get("calls") or {}).get("trial"), low)
+        no_graph = _no_graph(report, choice)
         if path == "as-written":
             parts.append(f"{module} as written ({_ASIDE.get(choice.get('rule'), 'left to the script')})")
         elif path == "unsettled":
             parts.append(f"{module} trial unfinished" + (f" (trial: {trial})" if trial else ""))
-        elif _no_graph(report, choice):
+        elif no_graph:
             parts.append(_without_graphs(report, choice, low))
         elif path == "fp32-eager":
             parts.append(f"{module} fp32-eager" + (f": kept FP32 as written (trial: {trial})" if trial else ""))
@@ -124,7 +125,7 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
             layers += f"; trial: {trial}" if trial else ""
             parts.append(f"{module} {path} ({low}{layers})")
         also = {p: n for p, n in ((choice.get("calls") or {}).get("chosen") or {}).items() if p != path}
-        if also and not _no_graph(report, choice):  # moved off its verdict's path, or some calls could not take it
+        if also and not no_graph:  # moved off its verdict's path, or some calls could not take it
             parts[-1] += "; also ran " + ", ".join(f"{n} call(s) {p}" for p, n in also.items()) + (
                 f" ({_IN_TRANSFORM})" if _fell_back(report, module, FUNCTORCH) else "")
     line = "; ".join(parts) or "no module ran under automp (none was called as model(x) while it was on)"

@@ -41,8 +41,8 @@ class Result:
 
 def commit(root: str | os.PathLike | None = None) -> str:
     """The commit the running code was checked out at, read from the checkout's .git (no git binary needed, so a
-    copy of the tree with its .git on a GPU host says it too), with "+dirty" where `git status` would show changes
-    is not checked (the caller commits before measuring); "unknown" outside a checkout."""
+    copy of the tree with its .git on a GPU host says it too); "unknown" outside a checkout. Uncommitted changes are
+    not detected: commit before measuring."""
     top = Path(root) if root is not None else Path(__file__).resolve().parents[3]
     git = top / ".git"
     try:

@@ -48,8 +48,8 @@ class QuantConfig:
 
     @property
     def edge_bits(self) -> int:
-        """Bits of lm_head and the input embedding: on a small model int4 there cost +2.7% perplexity where int8
-        cost +0.01% (BENCHMARKS.md, "Quantized inference"), for a few percent of a large model's bytes."""
+        """Bits of lm_head and the input embedding: on a small model int4 there cost perplexity where int8 cost
+        almost none (BENCHMARKS.md, "Perplexity"), for a few percent of a large model's bytes."""
         return SCHEMES[self.edge_scheme or self.scheme]
 
 

@@ -28,7 +28,7 @@ class Route(enum.Enum):
 # pool that stays for the rest of the trial; recorded before that round, the pool sits beside FP32 eager's
 # activations, the largest of any path and the path most often dropped in that round, and the trial's peak memory
 # then exceeds both the steady state's and the FP32 script's. Recorded last, it stays below the FP32 script's
-# (BENCHMARKS.md, "Large models").
+# (BENCHMARKS.md, "Measured on older code (one GPU)").
 RECORD_LAST = frozenset({Route.GRAPHED, Route.FP8_GRAPHED})
 EAGER_PATHS = (Route.FP32, Route.EAGER_LOW)  # no compilation: torch runs the module's calls as they come
 GRAPHED_PATHS = frozenset({Route.GRAPHED, Route.FP8_GRAPHED})  # replayed as CUDA graphs

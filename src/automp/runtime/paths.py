@@ -183,7 +183,7 @@ class RootPaths:
         """CUDA graphs only while automp runs a single module. Cudagraph trees start a new generation of their
         memory at a compiled call after a backward: a GAN's discriminator backward, then its call on the generator's
         output, freed the generator's saved activations before the generator's backward (the zoo's DCGAN crashed on
-        "accessing tensor output of CUDAGraphs that has been overwritten"; BENCHMARKS.md, "CUDA graphs"). So a second
+        "accessing tensor output of CUDAGraphs that has been overwritten"). So a second
         module that automp runs takes CUDA graphs out of every trial, and a module already on them moves to the same
         graphs without them (a forced path stays)."""
         roots = [r for r in self.roots.values() if r.aside is None]

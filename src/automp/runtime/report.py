@@ -63,7 +63,8 @@ def calls_in_words(calls: dict[str, int] | None, low: str) -> str:
     when there were none."""
     by: dict[str, int] = {}
     for path, n in (calls or {}).items():
-        by[precision_of(path, low)] = by.get(precision_of(path, low), 0) + n
+        precision = precision_of(path, low)
+        by[precision] = by.get(precision, 0) + n
     order = [low, "FP8", "FP32", "as written"]
     items = sorted(by.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
     return ", ".join(f"{n} calls {p}" if i == 0 else f"{n} {p}" for i, (p, n) in enumerate(items))

@@ -13,7 +13,6 @@ script starts on the winner and pays nothing.
 """
 from __future__ import annotations
 
-import enum
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -38,7 +37,7 @@ class TrialConfig:
     host can be a one-off for any path. anchor_margin: autocast-compiled is what a user hand-writes (stock Inductor
     under torch.autocast), so keeping it can never leave the script slower than that; automp's own graph pass replaces
     it only when it measured faster by more than the margin. Two identical loops differ by a few percent from run to
-    run (BENCHMARKS.md, "Noise between identical loops"), and trials that chose automp-compiled on a lead far inside
+    run (BENCHMARKS.md, "Noise"), and trials that chose automp-compiled on a lead far inside
     that noise were then slower in an interleaved run. fp32_margin: the same for the script as written (FP32 eager):
     any other path changes the script's numerics, so it must lead by more than the noise to be kept; on a small shared
     CPU, low precision chosen on a lead inside the noise then ran slower than FP32. confirm_after: a verdict for a

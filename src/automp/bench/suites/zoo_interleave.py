@@ -2,7 +2,7 @@
 
 The zoo runs its modes one after another, minutes apart, and a shared GPU host drifts by tens of percent over
 minutes: the same anchor, and automp's ratio to it, can move more between two runs than the effect being measured
-(BENCHMARKS.md, "Noise between identical loops"). Here both loops live in one process: the anchor
+(BENCHMARKS.md, "Noise"). Here both loops live in one process: the anchor
 (autocast-bf16 + torch.compile) is built and warmed up, automp runs its own trial to a verdict as a user's run would,
 then blocks of steps alternate A B, B A, ... and each side's median block time is compared. A drift slower than a block
 hits both.

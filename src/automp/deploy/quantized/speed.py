@@ -1,7 +1,7 @@
 """Is the quantized module faster than the same module in plain fp16/bf16? Measured, not assumed.
 
 Quantized kernels do not always pay: a W8A8 model can run slower than the fp16 model compiled the same way (small
-GEMMs, an extra activation-quantization kernel per layer; BENCHMARKS.md, "Quantized inference" has the numbers). A
+GEMMs, an extra activation-quantization kernel per layer; BENCHMARKS.md, "Deployment and encoders" has the numbers). A
 deployment engineer who asked for int8 may still want it (memory), but must not find out from production latency that it
 is slower. So on CUDA, with calibration data, the result is timed against the float model built the same way (same dtype
 boundary, same compile mode) on the first calibration batch, and the report says which was faster. The precision stays

@@ -3,7 +3,7 @@
 transformers models call `logger.warning_once(...)` inside forward (GPT-2's loss, for one). Dynamo cannot trace a
 Logger method, so each such call is a graph break: the forward becomes several graphs, the loss is compiled apart
 from the model and Inductor cannot fuse across the seam. Without the break automp's compiled GPT-2 step is clearly
-faster (the hand-written anchor gains nothing from the same switch; BENCHMARKS.md, "Log-once calls"), at the price of
+faster (the hand-written anchor gains nothing from the same switch), at the price of
 more peak memory, still well under the FP32 script's. That price is torch's pytorch/pytorch#131794: with the loss in the
 same graph, the logits become an output nobody differentiates, and AOTAutograd (through torch 2.13) hands the
 backward a materialized zero gradient of their size (checked on a CPU: the single graph's backward takes a [B, T,
