@@ -14,7 +14,10 @@ from automp.bench.suites import dist
 from tests import gloo
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-QUICK = ["--quick", "--steps", "1", "--blocks", "2", "--warmup", "1", "--first-steps", "1", "--max-warmup", "30",
+# --max-warmup: above the longest a CPU trial of the two eager paths can take to settle, so that `settled` does not
+# depend on the host's noise: 3 warm-up iterations and 4 rounds x 2 paths x 2 iterations; then, where the two came
+# within TrialConfig.confirm_within of each other, its re-measurement: 10 + 1 warm-up iterations and 16 timed (46).
+QUICK = ["--quick", "--steps", "1", "--blocks", "2", "--warmup", "1", "--first-steps", "1", "--max-warmup", "60",
          "--mode-timeout", "0"]
 KEYS = set(dist.ROW_KEYS) | {"device", "torch", "date"}
 
