@@ -25,6 +25,27 @@ def _triton_probe_not_poisoned():
             has_triton.cache_clear()
 
 
+@pytest.fixture(autouse=True)
+def _one_process_group_at_a_time(request, tmp_path_factory):
+    """Tests marked `ranks` start a multi-process gloo job: they take turns across pytest-xdist's workers, so that
+    no two jobs of several processes each share a 2-core CI host (where they ran late in collectives and at teardown)
+    and no rank of one job can reach a port that the kernel has handed on to another job's gloo listener (gloo aborts
+    a process whose listener accepts a connection that is dropped before its handshake). The lock file lies in the
+    run's shared base directory."""
+    if request.node.get_closest_marker("ranks") is None:
+        yield
+        return
+    import fcntl
+    root = tmp_path_factory.getbasetemp()
+    lock = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "automp-ranks.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture
 def fresh_session(tmp_path, monkeypatch):
     """An automp session test's isolation: its own verdict cache, no compiled graphs from earlier tests, and automp

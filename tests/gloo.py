@@ -2,18 +2,40 @@
 the spawn that runs `worker(rank, port, out, *args)` on every rank and loads what each rank saved as `<rank>.pt`, and
 `cpu_host`, which has a test run as on a machine without CUDA wherever it runs."""
 import os
+import random
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a job's TCP store, below the kernel's ephemeral range. A port the kernel handed out (bind to
+    port 0) and this function closed again can be handed to the next socket bound to port 0 before rank 0 binds it:
+    gloo's listeners are such sockets, and a rank of one test connecting to another test's gloo listener aborts that
+    process (gloo ends it when a peer connects and leaves). No process binds below the ephemeral range by itself."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 20000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def join(rank: int, port: int, timeout_s: float = 60, world_size: int = 2) -> None:
@@ -34,6 +56,17 @@ def cpu_host(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+def _rank(rank: int, worker, *args) -> None:
+    """A spawned rank: the worker, then an exit that skips the interpreter's teardown. A DDP or FSDP module still
+    alive there (in a reference cycle, or a local of a frame that outlived destroy_process_group) tears its gloo
+    reducer down during interpreter finalization, which aborts the process now and then (SIGABRT, "terminate called
+    without an active exception", torch 2.13 on the CPU). A worker that raises exits through mp.spawn as usual."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(worker, out: Path, *args, nprocs: int = 2) -> list:
     """Run worker(rank, port, str(out), *args) in `nprocs` processes; each rank's torch.save'd `<out>/<rank>.pt`.
     The ranks see no CUDA device: they are gloo ranks on the CPU, also on a GPU host."""
@@ -41,7 +74,7 @@ def spawn(worker, out: Path, *args, nprocs: int = 2) -> list:
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU (gloo) test: the spawned ranks inherit it and see no GPU
     try:
-        mp.spawn(worker, args=(free_port(), str(out), *args), nprocs=nprocs, join=True)
+        mp.spawn(_rank, args=(worker, free_port(), str(out), *args), nprocs=nprocs, join=True)
     finally:
         if before is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]

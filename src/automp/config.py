@@ -26,8 +26,10 @@ SPECS = ("a100", "cpu", "h100", "h200")  # automp.precision.cost.SPECS: the devi
 PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs", "fp8-compile", "fp8-graphs")
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
-               "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep", "RANK": "rank", "WORLD_SIZE": "world_size"}
-_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
+               "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep",
+               "AUTOMP_FUSE_LINEAR_CE": "fuse_linear_ce", "RANK": "rank", "WORLD_SIZE": "world_size"}
+_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_linear_ce", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs",
+          "debug")
 
 
 class FieldError(ValueError, TypeError):
@@ -66,6 +68,9 @@ class AutoMPConfig:
     under autocast, the same replayed as CUDA graphs, or the script as written.
     cache_dir: where calibration and verdicts are cached: given, else $AUTOMP_CACHE_DIR, else ~/.cache/automp
     (always resolved, so every cache of one run agrees on it).
+    fuse_linear_ce: on the stock compiled paths, compute an output layer followed by a cross-entropy (a causal LM's
+    loss) a block of rows at a time, without the whole FP32 logits (automp.precision.linear_ce), where the script
+    does not read the logits' gradient.
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
@@ -88,6 +93,7 @@ class AutoMPConfig:
     spec: str | None = None
     path: str = "auto"
     cache_dir: str | None = None
+    fuse_linear_ce: bool = True
     fuse_optimizers: bool = True
     tune_cudnn: bool = True
     tune_layout: bool = True
@@ -144,14 +150,14 @@ class AutoMPConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoMPConfig":
         """The configuration the environment asks for (AUTOMP_INNER, AUTOMP_PATH, AUTOMP_CACHE_DIR, AUTOMP_DEBUG,
-        AUTOMP_FP8_KEEP, torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
+        AUTOMP_FP8_KEEP, AUTOMP_FUSE_LINEAR_CE=0, torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
         env = os.environ if environ is None else environ
         found: dict[str, Any] = {}
         for var, name in ENVIRONMENT.items():
             raw = env.get(var, "")
             if raw == "":
                 continue
-            if name == "debug":
+            if name in ("debug", "fuse_linear_ce"):
                 found[name] = raw != "0"
             elif name in ("rank", "world_size"):
                 try:

@@ -20,7 +20,7 @@ import automp
 from automp.config import AutoMPConfig
 from automp.files import check_writable, same_file
 from automp.runtime.report import notice
-from automp.runtime.decisions import (COMPILE_FAILED, COMPILED_PATHS, FORCED, FUNCTORCH, HALF_MODEL,
+from automp.runtime.decisions import (AUTOCAST_PATHS, COMPILE_FAILED, COMPILED_PATHS, FORCED, FUNCTORCH, HALF_MODEL,
                                       SCRIPTS_AUTOCAST)
 
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
@@ -28,6 +28,7 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 _ASIDE = {SCRIPTS_AUTOCAST: "the script's own autocast", HALF_MODEL: "already half precision",
           COMPILE_FAILED: "compilation failed"}  # by rule
 _COMPILED = {r.value for r in COMPILED_PATHS}
+_STOCK = {r.value for r in AUTOCAST_PATHS}  # stock Inductor under autocast: the paths with graph rewrites
 _IN_TRANSFORM = "calls ran inside a torch.func transform, which torch.compile cannot trace from eager code"
 
 
@@ -124,6 +125,9 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
             layers += f", {gathered} all-gathered in FP8" if gathered else ""
             layers += f"; trial: {trial}" if trial else ""
             parts.append(f"{module} {path} ({low}{layers})")
+        fused = sum(1 for r in report.get("rewrites", []) if r["module"] == module)
+        if fused and path in _STOCK:
+            parts[-1] += f"; {fused} output layer(s) + cross-entropy in blocks, without the FP32 logits"
         also = {p: n for p, n in ((choice.get("calls") or {}).get("chosen") or {}).items() if p != path}
         if also and not no_graph:  # moved off its verdict's path, or some calls could not take it
             parts[-1] += "; also ran " + ", ".join(f"{n} call(s) {p}" for p, n in also.items()) + (

@@ -22,6 +22,7 @@ QUICK = ["--quick", "--steps", "1", "--blocks", "2", "--warmup", "1", "--first-s
 KEYS = set(dist.ROW_KEYS) | {"device", "torch", "date"}
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
 def test_quick_run_on_one_and_two_ranks(tmp_path, monkeypatch):

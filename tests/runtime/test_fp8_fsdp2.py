@@ -4,6 +4,7 @@ step runs the FP8 path on every rank, FSDP2 all-gathers those layers' weights in
 again after automp.disable), and the losses match the same FSDP2 model in bf16 closely."""
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -67,6 +68,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 @needs_scaled_mm
 def test_every_rank_runs_rank0s_fp8_layers_under_fsdp2(tmp_path):
     r0, r1 = gloo.spawn(_worker, tmp_path)

@@ -1,5 +1,6 @@
 """automp.runtime.ranks under torch.distributed (gloo, 2 processes): every rank runs rank 0's verdict, and which
 modules count as called in lockstep."""
+import pytest
 import torch.nn as nn
 
 from automp.runtime.ranks import lockstep
@@ -24,6 +25,7 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 def test_every_rank_runs_rank_0s_verdict(tmp_path):
     r0, r1 = gloo.spawn(_agree_worker, tmp_path)
     assert r0["path"] == r1["path"] == Route.COMPILED.value

@@ -61,6 +61,7 @@ def _ranks_worker(rank: int, port: int, out: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("kind,label", [("ddp", "DistributedDataParallel"), ("fsdp2", "FSDPLinear")])
 def test_every_rank_runs_the_same_path_at_every_iteration(tmp_path, kind, label):
     """Under torch.distributed the trial and its re-measurement end at the same iteration on every rank (rank 0's

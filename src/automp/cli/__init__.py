@@ -40,6 +40,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
                         "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
                         "model and device; default: the environment's, else auto); or force one")
+    p.add_argument("--no-fuse-linear-ce", dest="fuse_linear_ce", action="store_false",
+                   help="keep an output layer and its cross-entropy as the model computes them (default: compute "
+                        "them a block of rows at a time, without the whole FP32 logits, on the compiled paths)")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")

@@ -66,7 +66,8 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
 
 
-def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False) -> Callable[..., Any]:
+def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
+          rewrite: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
     region is part of the traced graph and compiles to different kernels: the BERT-base MLM step ran GEMMs in FP32
@@ -84,7 +85,10 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False)
     (graph_pool.PoolRelease).
 
     fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
-    (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers."""
+    (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers.
+
+    rewrite: a pass `GraphModule -> GraphModule` applied to each graph Dynamo captures before Inductor compiles it
+    (the session's graph rewrites: automp.precision.linear_ce)."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
     switch = fp8_active if fp8 else contextlib.nullcontext  # FP8 layers are off outside fp8.active()
 
@@ -94,6 +98,8 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False)
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
+        if rewrite is not None:
+            gm = rewrite(gm)
         with keyed_by_autocast():
             if graphs:
                 return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
@@ -120,6 +126,21 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False)
 
     graphed_call.pool = pool  # type: ignore[attr-defined]  # for the session, once it leaves the path
     return graphed_call
+
+
+def rewrites(config: Any, recorder: Any, label: str) -> Callable[[Any], Any] | None:
+    """The graph rewrites of a root's stock compiled paths (config.fuse_linear_ce), each site reported once. Holds the
+    root's label, not the root: see entry_point."""
+    if not config.fuse_linear_ce:
+        return None
+    from automp.precision.linear_ce import FUSED_LINEAR_CE, fuse_linear_cross_entropy
+
+    def rewrite(gm: Any) -> Any:
+        gm, sites = fuse_linear_cross_entropy(gm)
+        for site in sites:
+            recorder.add_rewrite(label, FUSED_LINEAR_CE, weight=site.weight, vocab=site.vocab)
+        return gm
+    return rewrite
 
 
 def autocast_tag() -> str:

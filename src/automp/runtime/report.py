@@ -95,6 +95,9 @@ class Recorder:
     # per root module: its calls by phase ("trial": while its paths were timed, the re-measurement included;
     # "chosen": on its verdict) and by the path each call really ran (count_call); reported in its choice
     calls: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    # graph rewrites on the compiled paths, one entry per site: {"module", "rule", "weight", "vocab"}
+    # (automp.precision.linear_ce)
+    rewrites: list[dict[str, Any]] = field(default_factory=list)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:
         """One graph entry per part (forward/backward/inference); each node's "dtype" is its compute dtype,
@@ -128,6 +131,12 @@ class Recorder:
         """A later entry for the same setting replaces the earlier one."""
         self.settings = [e for e in self.settings if e["setting"] != entry["setting"]] + [entry]
 
+    def add_rewrite(self, module: str, rule: str, **site: Any) -> None:
+        """A graph rewrite at one site of a module's compiled graph; the same site compiled again is listed once."""
+        entry = {"module": module, "rule": rule, **site}
+        if entry not in self.rewrites:
+            self.rewrites.append(entry)
+
     def add_fallback(self, where: str, why: str, rule: str | None = None) -> None:
         """`rule`: what tools key on (automp.runtime.decisions names the runtime's); the precision pass's own
         fallbacks (a graph that failed to compile) carry none."""
@@ -139,7 +148,7 @@ class Recorder:
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
                 "fallbacks": self.fallbacks, "choices": choices, "compiles": self.compiles,
                 "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings,
-                "fp8": self.fp8, "fp8_fallback": self.fp8_fallback}
+                "fp8": self.fp8, "fp8_fallback": self.fp8_fallback, "rewrites": self.rewrites}
 
     def save(self, path: str) -> None:
         from automp.files import atomic_output

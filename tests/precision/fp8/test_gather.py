@@ -7,6 +7,7 @@ bitwise agreement with FP32 parameters, unsharded-after-forward blocks, a checkp
 accumulation."""
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -138,6 +139,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.ranks
 @needs_scaled_mm
 def test_fp8_all_gather_gives_the_same_steps_as_bf16_gather(tmp_path):
     for r in gloo.spawn(_worker, tmp_path, nprocs=RANKS):
@@ -212,6 +214,7 @@ def _hsdp_worker(rank: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.ranks
 @needs_scaled_mm
 def test_fp8_all_gather_under_hsdp(tmp_path):
     for r in gloo.spawn(_hsdp_worker, tmp_path, nprocs=4):

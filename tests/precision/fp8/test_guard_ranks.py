@@ -2,6 +2,7 @@
 every rank skip the same step and report the same divergence, so the ranks keep equal weights and leave FP8 together."""
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -39,6 +40,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 def test_every_rank_skips_and_reports_alike(tmp_path):
     r0, r1 = gloo.spawn(_worker, tmp_path)
     for case in ("nan", "spike"):

@@ -27,6 +27,7 @@ print("ran to the end")
 '''
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo on the loopback interface")
 @pytest.mark.parametrize("failing", [0, 1])  # rank 0 hosts the store: its failure must still reach rank 1
 def test_a_failing_rank_stops_the_others(tmp_path, failing):

@@ -1,0 +1,67 @@
+"""The session rewrites a transformers causal LM's output layer + cross-entropy on its stock compiled path
+(config.fuse_linear_ce): the same losses and weights as without the rewrite, the site in the report and the summary
+line, and no rewrite where the script reads the logits."""
+import pytest
+import torch
+
+import automp
+from automp.config import AutoMPConfig
+from automp.launcher import summary
+from automp.runtime.decisions import Route
+from automp.runtime.session import Session
+from automp.runtime.trial import TrialConfig
+from tests.runtime.sessions import inject
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_session", "eager_inductor")
+
+
+def _train(fuse: bool, monkeypatch, read_logits: bool = False, steps: int = 8):
+    # the trial runs it eagerly first (the script's reads are seen there), then on the stock compiled path, which a
+    # clock of fixed costs per call makes the faster
+    cost, now, run = {Route.EAGER_LOW: 2.0, Route.COMPILED_AUTOCAST: 1.0}, [0.0], Session._run
+
+    def timed_run(self, module, root, path, args, kwargs):
+        out = run(self, module, root, path, args, kwargs)
+        now[0] += cost.get(path, 0.0)
+        return out
+
+    monkeypatch.setattr(Session, "_run", timed_run)
+    inject(monkeypatch, candidates=lambda device, low: ([Route.EAGER_LOW, Route.COMPILED_AUTOCAST], "test"),
+           clock=lambda: now[0],
+           trial_config=TrialConfig(warmup={Route.EAGER_LOW: 1, Route.COMPILED_AUTOCAST: 1}, measure=2, block=1))
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    automp.enable(dtype="bf16", fuse_linear_ce=fuse)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (2, 12), generator=g)
+        out = model(input_ids=ids, labels=ids)
+        loss = out.loss + (1e-3 * out.logits.float().pow(2).mean() if read_logits else 0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), automp.disable()
+
+
+def test_the_rewritten_step_trains_as_the_stock_one_and_is_reported(monkeypatch):
+    ref_losses, ref_params, ref_report = _train(False, monkeypatch)
+    losses, params, report = _train(True, monkeypatch)
+    assert ref_report["rewrites"] == []
+    assert [(r["module"], r["rule"], r["vocab"]) for r in report["rewrites"]] == [
+        ("LlamaForCausalLM", "fused-linear-ce", 256)]
+    # bf16 GEMMs on both sides, the loss's softmax in FP32 on both: eight AdamW steps apart by bf16 rounding only
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-2
+    assert (params - ref_params).norm() / ref_params.norm() < 1e-2
+    line = summary(report, AutoMPConfig())
+    assert "1 output layer(s) + cross-entropy in blocks" in line and "autocast-compiled" in line
+
+
+def test_logits_the_script_reads_keep_the_stock_graph(monkeypatch):
+    _, _, report = _train(True, monkeypatch, read_logits=True)
+    assert report["rewrites"] == []
