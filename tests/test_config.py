@@ -161,3 +161,13 @@ def test_a_none_or_wrongly_typed_field_is_one_clear_error_naming_it(name, value,
     with pytest.raises(ValueError, match=accepts):  # the same through enable(), before anything is installed
         automp.enable(**{name: value})
     assert not automp.is_enabled() and nn.Module.__call__ is ORIG_CALL
+
+
+def test_fused_linear_ce_is_off_unless_asked_for_on_the_command_line_or_in_the_environment():
+    from automp.cli import build_parser
+    parse = build_parser().parse_args
+    assert AutoMPConfig().fuse_linear_ce is False
+    assert AutoMPConfig.from_cli(parse(["run", "s.py"]), {}).fuse_linear_ce is False
+    assert AutoMPConfig.from_cli(parse(["run", "--fuse-linear-ce", "s.py"]), {}).fuse_linear_ce is True
+    assert AutoMPConfig.from_cli(parse(["run", "s.py"]), {"AUTOMP_FUSE_LINEAR_CE": "1"}).fuse_linear_ce is True
+    assert AutoMPConfig.from_env({"AUTOMP_FUSE_LINEAR_CE": "0"}).fuse_linear_ce is False

@@ -69,8 +69,10 @@ class AutoMPConfig:
     cache_dir: where calibration and verdicts are cached: given, else $AUTOMP_CACHE_DIR, else ~/.cache/automp
     (always resolved, so every cache of one run agrees on it).
     fuse_linear_ce: on the stock compiled paths, compute an output layer followed by a cross-entropy (a causal LM's
-    loss) a block of rows at a time, without the whole FP32 logits (automp.precision.linear_ce), where the script
-    does not read the logits' gradient.
+    loss) a block of rows at a time (automp.precision.linear_ce), where the script does not read the logits'
+    gradient: the loss's memory stops growing with the tokens of a batch. Off by default: on an H100 at Llama-3.2-1B's
+    head (8k tokens, 128k vocabulary) it took 1.13-1.30x Inductor's time for the same peak (BENCHMARKS.md,
+    "Output layer + cross-entropy").
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
@@ -93,7 +95,7 @@ class AutoMPConfig:
     spec: str | None = None
     path: str = "auto"
     cache_dir: str | None = None
-    fuse_linear_ce: bool = True
+    fuse_linear_ce: bool = False
     fuse_optimizers: bool = True
     tune_cudnn: bool = True
     tune_layout: bool = True
@@ -150,7 +152,7 @@ class AutoMPConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoMPConfig":
         """The configuration the environment asks for (AUTOMP_INNER, AUTOMP_PATH, AUTOMP_CACHE_DIR, AUTOMP_DEBUG,
-        AUTOMP_FP8_KEEP, AUTOMP_FUSE_LINEAR_CE=0, torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
+        AUTOMP_FP8_KEEP, AUTOMP_FUSE_LINEAR_CE=1, torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
         env = os.environ if environ is None else environ
         found: dict[str, Any] = {}
         for var, name in ENVIRONMENT.items():

@@ -34,7 +34,8 @@ def _train(fuse: bool, monkeypatch, read_logits: bool = False, steps: int = 8):
                                    num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # updates in proportion to the gradients (Adam's are not)
+    start = torch.cat([p.detach().flatten() for p in model.parameters()])
     automp.enable(dtype="bf16", fuse_linear_ce=fuse)
     g = torch.Generator().manual_seed(3)
     losses = []
@@ -46,18 +47,19 @@ def _train(fuse: bool, monkeypatch, read_logits: bool = False, steps: int = 8):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), automp.disable()
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return losses, params - start, automp.disable()
 
 
 def test_the_rewritten_step_trains_as_the_stock_one_and_is_reported(monkeypatch):
-    ref_losses, ref_params, ref_report = _train(False, monkeypatch)
-    losses, params, report = _train(True, monkeypatch)
+    ref_losses, ref_moved, ref_report = _train(False, monkeypatch)
+    losses, moved, report = _train(True, monkeypatch)
     assert ref_report["rewrites"] == []
     assert [(r["module"], r["rule"], r["vocab"]) for r in report["rewrites"]] == [
         ("LlamaForCausalLM", "fused-linear-ce", 256)]
-    # bf16 GEMMs on both sides, the loss's softmax in FP32 on both: eight AdamW steps apart by bf16 rounding only
+    # bf16 GEMMs on both sides, the loss's softmax in FP32 on both: eight SGD steps apart by bf16 rounding only
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-2
-    assert (params - ref_params).norm() / ref_params.norm() < 1e-2
+    assert (moved - ref_moved).norm() / ref_moved.norm() < 3e-2
     line = summary(report, AutoMPConfig())
     assert "1 output layer(s) + cross-entropy in blocks" in line and "autocast-compiled" in line
 

@@ -40,9 +40,10 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
                         "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
                         "model and device; default: the environment's, else auto); or force one")
-    p.add_argument("--no-fuse-linear-ce", dest="fuse_linear_ce", action="store_false",
-                   help="keep an output layer and its cross-entropy as the model computes them (default: compute "
-                        "them a block of rows at a time, without the whole FP32 logits, on the compiled paths)")
+    p.add_argument("--fuse-linear-ce", dest="fuse_linear_ce", action="store_true", default=None,
+                   help="compute an output layer and its cross-entropy a block of rows at a time on the stock "
+                        "compiled paths: memory that no longer grows with the tokens, for some of the head's speed "
+                        "(default: the environment's AUTOMP_FUSE_LINEAR_CE, else off)")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_report)
 
     suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "fp8", "fp8_parity",
-              "dist", "llm"]
+              "dist", "linear_ce", "llm"]
     p = sub.add_parser("bench", help="benchmarks: " + " | ".join(suites) + " (llm = `automp llm bench`)")
     p.add_argument("suite", choices=suites, help="the benchmark suite to run")
     _rest(p, "the suite's own arguments (`automp bench SUITE --help` lists them)")
