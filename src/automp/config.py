@@ -70,9 +70,8 @@ class AutoMPConfig:
     (always resolved, so every cache of one run agrees on it).
     fuse_linear_ce: on the stock compiled paths, compute an output layer followed by a cross-entropy (a causal LM's
     loss) a block of rows at a time (automp.precision.linear_ce), where the script does not read the logits'
-    gradient: the loss's memory stops growing with the tokens of a batch. Off by default: on an H100 at Llama-3.2-1B's
-    head (8k tokens, 128k vocabulary) it took 1.13-1.30x Inductor's time for the same peak (BENCHMARKS.md,
-    "Output layer + cross-entropy").
+    gradient. Off by default: at Llama-3.2-1B's head it was slower than Inductor's own graph and no smaller
+    (BENCHMARKS.md, "Output layer + cross-entropy in blocks").
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep

@@ -42,8 +42,8 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                         "model and device; default: the environment's, else auto); or force one")
     p.add_argument("--fuse-linear-ce", dest="fuse_linear_ce", action="store_true", default=None,
                    help="compute an output layer and its cross-entropy a block of rows at a time on the stock "
-                        "compiled paths: memory that no longer grows with the tokens, for some of the head's speed "
-                        "(default: the environment's AUTOMP_FUSE_LINEAR_CE, else off)")
+                        "compiled paths (experimental: slower than Inductor's own graph where measured, BENCHMARKS.md; "
+                        "default: the environment's AUTOMP_FUSE_LINEAR_CE, else off)")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")

@@ -18,10 +18,11 @@ The rewrite is a pass `GraphModule -> GraphModule` on the graph Dynamo captures,
 below is traced into the joint graph like any autograd.Function, so Inductor fuses each block's softmax arithmetic.
 
 Off by default (config.fuse_linear_ce). Inductor already keeps the stock graph lean: it fuses the upcast into the
-softmax and holds the logits and their gradient in bf16, so at Llama-3.2-1B's head (8k tokens, 128k vocabulary, H100)
-the blocks saved no memory and took 1.13-1.30x its time, most of the difference being the FP32 weight gradient
-read and written once per block (BENCHMARKS.md, "Output layer + cross-entropy"). What they do give is a loss whose
-memory does not grow with the batch's tokens.
+softmax and holds the logits and their gradient in bf16. At Llama-3.2-1B's head the blocks were slower, the FP32
+weight gradient being read and written once per block, and no smaller: traced into the compiled graph, the blocks'
+buffers are scheduled together rather than one block at a time (BENCHMARKS.md, "Output layer + cross-entropy in
+blocks"). The pass (which sites, the detached-logits rule, the
+report) stands; the blocks need an operator Inductor does not schedule into.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-BLOCK_VALUES = 1 << 27  # FP32 logits of one block: 512 MiB, a few blocks for a 128k vocabulary at 8k tokens
+BLOCK_VALUES = 1 << 27  # FP32 logits of one block: 2**27 values, 8 blocks for a 128k vocabulary at 8k tokens
 FUSED_LINEAR_CE = "fused-linear-ce"  # the report's rule for a rewritten site
 
 
