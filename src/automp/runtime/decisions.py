@@ -75,6 +75,7 @@ GRAPH_BREAK = "graph-break"  # Dynamo broke a graph (guards.graph_breaks)
 RNN_FUSED = "rnn-fused"  # the break automp makes at an RNN, by design (guards.rnn)
 FP8_OFF = "fp8-off"  # FP8 not used for a module (no FP8 on its device, no GEMM times, none chosen)
 FP8_SKIPPED = "fp8-skipped-steps"  # optimizer steps the FP8 loss watch skipped
+TRIAL_OOM = "trial-out-of-memory"  # a candidate ran out of device memory in the trial and left it (paths.out_of_memory)
 
 
 @dataclass

@@ -8,6 +8,7 @@ respect to inputs, a script that manages precision itself).
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -18,11 +19,12 @@ import torch.nn as nn
 from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool
 from automp.runtime.guards import input_grads
+from automp.runtime.guards.oom import oom_size
 from automp.runtime.fp32_bound import Fp32Floor
-from automp.runtime.report import Recorder, notices_from_warnings
+from automp.runtime.report import Recorder, notice, notices_from_warnings
 from automp.runtime.decisions import (COMPILED_PATHS, GRAPHED_PATHS, GRAPHS_OFF, INPUT_GRADS, ONLY_CANDIDATE,
-                                      RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, UNSETTLED, WITHOUT_GRAPHS, Route,
-                                      Verdict, forced)
+                                      RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, TRIAL_OOM, UNSETTLED,
+                                      WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.trial import Trial, TrialConfig, candidate_paths, confirmation
 from automp.runtime.ranks import agreed, distributed, for_ranks
 from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
@@ -281,6 +283,45 @@ class RootPaths:
             self.forget(module)
         self.recorder.add_choice(root.label, as_written(rule), why)
         self.scaling.hand_over(stop=rule == SCRIPTS_AUTOCAST)
+
+    def trial_call(self, root: Root, run: Callable[[Route], Any]) -> Any:
+        """run(path) for a call while the root's trial runs. A candidate that runs out of device memory in it leaves
+        the trial and the call runs again on the next one (out_of_memory), so the script loses no step: the error
+        came before the call returned, so nothing of it reached the script's autograd graph or its optimizer."""
+        while True:
+            path = root.trial.current if root.path is None else root.path
+            try:
+                return run(path)
+            except torch.OutOfMemoryError as e:
+                if root.path is not None or not self.out_of_memory(root, path, e):
+                    raise
+
+    def out_of_memory(self, root: Root, path: Route, error: BaseException) -> bool:
+        """A trial's candidate ran out of device memory in a call: it leaves the trial, what it built is dropped and
+        the device's cached blocks go back, so that the call can run again on the next candidate (True). False where
+        the error is the script's to see: the trial has no other candidate, or the module runs in lockstep on several
+        ranks, whose trials must take the same turns on every rank (one rank alone leaving a candidate would stall
+        the others in their collectives)."""
+        trial = root.trial
+        if trial is None or trial.verdict is not None or path not in trial.alive or len(trial.alive) < 2 \
+                or root.lockstep:
+            return False
+        asked = oom_size(error)
+        why = f"{path.value} ran out of device memory in the trial{f' (it asked for {asked} more)' if asked else ''}"
+        trial.exclude({path}, why)
+        self.recorder.add_fallback(root.label, why, TRIAL_OOM)
+        notice(f"automp: {root.label}: {why}; the trial goes on without it")
+        if path in BUILT:
+            dropped = built(root, path)
+            setattr(root, BUILT[path], None)
+            if dropped is not None and getattr(dropped, "pool", None) is not None:
+                self.release_graphs(dropped.pool)
+            dropped = None
+        gc.collect()
+        compiled_paths.release_cached(root.device)
+        if trial.verdict is not None:
+            self.settle(trial)
+        return True
 
     def keep_eager(self, root: Root) -> None:
         """Off the compiled paths for good (automp.runtime.guards.input_grads): out of its trial, or onto a new trial of the

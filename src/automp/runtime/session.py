@@ -30,6 +30,7 @@ from automp.precision.capture import make_backend, traceable_attention
 from automp.precision.paint import PrecisionConfig
 from automp.runtime import call_state, compiled_paths
 from automp.runtime.guards import input_grads, rnn
+from automp.runtime.guards.oom import oom_cause
 from automp.runtime.fp8_layers import Fp8Layers
 from automp.runtime.guards.graph_breaks import graph_breaks, report_graph_breaks
 from automp.runtime.guards.once_logging import ignore_once_logging
@@ -229,7 +230,7 @@ class Session:
             if root.confirm.verdict is not None:
                 self.paths.confirmed(root.confirm)
         if root.path is None:
-            return self._run(module, root, root.trial.current, args, kwargs)
+            return self.paths.trial_call(root, lambda path: self._run(module, root, path, args, kwargs))
         path = root.confirm.current if root.confirm else root.path
         eager, layout, tuning = path in EAGER_PATHS, self.layout, self.tuning
         if root.confirm is None:
@@ -279,6 +280,9 @@ class Session:
                     out = compiled(*args, **kwargs)
                 return self._deliver(root, out, lambda: self._run(module, root, path, args, kwargs, count=False))
             except torch._dynamo.exc.TorchDynamoException as e:
+                oom = oom_cause(e)
+                if oom is not None and root.path is None:  # compiling ran out of memory: the trial's to handle
+                    raise oom from e
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
                 # own error and propagates once, untouched.
@@ -443,3 +447,4 @@ def _device_name(device: torch.device) -> str:
 
 def _spec(config: AutoMPConfig, device: torch.device) -> cost.DeviceSpec:
     return cost.spec_named(config.spec) if config.spec else cost.spec_for(device)
+
