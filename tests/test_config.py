@@ -171,3 +171,13 @@ def test_fused_linear_ce_is_off_unless_asked_for_on_the_command_line_or_in_the_e
     assert AutoMPConfig.from_cli(parse(["run", "--fuse-linear-ce", "s.py"]), {}).fuse_linear_ce is True
     assert AutoMPConfig.from_cli(parse(["run", "s.py"]), {"AUTOMP_FUSE_LINEAR_CE": "1"}).fuse_linear_ce is True
     assert AutoMPConfig.from_env({"AUTOMP_FUSE_LINEAR_CE": "0"}).fuse_linear_ce is False
+
+
+def test_fused_siblings_are_off_unless_asked_for():
+    from automp.cli import build_parser
+    parse = build_parser().parse_args
+    assert AutoMPConfig().fuse_siblings is False
+    assert AutoMPConfig.from_cli(parse(["run", "--fuse-siblings", "s.py"]), {}).fuse_siblings is True
+    assert AutoMPConfig.from_cli(parse(["run", "s.py"]), {"AUTOMP_FUSE_SIBLINGS": "1"}).fuse_siblings is True
+    with pytest.raises(TypeError, match="fuse_siblings must be"):
+        AutoMPConfig(fuse_siblings="yes")

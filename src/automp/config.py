@@ -27,9 +27,10 @@ PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graph
 # environment variable -> field; read by from_env only (cache_dir's default also at construction, see cache_dir)
 ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR": "cache_dir",
                "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep",
-               "AUTOMP_FUSE_LINEAR_CE": "fuse_linear_ce", "RANK": "rank", "WORLD_SIZE": "world_size"}
-_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_linear_ce", "fuse_optimizers", "tune_cudnn", "tune_layout", "cuda_graphs",
-          "debug")
+               "AUTOMP_FUSE_SIBLINGS": "fuse_siblings", "AUTOMP_FUSE_LINEAR_CE": "fuse_linear_ce", "RANK": "rank",
+               "WORLD_SIZE": "world_size"}
+_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_siblings", "fuse_linear_ce", "fuse_optimizers", "tune_cudnn",
+          "tune_layout", "cuda_graphs", "debug")
 
 
 class FieldError(ValueError, TypeError):
@@ -68,6 +69,9 @@ class AutoMPConfig:
     under autocast, the same replayed as CUDA graphs, or the script as written.
     cache_dir: where calibration and verdicts are cached: given, else $AUTOMP_CACHE_DIR, else ~/.cache/automp
     (always resolved, so every cache of one run agrees on it).
+    fuse_siblings: on the stock compiled paths, run linear layers that read the same input (query, key and value;
+    gate and up) as one GEMM on their weights concatenated in the graph (automp.precision.siblings); the parameters,
+    their gradients and state_dict stay as they are. Off by default until measured faster.
     fuse_linear_ce: on the stock compiled paths, compute an output layer followed by a cross-entropy (a causal LM's
     loss) a block of rows at a time (automp.precision.linear_ce), where the script does not read the logits'
     gradient. Off by default: at Llama-3.2-1B's head it was slower than Inductor's own graph and no smaller
@@ -94,6 +98,7 @@ class AutoMPConfig:
     spec: str | None = None
     path: str = "auto"
     cache_dir: str | None = None
+    fuse_siblings: bool = False
     fuse_linear_ce: bool = False
     fuse_optimizers: bool = True
     tune_cudnn: bool = True
@@ -151,14 +156,15 @@ class AutoMPConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "AutoMPConfig":
         """The configuration the environment asks for (AUTOMP_INNER, AUTOMP_PATH, AUTOMP_CACHE_DIR, AUTOMP_DEBUG,
-        AUTOMP_FP8_KEEP, AUTOMP_FUSE_LINEAR_CE=1, torchrun's RANK and WORLD_SIZE), with `overrides` (any field) winning over it."""
+        AUTOMP_FP8_KEEP, AUTOMP_FUSE_SIBLINGS=1, AUTOMP_FUSE_LINEAR_CE=1, torchrun's RANK and WORLD_SIZE), with
+        `overrides` (any field) winning over it."""
         env = os.environ if environ is None else environ
         found: dict[str, Any] = {}
         for var, name in ENVIRONMENT.items():
             raw = env.get(var, "")
             if raw == "":
                 continue
-            if name in ("debug", "fuse_linear_ce"):
+            if name in ("debug", "fuse_siblings", "fuse_linear_ce"):
                 found[name] = raw != "0"
             elif name in ("rank", "world_size"):
                 try:

@@ -29,6 +29,8 @@ _ASIDE = {SCRIPTS_AUTOCAST: "the script's own autocast", HALF_MODEL: "already ha
           COMPILE_FAILED: "compilation failed"}  # by rule
 _COMPILED = {r.value for r in COMPILED_PATHS}
 _STOCK = {r.value for r in AUTOCAST_PATHS}  # stock Inductor under autocast: the paths with graph rewrites
+_REWRITES = {"fused-sibling-linears": "sibling linear group(s) as one GEMM",
+             "fused-linear-ce": "output layer(s) + cross-entropy in blocks"}  # precision.siblings / linear_ce rules
 _IN_TRANSFORM = "calls ran inside a torch.func transform, which torch.compile cannot trace from eager code"
 
 
@@ -125,9 +127,10 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
             layers += f", {gathered} all-gathered in FP8" if gathered else ""
             layers += f"; trial: {trial}" if trial else ""
             parts.append(f"{module} {path} ({low}{layers})")
-        fused = sum(1 for r in report.get("rewrites", []) if r["module"] == module)
-        if fused and path in _STOCK:
-            parts[-1] += f"; {fused} output layer(s) + cross-entropy in blocks, without the FP32 logits"
+        rules = [r["rule"] for r in report.get("rewrites", []) if r["module"] == module]
+        if path in _STOCK and rules:
+            parts[-1] += "; " + ", ".join(f"{rules.count(rule)} {words}" for rule, words in _REWRITES.items()
+                                          if rule in rules)
         also = {p: n for p, n in ((choice.get("calls") or {}).get("chosen") or {}).items() if p != path}
         if also and not no_graph:  # moved off its verdict's path, or some calls could not take it
             parts[-1] += "; also ran " + ", ".join(f"{n} call(s) {p}" for p, n in also.items()) + (

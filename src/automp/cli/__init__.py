@@ -40,6 +40,10 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="auto: time automp's compiled pass, low-precision eager, stock Inductor under autocast (with "
                         "and without CUDA graphs) and FP32 in the first iterations and keep the fastest (cached per "
                         "model and device; default: the environment's, else auto); or force one")
+    p.add_argument("--fuse-siblings", dest="fuse_siblings", action="store_true", default=None,
+                   help="run linear layers that read the same input (query/key/value, gate/up) as one GEMM on the "
+                        "stock compiled paths (experimental, not yet measured; default: the environment's "
+                        "AUTOMP_FUSE_SIBLINGS, else off)")
     p.add_argument("--fuse-linear-ce", dest="fuse_linear_ce", action="store_true", default=None,
                    help="compute an output layer and its cross-entropy a block of rows at a time on the stock "
                         "compiled paths (experimental: slower than Inductor's own graph where measured, BENCHMARKS.md; "

@@ -67,7 +67,7 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
 
 
 def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
-          rewrite: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
+          rewrite: Callable[[Any, Any], Any] | None = None) -> Callable[..., Any]:
     """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
     region is part of the traced graph and compiles to different kernels: the BERT-base MLM step ran GEMMs in FP32
@@ -87,8 +87,8 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
     (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers.
 
-    rewrite: a pass `GraphModule -> GraphModule` applied to each graph Dynamo captures before Inductor compiles it
-    (the session's graph rewrites: automp.precision.linear_ce)."""
+    rewrite: `rewrite(gm, example_inputs) -> gm`, applied to each graph Dynamo captures before Inductor compiles it
+    (the session's graph rewrites: `rewrites`)."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
     switch = fp8_active if fp8 else contextlib.nullcontext  # FP8 layers are off outside fp8.active()
 
@@ -99,7 +99,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     def inductor(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
         if rewrite is not None:
-            gm = rewrite(gm)
+            gm = rewrite(gm, example_inputs)
         with keyed_by_autocast():
             if graphs:
                 return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
@@ -128,17 +128,24 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     return graphed_call
 
 
-def rewrites(config: Any, recorder: Any, label: str) -> Callable[[Any], Any] | None:
-    """The graph rewrites of a root's stock compiled paths (config.fuse_linear_ce), each site reported once. Holds the
+def rewrites(config: Any, recorder: Any, label: str) -> Callable[[Any, Any], Any] | None:
+    """The graph rewrites of a root's stock compiled paths, those the configuration asks for (config.fuse_siblings:
+    automp.precision.siblings; config.fuse_linear_ce: automp.precision.linear_ce), each site reported once. Holds the
     root's label, not the root: see entry_point."""
-    if not config.fuse_linear_ce:
+    if not (config.fuse_siblings or config.fuse_linear_ce):
         return None
     from automp.precision.linear_ce import FUSED_LINEAR_CE, fuse_linear_cross_entropy
+    from automp.precision.siblings import FUSED_SIBLINGS, fuse_sibling_linears
 
-    def rewrite(gm: Any) -> Any:
-        gm, sites = fuse_linear_cross_entropy(gm)
-        for site in sites:
-            recorder.add_rewrite(label, FUSED_LINEAR_CE, weight=site.weight, vocab=site.vocab)
+    def rewrite(gm: Any, example_inputs: Any) -> Any:
+        if config.fuse_siblings:
+            gm, groups = fuse_sibling_linears(gm, example_inputs)
+            for group in groups:
+                recorder.add_rewrite(label, FUSED_SIBLINGS, weights=list(group.weights), widths=list(group.widths))
+        if config.fuse_linear_ce:
+            gm, sites = fuse_linear_cross_entropy(gm)
+            for site in sites:
+                recorder.add_rewrite(label, FUSED_LINEAR_CE, weight=site.weight, vocab=site.vocab)
         return gm
     return rewrite
 

@@ -1,6 +1,7 @@
-"""The session rewrites a transformers causal LM's output layer + cross-entropy on its stock compiled path
-(config.fuse_linear_ce): the same losses and weights as without the rewrite, the site in the report and the summary
-line, and no rewrite where the script reads the logits."""
+"""The session's graph rewrites on a transformers causal LM's stock compiled path, sibling linear layers as one GEMM
+(config.fuse_siblings) and the output layer + cross-entropy in blocks (config.fuse_linear_ce): the same losses and
+weight updates as without them, each site in the report and the summary line, and no cross-entropy rewrite where the
+script reads the logits."""
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_session", "eager_inductor")
 
 
-def _train(fuse: bool, monkeypatch, read_logits: bool = False, steps: int = 8):
+def _train(monkeypatch, read_logits: bool = False, steps: int = 8, **fuse):
     # the trial runs it eagerly first (the script's reads are seen there), then on the stock compiled path, which a
     # clock of fixed costs per call makes the faster
     cost, now, run = {Route.EAGER_LOW: 2.0, Route.COMPILED_AUTOCAST: 1.0}, [0.0], Session._run
@@ -36,7 +37,7 @@ def _train(fuse: bool, monkeypatch, read_logits: bool = False, steps: int = 8):
     model = transformers.LlamaForCausalLM(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)  # updates in proportion to the gradients (Adam's are not)
     start = torch.cat([p.detach().flatten() for p in model.parameters()])
-    automp.enable(dtype="bf16", fuse_linear_ce=fuse)
+    automp.enable(dtype="bf16", **fuse)
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
@@ -52,8 +53,8 @@ def _train(fuse: bool, monkeypatch, read_logits: bool = False, steps: int = 8):
 
 
 def test_the_rewritten_step_trains_as_the_stock_one_and_is_reported(monkeypatch):
-    ref_losses, ref_moved, ref_report = _train(False, monkeypatch)
-    losses, moved, report = _train(True, monkeypatch)
+    ref_losses, ref_moved, ref_report = _train(monkeypatch)
+    losses, moved, report = _train(monkeypatch, fuse_linear_ce=True)
     assert ref_report["rewrites"] == []
     assert [(r["module"], r["rule"], r["vocab"]) for r in report["rewrites"]] == [
         ("LlamaForCausalLM", "fused-linear-ce", 256)]
@@ -65,5 +66,15 @@ def test_the_rewritten_step_trains_as_the_stock_one_and_is_reported(monkeypatch)
 
 
 def test_logits_the_script_reads_keep_the_stock_graph(monkeypatch):
-    _, _, report = _train(True, monkeypatch, read_logits=True)
+    _, _, report = _train(monkeypatch, read_logits=True, fuse_linear_ce=True)
     assert report["rewrites"] == []
+
+
+def test_sibling_layers_join_and_train_as_the_stock_step(monkeypatch):
+    ref_losses, ref_moved, _ = _train(monkeypatch)
+    losses, moved, report = _train(monkeypatch, fuse_siblings=True)
+    assert sorted(r["widths"] for r in report["rewrites"] if r["rule"] == "fused-sibling-linears") == [
+        [32, 16, 16], [64, 64]]  # query/key/value and gate/up of the one layer, listed once however often compiled
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-2
+    assert (moved - ref_moved).norm() / ref_moved.norm() < 3e-2
+    assert "2 sibling linear group(s) as one GEMM" in summary(report, AutoMPConfig())
