@@ -69,10 +69,10 @@ class AutoMPConfig:
     under autocast, the same replayed as CUDA graphs, or the script as written.
     cache_dir: where calibration and verdicts are cached: given, else $AUTOMP_CACHE_DIR, else ~/.cache/automp
     (always resolved, so every cache of one run agrees on it).
-    fuse_siblings: on the stock compiled paths, run linear layers that read the same input (query, key and value;
+    fuse_siblings: on the compiled paths, run linear layers that read the same input (query, key and value;
     gate and up) as one GEMM on their weights concatenated in the graph (automp.precision.siblings); the parameters,
     their gradients and state_dict stay as they are. Off by default until measured faster.
-    fuse_linear_ce: on the stock compiled paths, compute an output layer followed by a cross-entropy (a causal LM's
+    fuse_linear_ce: on the compiled paths, compute an output layer followed by a cross-entropy (a causal LM's
     loss) a block of rows at a time (automp.precision.linear_ce), where the script does not read the logits'
     gradient. Off by default: at Llama-3.2-1B's head it was slower than Inductor's own graph and no smaller
     (BENCHMARKS.md, "Output layer + cross-entropy in blocks").

@@ -20,7 +20,7 @@ import automp
 from automp.config import AutoMPConfig
 from automp.files import check_writable, same_file
 from automp.runtime.report import notice
-from automp.runtime.decisions import (AUTOCAST_PATHS, COMPILE_FAILED, COMPILED_PATHS, FORCED, FUNCTORCH, HALF_MODEL,
+from automp.runtime.decisions import (COMPILE_FAILED, COMPILED_PATHS, FORCED, FUNCTORCH, HALF_MODEL,
                                       SCRIPTS_AUTOCAST)
 
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
@@ -28,7 +28,6 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 _ASIDE = {SCRIPTS_AUTOCAST: "the script's own autocast", HALF_MODEL: "already half precision",
           COMPILE_FAILED: "compilation failed"}  # by rule
 _COMPILED = {r.value for r in COMPILED_PATHS}
-_STOCK = {r.value for r in AUTOCAST_PATHS}  # stock Inductor under autocast: the paths with graph rewrites
 _REWRITES = {"fused-sibling-linears": "sibling linear group(s) as one GEMM",
              "fused-linear-ce": "output layer(s) + cross-entropy in blocks"}  # precision.siblings / linear_ce rules
 _IN_TRANSFORM = "calls ran inside a torch.func transform, which torch.compile cannot trace from eager code"
@@ -128,7 +127,7 @@ def summary(report: dict[str, Any], config: AutoMPConfig) -> str:
             layers += f"; trial: {trial}" if trial else ""
             parts.append(f"{module} {path} ({low}{layers})")
         rules = [r["rule"] for r in report.get("rewrites", []) if r["module"] == module]
-        if path in _STOCK and rules:
+        if path in _COMPILED and rules:
             parts[-1] += "; " + ", ".join(f"{rules.count(rule)} {words}" for rule, words in _REWRITES.items()
                                           if rule in rules)
         also = {p: n for p, n in ((choice.get("calls") or {}).get("chosen") or {}).items() if p != path}

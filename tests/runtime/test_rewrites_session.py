@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_session", "eager_inductor")
 
 
-def _train(monkeypatch, read_logits: bool = False, steps: int = 8, **fuse):
-    # the trial runs it eagerly first (the script's reads are seen there), then on the stock compiled path, which a
-    # clock of fixed costs per call makes the faster
-    cost, now, run = {Route.EAGER_LOW: 2.0, Route.COMPILED_AUTOCAST: 1.0}, [0.0], Session._run
+def _train(monkeypatch, read_logits: bool = False, steps: int = 8, route: Route = Route.COMPILED_AUTOCAST, **fuse):
+    # the trial runs it eagerly first (the script's reads are seen there), then on the compiled `route`, which a clock
+    # of fixed costs per call makes the faster
+    cost, now, run = {Route.EAGER_LOW: 2.0, route: 1.0}, [0.0], Session._run
 
     def timed_run(self, module, root, path, args, kwargs):
         out = run(self, module, root, path, args, kwargs)
@@ -28,9 +28,8 @@ def _train(monkeypatch, read_logits: bool = False, steps: int = 8, **fuse):
         return out
 
     monkeypatch.setattr(Session, "_run", timed_run)
-    inject(monkeypatch, candidates=lambda device, low: ([Route.EAGER_LOW, Route.COMPILED_AUTOCAST], "test"),
-           clock=lambda: now[0],
-           trial_config=TrialConfig(warmup={Route.EAGER_LOW: 1, Route.COMPILED_AUTOCAST: 1}, measure=2, block=1))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.EAGER_LOW, route], "test"), clock=lambda: now[0],
+           trial_config=TrialConfig(warmup={Route.EAGER_LOW: 1, route: 1}, measure=2, block=1))
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
@@ -70,11 +69,13 @@ def test_logits_the_script_reads_keep_the_stock_graph(monkeypatch):
     assert report["rewrites"] == []
 
 
-def test_sibling_layers_join_and_train_as_the_stock_step(monkeypatch):
-    ref_losses, ref_moved, _ = _train(monkeypatch)
-    losses, moved, report = _train(monkeypatch, fuse_siblings=True)
+@pytest.mark.parametrize("route", [Route.COMPILED_AUTOCAST, Route.COMPILED])
+def test_sibling_layers_join_and_train_as_the_unjoined_step(monkeypatch, route):
+    ref_losses, ref_moved, _ = _train(monkeypatch, route=route)
+    losses, moved, report = _train(monkeypatch, route=route, fuse_siblings=True)
     assert sorted(r["widths"] for r in report["rewrites"] if r["rule"] == "fused-sibling-linears") == [
         [32, 16, 16], [64, 64]]  # query/key/value and gate/up of the one layer, listed once however often compiled
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-2
     assert (moved - ref_moved).norm() / ref_moved.norm() < 3e-2
-    assert "2 sibling linear group(s) as one GEMM" in summary(report, AutoMPConfig())
+    line = summary(report, AutoMPConfig())
+    assert "2 sibling linear group(s) as one GEMM" in line and route.value in line

@@ -36,12 +36,16 @@ class _PrecisionPass:
 
 
 def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inner: str = "inductor",
-                 label: str = "graph", debug: bool = False) -> Callable[[fx.GraphModule, list[Any]], Callable]:
+                 label: str = "graph", debug: bool = False,
+                 rewrite: Callable[[fx.GraphModule, list[Any]], Any] | None = None
+                 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """The backend for `torch.compile(..., backend=make_backend(...))`.
 
     Anything that goes wrong inside our pass or the inner compiler falls back to running that graph as captured,
     in FP32, and the report names the graph and the error: a training run must never die of an optimisation.
-    debug: also print the traceback of each such fallback."""
+    debug: also print the traceback of each such fallback.
+    rewrite: `rewrite(gm, example_inputs) -> gm` on the graph Dynamo captured, before anything else (the session's
+    graph rewrites: automp.precision.siblings, automp.precision.linear_ce)."""
     counter = itertools.count()
 
     def name() -> str:
@@ -59,6 +63,8 @@ def make_backend(config: PrecisionConfig, recorder: Recorder | None = None, inne
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         try:
+            if rewrite is not None:
+                gm = rewrite(gm, example_inputs)
             if config.dtype != torch.float32:
                 lower_attention_inputs(gm, config.dtype)
             return compile_graph(gm, example_inputs)

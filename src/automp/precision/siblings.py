@@ -1,4 +1,4 @@
-"""Sibling linear layers as one GEMM: a graph rewrite for the stock compiled paths.
+"""Sibling linear layers as one GEMM: a graph rewrite for the compiled paths.
 
 Why: transformers' Llama, Qwen2, Mistral and Gemma compute query, key and value (and gate and up) as separate linear
 layers that read the same hidden states. One GEMM on the weights concatenated along their output dimension reads

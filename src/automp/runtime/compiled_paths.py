@@ -129,7 +129,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
 
 
 def rewrites(config: Any, recorder: Any, label: str) -> Callable[[Any, Any], Any] | None:
-    """The graph rewrites of a root's stock compiled paths, those the configuration asks for (config.fuse_siblings:
+    """The graph rewrites of a root's compiled paths, those the configuration asks for (config.fuse_siblings:
     automp.precision.siblings; config.fuse_linear_ce: automp.precision.linear_ce), each site reported once. Holds the
     root's label, not the root: see entry_point."""
     if not (config.fuse_siblings or config.fuse_linear_ce):
