@@ -418,10 +418,9 @@ class Session:
         config = PrecisionConfig(dtype=root.low, spec=_spec(self.config, root.device))
         planned = config.spec.name
         self.recorder.device = planned if root.device.type == "cuda" else f"cpu (planned for {planned})"
-        rewrite = compiled_paths.rewrites(self.config, self.recorder, root.label)
-        return compiled_paths.automp(module, root, make_backend(config, self.recorder, inner=self.config.inner,
-                                                                label=root.label, debug=self.config.debug,
-                                                                rewrite=rewrite))
+        return compiled_paths.automp(module, root, make_backend(
+            config, self.recorder, inner=self.config.inner, label=root.label, debug=self.config.debug,
+            rewrite=compiled_paths.rewrites(self.config, self.recorder, root.label)))
 
 
 def _eager_twin(path: Route) -> Route:
