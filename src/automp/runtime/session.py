@@ -280,8 +280,7 @@ class Session:
                     out = compiled(*args, **kwargs)
                 return self._deliver(root, out, lambda: self._run(module, root, path, args, kwargs, count=False))
             except torch._dynamo.exc.TorchDynamoException as e:
-                oom = oom_cause(e)
-                if oom is not None and root.path is None:  # compiling ran out of memory: the trial's to handle
+                if (oom := oom_cause(e)) is not None and root.path is None:  # out of memory: the trial's to handle
                     raise oom from e
                 # automp's own machinery failed while compiling, before any of the user's code ran (Dynamo only
                 # traces it): run this module as written from now on and say why. Anything else is the user's
