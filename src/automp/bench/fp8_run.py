@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from automp.bench.fp8_workloads import LOOPS, MODELS
+from automp.bench.fp8_workloads import LOOPS, MODELS, automp_options
 from automp.bench.harness import free, one_line
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import time_limit
@@ -143,7 +143,7 @@ class Run:
         expired: list[BaseException] = []
         try:
             if self.mode.startswith("automp"):
-                automp.enable(dtype=self.mode.split("-")[1], cache_dir=self.cache.name)
+                automp.enable(**automp_options(self.mode), cache_dir=self.cache.name)
             with self.compiling(), time_limit(self.opts.mode_timeout) as expired:
                 peak = Peak(self.device)
                 t0 = time.perf_counter()
@@ -177,6 +177,9 @@ class Run:
             self.row["fp32_bounds"] = bounds
         if self.mode == "automp-fp8":
             self.row["fp8_layers"] = report.get("fp8", {})
+        rules = [r["rule"] for r in report.get("rewrites", [])]
+        if rules:  # the graph rewrites that ran (automp-bf16-siblings: how many groups were joined)
+            self.row["rewrites"] = {rule: rules.count(rule) for rule in dict.fromkeys(rules)}
 
     def finish(self) -> dict[str, Any]:
         for tmp in (self.inductor, self.cache):  # both runs done

@@ -12,6 +12,7 @@ Modes (AdamW lr 1e-4 in every one, the same recipe, so the losses compare):
   automp-bf16           the plain FP32 loop (no autocast, no compile, AdamW as built) with automp.enable(dtype=...)
   automp-fp8            before it and automp.disable() after, as `automp run` does; warm-up runs until
                         automp.settled(). On a machine without FP8, enable raises and the row says so (skipped).
+  automp-bf16-siblings  automp-bf16 with sibling linear layers joined into one GEMM (--fuse-siblings)
 
 Blocks: models under 300M parameters keep every mode resident and time them in alternating blocks (A B C, then C B A,
 ...), so a host that drifts during the run (10-40% over minutes on a shared GPU host) biases no mode. automp's session
@@ -50,14 +51,15 @@ from typing import Any, Callable
 import torch
 
 from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache
-from automp.bench.fp8_workloads import MODE_LIBS, MODELS
+from automp.bench.fp8_workloads import MODE_LIBS, MODELS, automp_options
 from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, ratio_bars, row_notes,
                                   usage_problem)
 from automp.files import write_json_and_markdown
 
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
 
-MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8")
+MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8",
+         "automp-bf16-siblings")
 ANCHOR = "bf16-reduce-overhead"
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
 
@@ -74,7 +76,7 @@ def _enable(run: Run) -> bool:
     import automp
     try:
         run.cache = cold_cache()
-        automp.enable(dtype=run.mode.split("-")[1], cache_dir=run.cache.name)
+        automp.enable(**automp_options(run.mode), cache_dir=run.cache.name)
     except (RuntimeError, ValueError) as e:
         run.skip(" ".join(str(e).split())[:300])
         _disable(run)
