@@ -253,3 +253,34 @@ def test_a_modes_peak_is_its_own_growth_allocated_and_reserved(monkeypatch):
     cpu = {}
     fp8_run.Peak("cpu").into(cpu, "")
     assert cpu == {}
+
+
+def test_the_liger_anchor_patches_its_model_only(monkeypatch):
+    """bf16-liger: Liger's kernels go on the model instance (RoPE left out), and transformers' Llama module gets
+    its classes back, so models built later in the process are plain ones."""
+    import sys
+    import types
+
+    pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    from automp.bench import fp8_workloads
+
+    calls = []
+
+    def apply(rope, model):
+        calls.append(rope)
+        modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = object, object  # what Liger does to the module
+        model.liger = True
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = apply
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    monkeypatch.setattr(fp8_workloads, "compiled_loop", lambda work, device: "the compiled loop")
+    before = modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP
+    work = fp8_workloads.llama_d2048(True, "cpu", 0, depth=1)
+    assert fp8_workloads.liger_loop(work, "cpu") == "the compiled loop"
+    assert calls == [False] and work.model.liger and (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == before
+    with pytest.raises(RuntimeError, match="do not apply to GPT2LMHeadModel"):
+        fp8_workloads.liger_loop(fp8_workloads.gpt2(True, "cpu", 0), "cpu")

@@ -86,7 +86,8 @@ def vit_l16(quick: bool, device: str, layers: int) -> Workload:
 MODELS: dict[str, tuple[Callable[[bool, str, int], Workload], str]] = {
     "llama-d2048": (llama_d2048, "transformers"), "llama-d4096": (llama_d4096, "transformers"),
     "gpt2": (gpt2, "transformers"), "vit-l16": (vit_l16, "timm")}
-MODE_LIBS = {"torchao-tensorwise": "torchao", "torchao-rowwise": "torchao"}
+MODE_LIBS = {"torchao-tensorwise": "torchao", "torchao-rowwise": "torchao", "torchao-auto": "torchao",
+             "bf16-liger": "liger_kernel"}
 
 
 def _step_fn(work: Workload, net: Callable[..., Any], opt: torch.optim.Optimizer, autocast: str | None
@@ -127,6 +128,34 @@ def torchao_loop(recipe: str) -> Callable[[Workload, str], Callable[[], torch.Te
     return build
 
 
+def torchao_auto_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
+    """torchao's own filter for the tensorwise recipe (torchao.float8._auto_filter_for_recipe: dims off multiples
+    of 16 and layers too small to gain are left bf16), the LM head and classifier head kept bf16 as on every side."""
+    from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
+    convert_to_float8_training(work.model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=_auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head", "head"]))
+    return compiled_loop(work, device)
+
+
+def liger_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
+    """The strongest bf16 loop with Liger-Kernel on the model as transformers' Trainer applies it
+    (`use_liger_kernel=True`): fused linear cross-entropy (no logits), RMSNorm and SwiGLU kernels. Llama models only.
+    Liger's RoPE is left out: it replaces a function of transformers' Llama module, which every other model built
+    in this process would then run; the two classes it replaces there go back once this model's instances hold
+    Liger's, for the same reason."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+    if not isinstance(work.model, modeling_llama.LlamaForCausalLM):
+        raise RuntimeError(f"bf16-liger: Liger's Llama kernels do not apply to {type(work.model).__name__}")
+    saved = {name: getattr(modeling_llama, name) for name in ("LlamaRMSNorm", "LlamaMLP")}
+    try:
+        apply_liger_kernel_to_llama(rope=False, model=work.model)
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_llama, name, value)
+    return compiled_loop(work, device)
+
+
 def fp32_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
     """The plain FP32 loop automp runs under: what the user wrote, unchanged."""
     return _step_fn(work, work.model, torch.optim.AdamW(work.model.parameters(), lr=work.lr), None)
@@ -134,8 +163,8 @@ def fp32_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
 
 LOOPS: dict[str, Callable[[Workload, str], Callable[[], torch.Tensor]]] = {
     "bf16-reduce-overhead": compiled_loop, "torchao-tensorwise": torchao_loop("tensorwise"),
-    "torchao-rowwise": torchao_loop("rowwise"), "automp-bf16": fp32_loop, "automp-fp8": fp32_loop,
-    "automp-bf16-siblings": fp32_loop}
+    "torchao-rowwise": torchao_loop("rowwise"), "torchao-auto": torchao_auto_loop, "bf16-liger": liger_loop,
+    "automp-bf16": fp32_loop, "automp-fp8": fp32_loop, "automp-bf16-siblings": fp32_loop}
 
 
 def automp_options(mode: str) -> dict[str, Any]:

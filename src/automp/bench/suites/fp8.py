@@ -9,6 +9,9 @@ Modes (AdamW lr 1e-4 in every one, the same recipe, so the losses compare):
                         `lm_head` and the classifier `head` stay in bf16 (the final projection is the layer most
                         sensitive to FP8 error), and a Linear whose dims are not multiples of 16 is not swapped (FP8
                         GEMMs need them). GPT-2's blocks use transformers' Conv1D, not nn.Linear: torchao swaps none.
+  torchao-auto          torchao tensorwise with torchao's own filter (_auto_filter_for_recipe), LM head kept bf16
+  bf16-liger            bf16-reduce-overhead with Liger-Kernel on the model (Llama only), as transformers' Trainer
+                        applies it: fused linear cross-entropy, RMSNorm, SwiGLU
   automp-bf16           the plain FP32 loop (no autocast, no compile, AdamW as built) with automp.enable(dtype=...)
   automp-fp8            before it and automp.disable() after, as `automp run` does; warm-up runs until
                         automp.settled(). On a machine without FP8, enable raises and the row says so (skipped).
@@ -58,8 +61,8 @@ from automp.files import write_json_and_markdown
 
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
 
-MODES = ("bf16-reduce-overhead", "torchao-tensorwise", "torchao-rowwise", "automp-bf16", "automp-fp8",
-         "automp-bf16-siblings")
+MODES = ("bf16-reduce-overhead", "bf16-liger", "torchao-tensorwise", "torchao-rowwise", "torchao-auto", "automp-bf16",
+         "automp-fp8", "automp-bf16-siblings")
 ANCHOR = "bf16-reduce-overhead"
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
 
