@@ -60,6 +60,35 @@ def test_quantize_of_a_model_dir_with_truncated_safetensors_is_one_line_naming_t
     assert not out.exists()
 
 
+def test_quantize_of_a_model_dir_with_a_truncated_pytorch_model_bin_is_one_line_naming_it(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    src = tmp_path / "hf"
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=128)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(src))
+    (src / "model.safetensors").unlink()  # the older format, which transformers reads with torch.load
+    weights = src / "pytorch_model.bin"
+    torch.save(transformers.GPT2LMHeadModel(config).state_dict(), weights)
+    data = weights.read_bytes()
+    weights.write_bytes(data[: random.randrange(1, len(data) - 1)])
+    out = tmp_path / "q"
+    capsys.readouterr()
+    assert cli.main(["quantize", "--model", str(src), *QUANT, "-o", str(out)]) == 1
+    err = one_line_error(capsys)
+    assert str(weights) in err and "truncated or damaged" in err and not out.exists()
+
+
+def test_quantize_of_a_model_dir_with_an_unreadable_tokenizer_is_one_line_not_the_byte_tokenizer(tmp_path, capsys):
+    """A tokenizer transformers cannot build is an error naming the directory, not a quiet fallback to bytes (the
+    quantized model would be saved without its tokenizer, and generate would feed it byte ids)."""
+    src = tiny_transformers_dir(tmp_path / "hf", seed=1)
+    (src / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizerClass"}')
+    out = tmp_path / "q"
+    capsys.readouterr()
+    assert cli.main(["quantize", "--model", str(src), *QUANT, "-o", str(out)]) == 1
+    err = one_line_error(capsys)
+    assert f"the tokenizer files in {src} cannot be read" in err and not out.exists()
+
+
 def test_generate_with_a_truncated_tokenizer_file_in_the_store_is_one_line_naming_it(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast

@@ -178,15 +178,10 @@ def _quantize(args: argparse.Namespace) -> int:
     check_output(args.model, args.output)
     from automp.llm.generate import ByteTokenizer
     from automp.llm.quantize import quantize, weight_bytes
-    from automp.llm.store import BUILTIN, has_tokenizer, load_source, save
+    from automp.llm.store import BUILTIN, has_tokenizer, load_source, load_tokenizer, save
+    # the tokenizer first: a damaged one fails in a second, before the model's weights are read
+    tokenizer = load_tokenizer(args.model) if args.model not in BUILTIN and has_tokenizer(args.model) else None
     model = load_source(args.model, args.device)
-    tokenizer = None
-    if args.model not in BUILTIN and has_tokenizer(args.model):
-        try:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None
     calib = _calib(args, tokenizer or ByteTokenizer(), model.config.vocab_size) if args.awq else None
     before = weight_bytes(model)
     scheme = f"int{args.bits}"

@@ -123,6 +123,13 @@ def load_source(source: str, device: torch.device | str = "cpu") -> nn.Module:
     except SafetensorError as e:  # transformers does not say which file: name the damaged one
         raise ValueError(_damaged_safetensors(source) or f"automp.llm: cannot read the weights in {source}, "
                          f"truncated or damaged ({_first_line(e)})") from None
+    except (OSError, RuntimeError, EOFError) as e:  # a damaged pytorch_model.bin: torch.load's error names no file
+        binaries = sorted(f for f in os.listdir(source) if f.endswith(".bin"))
+        if not binaries:
+            raise
+        raise ValueError(f"automp.llm: cannot read the weights in {os.path.join(source, binaries[0])}"
+                         f"{' (or another .bin file there)' if len(binaries) > 1 else ''}, truncated or damaged "
+                         f"({_first_line(e)})") from None
     arch_of(model)
     return model.to(device).eval()
 
@@ -345,7 +352,11 @@ def load_tokenizer(directory: str):
                         json.load(f)
                 except (ValueError, UnicodeDecodeError) as e:
                     raise unreadable(path, e, "JSON", "automp.llm.load") from None
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as e:  # never a quiet fallback to bytes: the ids would mean other text
+            raise ValueError(f"automp.llm.load: the tokenizer files in {directory} cannot be read "
+                             f"({_first_line(e)}); repair them, or remove them to use the byte tokenizer") from None
     return ByteTokenizer()
 
 
