@@ -26,11 +26,12 @@ from automp.runtime.decisions import (COMPILED_PATHS, GRAPHED_PATHS, GRAPHS_OFF,
                                       RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, TRIAL_OOM, UNSETTLED,
                                       WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.trial import Trial, TrialConfig, candidate_paths, confirmation
-from automp.runtime.ranks import agreed, distributed, for_ranks
+from automp.runtime.ranks import agreed, for_ranks
 from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
 from automp.runtime.guards.unread_outputs import FieldReads
 from automp.runtime.verdicts import VerdictCache
 from automp.scaling import Scaling
+from automp.world import distributed
 
 
 @dataclass

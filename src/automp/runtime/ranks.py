@@ -13,6 +13,7 @@ from typing import Any
 
 from automp.runtime.decisions import RANK0, Route, Verdict
 from automp.runtime.trial import TrialConfig
+from automp.world import distributed
 
 # Modules every rank calls at the same point of every iteration: their forward runs collectives of its own (DDP,
 # FSDP1 by class; FSDP2 by its FSDPModule mixin, on the root or any submodule). A root called on some ranks only (an
@@ -29,13 +30,6 @@ def lockstep(module: Any) -> bool:
     except ImportError:  # a torch without FSDP2
         return False
     return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def distributed() -> bool:
-    import torch
-
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def from_rank0(value: Any) -> Any:

@@ -41,7 +41,7 @@ from automp.runtime.decisions import (BF16_TWIN, COMPILE_FAILED, COMPILED_PATHS,
                                       FORCED, FP8_OFF, FP8_PATHS, FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, NO_ROOTS,
                                       SCRIPTS_AUTOCAST, WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.trial import TrialConfig
-from automp.runtime.ranks import distributed, lockstep, rank0_start
+from automp.runtime.ranks import lockstep, rank0_start
 from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
@@ -50,6 +50,7 @@ from automp.runtime.tuning.weight_casts import SharedCasts
 from automp.runtime.guards.unread_outputs import FieldWatch
 from automp.runtime.verdicts import VerdictCache, module_key
 from automp.scaling import Scaling
+from automp.world import distributed
 
 ORIG_CALL = compiled_paths.ORIG_CALL
 _NO_ROOTS = ("no module with parameters was called as `model(x)` while automp was on, so nothing ran in low "
@@ -436,9 +437,7 @@ def open_session(config: AutoMPConfig, recorder: Recorder) -> Session:
 
 
 def device_of(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _device_name(device: torch.device) -> str:

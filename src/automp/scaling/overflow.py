@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from automp.world import distributed
+
 
 @functools.lru_cache(maxsize=1)
 def _cuda_kernel() -> Callable[[list[Tensor], Tensor], Tensor] | None:
@@ -137,7 +139,7 @@ def all_reduce_found(found: Tensor | None) -> Tensor | None:
     DDP already requires), so every rank reaches this collective the same number of times: no hang. A rank whose
     backward produced no gradient still joins, with a zero flag."""
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+    if not distributed():
         return found
     if found is None:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"

@@ -51,6 +51,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from automp.scaling import skip
+from automp.world import distributed
 
 
 NONFINITE = "loss-nonfinite"  # rules: tools and reports key on these
@@ -94,7 +95,7 @@ class LossWatch:
         self.patience, self._over = patience, 0  # losses in a row above the bound so far
         self.window, self.history, self.factor = window, history, float(factor)
         self.skip_nonfinite = skip_nonfinite
-        self.ranks = ranks and _distributed()  # judge the mean loss of every rank, at calls every rank agrees on
+        self.ranks = ranks and distributed()  # judge the mean loss of every rank, at calls every rank agrees on
         self.steps_seen = 0  # backward calls observed
         self._recent: deque[float] = deque(maxlen=window)  # the last finite losses, oldest first
         self._pending: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()  # CUDA losses on their way
@@ -287,7 +288,3 @@ def _drop_found_inf(opt: torch.optim.Optimizer, flag: torch.Tensor) -> None:
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, TextIO
 
-from automp.runtime.ranks import distributed
+from automp.world import distributed
 
 FAILED = "automp/failed"
 EXIT_CODE = 1
