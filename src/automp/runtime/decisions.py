@@ -71,6 +71,8 @@ COMPILE_FAILED = "compile-failed"  # automp's compilation failed before any of t
 NO_ROOTS = "no-roots"  # no module with parameters was called as model(x)
 SCALING_PAUSED = "scaling-paused"  # loss scaling off: every module runs FP32
 FUNCTORCH = "functorch-transform"  # calls inside torch.func transforms: torch.compile cannot trace them from eager code
+IN_TRANSFORM = ("is called inside a torch.func transform (grad, vmap, ...), which torch.compile cannot trace from "
+                "eager code: on a compiled path its calls would run eagerly")  # the reason of FUNCTORCH's trial exit
 GRAPH_BREAK = "graph-break"  # Dynamo broke a graph (guards.graph_breaks)
 RNN_FUSED = "rnn-fused"  # the break automp makes at an RNN, by design (guards.rnn)
 FP8_OFF = "fp8-off"  # FP8 not used for a module (no FP8 on its device, no GEMM times, none chosen)

@@ -324,14 +324,14 @@ class RootPaths:
             self.settle(trial)
         return True
 
-    def keep_eager(self, root: Root) -> None:
-        """Off the compiled paths for good (automp.runtime.guards.input_grads): out of its trial, or onto a new trial of the
-        eager paths if a compiled one had won (or straight to low precision eager where the configuration forced
-        one)."""
+    def keep_eager(self, root: Root, why: str = input_grads.REASON, rule: str = INPUT_GRADS) -> None:
+        """Off the compiled paths for good (automp.runtime.guards.input_grads; calls inside torch.func transforms,
+        `rule` FUNCTORCH): out of its trial, or onto a new trial of the eager paths if a compiled one had won (or
+        straight to low precision eager where the configuration forced one)."""
         root.eager_only = True
-        self.recorder.add_fallback(root.label, input_grads.REASON, INPUT_GRADS)
+        self.recorder.add_fallback(root.label, why, rule)
         if root.path is None:
-            root.trial.exclude(COMPILED_PATHS, f"{root.label} {input_grads.REASON}")
+            root.trial.exclude(COMPILED_PATHS, f"{root.label} {why}")
             if root.trial.verdict is not None:
                 self.settle(root.trial)
             return
@@ -339,12 +339,11 @@ class RootPaths:
             return
         root.confirm = None
         if forced(self.config) is not None:
-            self.decide(root, Verdict(Route.EAGER_LOW, f"path forced by configuration, but {input_grads.REASON}", {},
-                                      rule=INPUT_GRADS))
+            self.decide(root, Verdict(Route.EAGER_LOW, f"path forced by configuration, but {why}", {}, rule=rule))
             return
         eager = [Route.EAGER_LOW, Route.FP32]
-        root.trial = Trial(eager, for_ranks(self.trial_config), self.clock, sync_for(root.device),
-                           note=input_grads.REASON, floor=self._floor(root, eager))
+        root.trial = Trial(eager, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
+                           floor=self._floor(root, eager))
         root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
 

@@ -38,8 +38,8 @@ from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_l
 from automp.runtime.paths import BUILT, CalibratedCandidates, Candidates, Root, RootPaths, as_written, built
 from automp.runtime.report import Recorder, dtype_name
 from automp.runtime.decisions import (BF16_TWIN, COMPILE_FAILED, COMPILED_PATHS, DOUBLE_BACKWARD, EAGER_PATHS,
-                                      FORCED, FP8_OFF, FP8_PATHS, FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, NO_ROOTS,
-                                      SCRIPTS_AUTOCAST, WITHOUT_GRAPHS, Route, Verdict, forced)
+                                      FORCED, FP8_OFF, FP8_PATHS, FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, IN_TRANSFORM,
+                                      NO_ROOTS, SCRIPTS_AUTOCAST, WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.trial import TrialConfig
 from automp.runtime.ranks import lockstep, rank0_start
 from automp.runtime.tuning.allocator import ExpandableSegments
@@ -218,6 +218,8 @@ class Session:
             self.paths.graphs_for_one_module()
         if not root.eager_only and input_grads.asks_input_grad(args, kwargs):
             self.paths.keep_eager(root)
+        elif not root.eager_only and root.path is None and torch._C._functorch.peek_interpreter_stack() is not None:
+            self.paths.keep_eager(root, IN_TRANSFORM, FUNCTORCH)  # a compiled candidate would time FP32 eager there
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
             current = root.trial.current if root.trial.verdict is None else None
@@ -347,7 +349,8 @@ class Session:
                                                lambda: self._run(module, root, Route.FP32, args, kwargs, count=False),
                                                shared=root.lockstep)
             extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
-        root.key = module_key(module, args, str(root.low), f"{device.type}:{_device_name(device)}", extra=extra)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        root.key = module_key(module, args, str(root.low), f"{device.type}:{name}", extra=extra)
         route = forced(self.config)
         if route in FP8_PATHS and not root.fp8_layers:
             route = BF16_TWIN[route]
@@ -438,10 +441,6 @@ def open_session(config: AutoMPConfig, recorder: Recorder) -> Session:
 
 def device_of(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _spec(config: AutoMPConfig, device: torch.device) -> cost.DeviceSpec:
