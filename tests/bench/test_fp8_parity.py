@@ -88,3 +88,38 @@ def test_two_runs_build_one_file_with_gaps(tmp_path, monkeypatch):
     assert bf16["lr"] == 3e-4 and seen_lr == [3e-4]  # --lr reached the workload the loop builds its AdamW from
     assert "error" in rows["automp-fp8"] and rows["automp-fp8"]["loss_at"] == {}
     assert "automp-fp8" in out.with_suffix(".md").read_text()
+
+
+def test_between_seeds_gives_each_modes_spread_and_its_difference_beside_the_anchors():
+    rows = [{"model": "m", "mode": par.ANCHOR, "seed": s, "loss_at": {"500": v}} for s, v in ((0, 5.0), (1, 5.2))]
+    rows += [{"model": "m", "mode": "automp-bf16", "seed": s, "loss_at": {"500": v}} for s, v in ((0, 5.3), (1, 5.5))]
+    rows += [{"model": "m", "mode": "automp-fp8", "seed": 0, "loss_at": {"500": 9.0}}]  # one seed: no spread
+    table = {t["mode"]: t for t in par.between_seeds(rows)}
+    assert set(table) == {par.ANCHOR, "automp-bf16"}
+    ours = table["automp-bf16"]
+    assert ours["seeds"] == 2 and ours["mean"] == pytest.approx(5.4) and ours["spread"] == pytest.approx(0.2)
+    assert ours["diff_vs_anchor"] == pytest.approx(0.3) and ours["anchor_spread"] == pytest.approx(0.2)
+    par.gaps(rows)  # gaps pair each seed with the anchor's run of the same seed
+    assert rows[2]["gap_vs_bf16"] == {"500": pytest.approx(0.06)} and rows[3]["gap_vs_bf16"] == {
+        "500": pytest.approx(0.3 / 5.2, abs=1e-5)}  # gaps are rounded to 5 places
+    full = [dict(r, window=50, steps=500, seconds=1.0) for r in rows]  # what a run's rows also hold
+    assert "## Between seeds" in par.markdown(full, "cpu")
+
+
+def test_a_bad_seed_list_is_a_usage_error(tmp_path, capsys):
+    assert par.main(["--seeds", "one", "--out", str(tmp_path / "x")]) == 2
+    assert "--seeds must be at least 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_each_seed_is_a_run_of_its_own_weights_and_stream(tmp_path, monkeypatch):
+    gloo.cpu_host(monkeypatch)
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "parity"
+    assert par.main(["--quick", "--models", "gpt2", "--steps", "4", "--at", "4", "--window", "2", "--active-vocab",
+                     "64", "--modes", "automp-bf16", "--seeds", "0,1", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(r["seed"] for r in rows) == [0, 1]
+    a, b = (r["loss_at"]["4"] for r in sorted(rows, key=lambda r: r["seed"]))
+    assert a != b  # other initial weights and other batches
+    assert "## Between seeds" in out.with_suffix(".md").read_text()

@@ -13,12 +13,14 @@ compared the timing of that drop more than two precisions; 4096 active ids (each
 the step's index: every mode, in any process, sees the same batches.
 
 Each mode runs alone (one mode per process suits one GPU each: `--modes automp-fp8` on one card while
-`--modes bf16-reduce-overhead` runs on another), from the same seed, with the loops of `automp bench fp8`. The loss
+`--modes bf16-reduce-overhead` runs on another), from the same seed, with the loops of `automp bench fp8`. --seeds
+runs each mode once per seed, the seed drawing both the model's initial weights and the stream, so a difference
+between modes can be read against the spread between seeds of one mode (the markdown's "between seeds" table). The loss
 at a checkpoint is the mean over the WINDOW steps that end there (one batch's loss is noisy). Rows
-`{"model", "mode", "steps", "active_vocab", "loss_at": {step: mean loss}, "window", "seconds", "fp8_fallback"}` go
-to `<out>.json` (rows merged by model, stream and mode with those already there) and `.md`, with each checkpoint's
-relative gap to bf16-reduce-overhead on the same stream where the file holds both. fp8_fallback: whether automp's
-loss guard moved the run back to bf16 (then the later losses are partly bf16's).
+`{"model", "mode", "seed", "steps", "active_vocab", "loss_at": {step: mean loss}, "window", "seconds",
+"fp8_fallback"}` go to `<out>.json` (rows merged by model, stream, seed and mode with those already there) and `.md`,
+with each checkpoint's relative gap to bf16-reduce-overhead on the same stream and seed where the file holds both.
+fp8_fallback: whether automp's loss guard moved the run back to bf16 (then the later losses are partly bf16's).
 """
 from __future__ import annotations
 
@@ -66,19 +68,20 @@ class TokenStream:
 
 
 def run_mode(model: str, mode: str, opts: argparse.Namespace,
-             emit: Callable[[dict[str, Any]], None] = lambda row: None) -> dict[str, Any]:
+             emit: Callable[[dict[str, Any]], None] = lambda row: None, seed: int = 0) -> dict[str, Any]:
     """One mode's losses over --steps steps of the stream; `emit` gets the row at every checkpoint, so a run cut
-    off later keeps the checkpoints it reached."""
+    off later keeps the checkpoints it reached. `seed` draws the initial weights and the stream (0: the suite's
+    original ones)."""
     import automp
-    row: dict[str, Any] = {"model": model, "mode": mode, "steps": opts.steps, "window": opts.window,
+    row: dict[str, Any] = {"model": model, "mode": mode, "seed": seed, "steps": opts.steps, "window": opts.window,
                            "active_vocab": opts.active_vocab, "lr": opts.lr,
                            "loss_at": {}, "seconds": None, "fp8_fallback": None}
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     work = MODELS[model][0](opts.quick, opts.device, opts.layers)
     work.lr = opts.lr
     first = work.batches[0]["input_ids"]
     work.batches = TokenStream(work.model.config.vocab_size, first.shape[0], first.shape[1], opts.device,
-                               opts.steps, active=opts.active_vocab)
+                               opts.steps, seed=1234 + seed, active=opts.active_vocab)
     losses = torch.full((opts.steps,), math.nan, device=opts.device)
     enabled = False
     t0 = time.perf_counter()
@@ -124,17 +127,41 @@ def gaps(rows: list[dict[str, Any]]) -> None:
                             if at in ref and ref[at]}
 
 
-def _stream(row: dict[str, Any]) -> tuple[str, int, float]:
-    """What makes two rows comparable: the model, the stream and the learning rate (rows without one ran at LR)."""
-    return row["model"], row.get("active_vocab", 0), row.get("lr", LR)
+def _stream(row: dict[str, Any]) -> tuple[str, int, float, int]:
+    """What makes two rows comparable: the model, the stream, the learning rate (rows without one ran at LR) and
+    the seed (rows without one ran seed 0)."""
+    return row["model"], row.get("active_vocab", 0), row.get("lr", LR), row.get("seed", 0)
+
+
+def between_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model, stream and mode run with two or more seeds, at each checkpoint all of them reached: the mean loss
+    over the seeds, their spread (highest - lowest), and the mean's difference from the anchor's mean beside the
+    anchor's own spread (a difference inside that spread is not one between the modes)."""
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        key = (*_stream(r)[:3], r["mode"])
+        for at, loss in r["loss_at"].items():
+            groups.setdefault(key, {}).setdefault(at, []).append(loss)
+    table = []
+    for (model, active, lr, mode), by_at in groups.items():
+        for at, losses in by_at.items():
+            if len(losses) < 2:
+                continue
+            ref = groups.get((model, active, lr, ANCHOR), {}).get(at, [])
+            mean = sum(losses) / len(losses)
+            table.append({"model": model, "active_vocab": active, "lr": lr, "mode": mode, "at": at,
+                          "seeds": len(losses), "mean": round(mean, 5), "spread": round(max(losses) - min(losses), 5),
+                          "diff_vs_anchor": round(mean - sum(ref) / len(ref), 5) if len(ref) >= 2 else None,
+                          "anchor_spread": round(max(ref) - min(ref), 5) if len(ref) >= 2 else None})
+    return table
 
 
 def markdown(rows: list[dict[str, Any]], device: str) -> str:
     lines = [f"# automp bench fp8_parity · {device} · torch {torch.__version__}", "",
              f"loss: mean over the {rows[0]['window'] if rows else WINDOW} steps ending at the checkpoint, fresh "
              f"batches of a stream with floor ln({K}) = {math.log(K):.2f}; gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
-             "| model | active ids | lr | mode | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
-             "|---|---:|---:|---|---:|---|---|---:|---|"]
+             "| model | active ids | lr | mode | seed | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
+             "|---|---:|---:|---|---:|---:|---|---|---:|---|"]
     for r in rows:
         at = ", ".join(f"{k}: {v:.4f}" for k, v in r["loss_at"].items())
         gap = ", ".join(f"{k}: {100 * v:+.2f}%" for k, v in r.get("gap_vs_bf16", {}).items())
@@ -143,14 +170,25 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
                                       f"{r['fp8_layers']} FP8 layers" if r.get("fp8_layers") is not None else None)
                           if x)
         lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {r.get('lr', LR):g} | {r['mode']} | "
-                     f"{r['steps']} | {at} | "
+                     f"{r.get('seed', 0)} | {r['steps']} | {at} | "
                      f"{gap} | {fmt(r['seconds'], '.0f')} | {notes} |")
+    seeds = between_seeds(rows)
+    if seeds:
+        lines += ["", "## Between seeds", "",
+                  f"mean and spread (highest - lowest) of the windowed loss over the seeds; difference: mean - "
+                  f"{ANCHOR}'s mean, beside {ANCHOR}'s own spread", "",
+                  "| model | active ids | lr | mode | checkpoint | seeds | mean | spread | difference "
+                  "| anchor spread |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for s in seeds:
+            lines.append(f"| {s['model']} | {s['active_vocab'] or 'all'} | {s['lr']:g} | {s['mode']} | {s['at']} | "
+                         f"{s['seeds']} | {s['mean']:.4f} | {s['spread']:.4f} | {fmt(s['diff_vs_anchor'], '+.4f')} | "
+                         f"{fmt(s['anchor_spread'], '.4f')} |")
     return "\n".join(lines) + "\n"
 
 
 def _merge(path: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows already in `path` (another process's modes) with `new` replacing those of the same model, stream,
-    learning rate and mode."""
+    learning rate, seed and mode."""
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
@@ -171,6 +209,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ids the stream draws from (0: the whole vocabulary)")
     p.add_argument("--lr", type=float, default=LR, help=f"AdamW's learning rate in every mode (default {LR:g})")
     p.add_argument("--layers", type=int, default=4, help="llama-d4096's layers")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds: each mode runs once per seed (initial "
+                                                "weights and stream); 0 is the suite's original")
     p.add_argument("--quick", action="store_true", help="tiny dims (a CPU smoke run)")
     p.add_argument("--out", default=None, help="writes OUT.json and .md (default: benchmarks/fp8-parity-<gpu>)")
     return p
@@ -186,11 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         args.at = sorted({int(a) for a in args.at.split(",") if a.strip()})
     except ValueError:
         args.at = [0]
+    try:
+        args.seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",") if s.strip())) or [-1]
+    except ValueError:
+        args.seeds = [-1]
     error = usage_problem([("--models", args.models, LM_MODELS), ("--modes", args.modes, MODES)],
                           [("--steps", args.steps, 1), ("--window", args.window, 1),
                            ("--layers", args.layers, 1), ("--active-vocab", args.active_vocab, 0),
                            ("--lr", args.lr, 1e-12)]
-                          + [("--at", a, 1) for a in args.at], args.out)
+                          + [("--at", a, 1) for a in args.at] + [("--seeds", s, 0) for s in args.seeds], args.out)
     if not error and args.at[-1] > args.steps:
         error = f"--at {args.at[-1]} is past --steps {args.steps}"
     if error:
@@ -198,18 +242,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir, stem = os.path.split(os.path.abspath(args.out))
     meta = {**provenance(), "device": device}
-    mine: dict[tuple[str, str], dict[str, Any]] = {}
+    mine: dict[tuple[str, str, int], dict[str, Any]] = {}
 
     def emit(row: dict[str, Any]) -> None:
-        mine[row["model"], row["mode"]] = dict(row, **meta)  # this run's stream is the same for all its rows
+        mine[row["model"], row["mode"], row["seed"]] = dict(row, **meta)
         rows = _merge(args.out + ".json", list(mine.values()))
         gaps(rows)
         write_json_and_markdown(out_dir, stem, rows, markdown(rows, device))
-        print(f"[{row['model']}] {row['mode']}: loss {row['loss_at']} after {row['seconds']} s"
+        print(f"[{row['model']}] {row['mode']} seed {row['seed']}: loss {row['loss_at']} after {row['seconds']} s"
               + (f" ({row['error']})" if row.get("error") else ""), flush=True)
 
     for model in args.models.split(","):
-        for mode in args.modes.split(","):
-            emit(run_mode(model, mode, args, emit))
+        for seed in args.seeds:
+            for mode in args.modes.split(","):
+                emit(run_mode(model, mode, args, emit, seed))
     print(f"wrote {args.out}.json, .md", flush=True)
     return 0
