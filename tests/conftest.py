@@ -27,11 +27,10 @@ def _triton_probe_not_poisoned():
 
 @pytest.fixture(autouse=True)
 def _one_process_group_at_a_time(request, tmp_path_factory):
-    """Tests marked `ranks` start a multi-process gloo job: they take turns across pytest-xdist's workers, so that
-    no two jobs of several processes each share a 2-core CI host (where they ran late in collectives and at teardown)
-    and no rank of one job can reach a port that the kernel has handed on to another job's gloo listener (gloo aborts
-    a process whose listener accepts a connection that is dropped before its handshake). The lock file lies in the
-    run's shared base directory."""
+    """Tests marked `ranks` start a multi-process gloo job: they take turns across pytest-xdist's workers. A ranks
+    test aborted at teardown (SIGABRT) only while another job ran beside it (the teardown itself is handled in
+    tests/gloo.py and the scripts), and no rank of one job can then reach a port the kernel has handed on to
+    another job's gloo listener, which gloo may abort on. The lock file lies in the run's shared base directory."""
     if request.node.get_closest_marker("ranks") is None:
         yield
         return

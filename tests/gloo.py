@@ -23,8 +23,9 @@ def _ephemeral_range() -> tuple[int, int]:
 def free_port() -> int:
     """A free port for a job's TCP store, below the kernel's ephemeral range. A port the kernel handed out (bind to
     port 0) and this function closed again can be handed to the next socket bound to port 0 before rank 0 binds it:
-    gloo's listeners are such sockets, and a rank of one test connecting to another test's gloo listener aborts that
-    process (gloo ends it when a peer connects and leaves). No process binds below the ephemeral range by itself."""
+    gloo's listeners are such sockets, and a rank of one test connecting to another test's gloo listener can abort
+    that process (gloo throws when a peer connects and leaves before its handshake, pytorch/gloo#514). No process
+    binds below the ephemeral range by itself."""
     lo, _ = _ephemeral_range()
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(200):

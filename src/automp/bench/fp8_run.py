@@ -10,6 +10,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -177,9 +178,9 @@ class Run:
             self.row["fp32_bounds"] = bounds
         if self.mode == "automp-fp8":
             self.row["fp8_layers"] = report.get("fp8", {})
-        rules = [r["rule"] for r in report.get("rewrites", [])]
+        rules = Counter(r["rule"] for r in report.get("rewrites", []))
         if rules:  # the graph rewrites that ran (automp-bf16-siblings: how many groups were joined)
-            self.row["rewrites"] = {rule: rules.count(rule) for rule in dict.fromkeys(rules)}
+            self.row["rewrites"] = dict(rules)
 
     def finish(self) -> dict[str, Any]:
         for tmp in (self.inductor, self.cache):  # both runs done

@@ -312,12 +312,11 @@ class RootPaths:
         trial.exclude({path}, why)
         self.recorder.add_fallback(root.label, why, TRIAL_OOM)
         notice(f"automp: {root.label}: {why}; the trial goes on without it")
-        if path in BUILT:
-            dropped = built(root, path)
+        if path in BUILT:  # no reference to the compiled function outlives this, so gc can free it
+            pool = getattr(built(root, path), "pool", None)
             setattr(root, BUILT[path], None)
-            if dropped is not None and getattr(dropped, "pool", None) is not None:
-                self.release_graphs(dropped.pool)
-            dropped = None
+            if pool is not None:
+                self.release_graphs(pool)
         gc.collect()
         compiled_paths.release_cached(root.device)
         if trial.verdict is not None:

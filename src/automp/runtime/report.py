@@ -95,8 +95,8 @@ class Recorder:
     # per root module: its calls by phase ("trial": while its paths were timed, the re-measurement included;
     # "chosen": on its verdict) and by the path each call really ran (count_call); reported in its choice
     calls: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
-    # graph rewrites on the compiled paths, one entry per site: {"module", "rule", "weight", "vocab"}
-    # (automp.precision.linear_ce)
+    # graph rewrites on the compiled paths, one entry per site: {"module", "rule", ...} with the site's own keys
+    # ("weights", "widths": automp.precision.siblings; "weight", "vocab": automp.precision.linear_ce)
     rewrites: list[dict[str, Any]] = field(default_factory=list)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:

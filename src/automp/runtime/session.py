@@ -445,4 +445,3 @@ def device_of(module: nn.Module) -> torch.device:
 
 def _spec(config: AutoMPConfig, device: torch.device) -> cost.DeviceSpec:
     return cost.spec_named(config.spec) if config.spec else cost.spec_for(device)
-

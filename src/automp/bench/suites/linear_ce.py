@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from automp.bench.fp8_run import Peak
 from automp.bench.harness import command_line, cpu_refusal, fmt, free, provenance, usage_problem
 from automp.files import write_json_and_markdown
 from automp.precision import linear_ce
@@ -62,16 +63,16 @@ def _step(mode: str, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, dev
 
 
 def _peak_gib(step: Callable[[], Any], device: str) -> float | None:
+    """One step's peak allocated memory above what was there before it (bench.fp8_run.Peak), after a step whose
+    gradients the measured step frees."""
     if device != "cuda":
         return None
     step()
-    torch.cuda.synchronize()
     free()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    peak, row = Peak(device), {}
     step()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - base) / 2 ** 30, 3)
+    peak.into(row, "")
+    return row["peak_gib"]
 
 
 def run(tokens: int, hidden: int, vocab: int, rounds: int, iters: int, device: str,
