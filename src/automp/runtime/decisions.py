@@ -78,6 +78,7 @@ RNN_FUSED = "rnn-fused"  # the break automp makes at an RNN, by design (guards.r
 FP8_OFF = "fp8-off"  # FP8 not used for a module (no FP8 on its device, no GEMM times, none chosen)
 FP8_SKIPPED = "fp8-skipped-steps"  # optimizer steps the FP8 loss watch skipped
 TRIAL_OOM = "trial-out-of-memory"  # a candidate ran out of device memory in the trial and left it (paths.out_of_memory)
+TRIAL_OVER_MEMORY = "trial-over-memory"  # an eager candidate held more than the anchor's peak: it left the trial
 
 
 @dataclass

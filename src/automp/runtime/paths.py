@@ -19,12 +19,14 @@ import torch.nn as nn
 from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool
 from automp.runtime.guards import input_grads
+from automp.runtime.guards.memory_budget import (DeviceMemory, MemoryBudget, OverBudget, buffers_kept, cuda_memory,
+                                                 gib)
 from automp.runtime.guards.oom import oom_size
 from automp.runtime.fp32_bound import Fp32Floor
 from automp.runtime.report import Recorder, notice, notices_from_warnings
-from automp.runtime.decisions import (COMPILED_PATHS, GRAPHED_PATHS, GRAPHS_OFF, INPUT_GRADS, ONLY_CANDIDATE,
-                                      RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, TRIAL_OOM, UNSETTLED,
-                                      WITHOUT_GRAPHS, Route, Verdict, forced)
+from automp.runtime.decisions import (COMPILED_PATHS, EAGER_PATHS, GRAPHED_PATHS, GRAPHS_OFF, INPUT_GRADS,
+                                      ONLY_CANDIDATE, RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, TRIAL_OOM,
+                                      TRIAL_OVER_MEMORY, UNSETTLED, WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.trial import Trial, TrialConfig, candidate_paths, confirmation
 from automp.runtime.ranks import agreed, for_ranks
 from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
@@ -74,7 +76,8 @@ class RootPaths:
     def __init__(self, roots: "weakref.WeakKeyDictionary[nn.Module, Root]", cache: VerdictCache, recorder: Recorder,
                  trial_config: TrialConfig, clock: Callable[[], float], config: AutoMPConfig, scaling: Scaling,
                  forget: Callable[[nn.Module], None] = lambda module: None,
-                 fp32_rate: Callable[[torch.device], float | None] | None = None) -> None:
+                 fp32_rate: Callable[[torch.device], float | None] | None = None,
+                 memory: Callable[[torch.device], DeviceMemory | None] = cuda_memory) -> None:
         self.roots, self.cache, self.recorder = roots, cache, recorder
         self.fp32_rate = fp32_rate  # a device's fastest FP32 GEMM TFLOP/s (automp.runtime.fp32_bound); None: no bound
         self.trial_config, self.clock, self.config, self.scaling, self.forget = (trial_config, clock, config,
@@ -83,6 +86,8 @@ class RootPaths:
         self.confirming: Trial | None = None  # the latest re-measurement (trial.confirmation), for roots to join
         self.releasing: graph_pool.Releasing | None = None  # CUDA graphs' pool automp left, until it is given back
         self.trial: Trial | None = None  # the trial new roots join while it runs
+        self.memory = memory  # a device's memory figures, for the trials' budgets (guards.memory_budget)
+        self.budgets: dict[Trial, MemoryBudget] = {}  # the eager candidates' memory budget of each GPU trial
 
     def start(self, root: Root, cached: Verdict | None, candidates: list[Route], why: str) -> None:
         """A new root's first path: its cached verdict (re-measured in steady state where it has to be), its only
@@ -104,11 +109,16 @@ class RootPaths:
             self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
                                later=RECORD_LAST, floor=self._floor(root, candidates))
             self.unfinished[self.trial] = []
+            memory = self.memory(root.device)
+            if (memory is not None and Route.COMPILED_AUTOCAST in candidates and set(EAGER_PATHS) & set(candidates)
+                    and not distributed()):  # ranks must take the same turns: no rank leaves a candidate alone
+                self.budgets[self.trial] = MemoryBudget(memory)
         root.trial = self.trial
         self.unfinished[self.trial].append(root.label)
 
     def settle(self, trial: Trial) -> None:
         self.unfinished.pop(trial, None)
+        self.budgets.pop(trial, None)
         members = [r for r in self.roots.values() if r.trial is trial and r.path is None]
         self.confirm(members, self._conclude(members, trial), trial)
 
@@ -285,17 +295,45 @@ class RootPaths:
         self.recorder.add_choice(root.label, as_written(rule), why)
         self.scaling.hand_over(stop=rule == SCRIPTS_AUTOCAST)
 
-    def trial_call(self, root: Root, run: Callable[[Route], Any]) -> Any:
-        """run(path) for a call while the root's trial runs. A candidate that runs out of device memory in it leaves
-        the trial and the call runs again on the next one (out_of_memory), so the script loses no step: the error
-        came before the call returned, so nothing of it reached the script's autograd graph or its optimizer."""
+    def trial_call(self, root: Root, run: Callable[[Route], Any], module: nn.Module | None = None) -> Any:
+        """run(path) for a call of `module` while the root's trial runs. A candidate that runs out of device memory in
+        it, or past the trial's memory budget (over_budget), leaves the trial and the call runs again on the next one
+        (out_of_memory), so the script loses no step: the error came before the call returned, so nothing of it
+        reached the script's autograd graph or its optimizer."""
+        budget = self.budgets.get(root.trial) if root.trial is not None else None
         while True:
             path = root.trial.current if root.path is None else root.path
             try:
-                return run(path)
+                if budget is None or root.path is not None:
+                    return run(path)
+                budget.begin(path)
+                with buffers_kept(module), budget.guard(path):
+                    return run(path)
             except torch.OutOfMemoryError as e:
                 if root.path is not None or not self.out_of_memory(root, path, e):
                     raise
+            except OverBudget as e:
+                self.over_budget(root, path, e, budget)
+
+    def over_budget(self, root: Root, path: Route, error: OverBudget, budget: MemoryBudget) -> None:
+        """An eager candidate held more memory in its first forward than the anchor's whole iteration
+        (automp.runtime.guards.memory_budget): it leaves the trial, and the report says by how much. Where it cannot
+        leave (the trial's last candidate, a module run in lockstep on several ranks), the budget is off and the call
+        runs again as it was: a budget must never cost the script a step or an error of automp's own."""
+        trial = root.trial
+        if trial is None or trial.verdict is not None or path not in trial.alive or len(trial.alive) < 2 \
+                or root.lockstep:
+            budget.limit = None
+            return
+        why = f"{error}, the peak of {Route.COMPILED_AUTOCAST.value}'s iteration (the hand-written loop's path)"
+        trial.bounds[path.value] = {"rule": TRIAL_OVER_MEMORY, "held_gib": gib(error.used), **(budget.record or {})}
+        trial.exclude({path}, why)
+        self.recorder.add_fallback(root.label, why, TRIAL_OVER_MEMORY)
+        notice(f"automp: {root.label}: {why}; the trial goes on without it")
+        gc.collect()
+        compiled_paths.release_cached(root.device)
+        if trial.verdict is not None:
+            self.settle(trial)
 
     def out_of_memory(self, root: Root, path: Route, error: BaseException) -> bool:
         """A trial's candidate ran out of device memory in a call: it leaves the trial, what it built is dropped and

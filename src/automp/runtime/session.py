@@ -47,6 +47,7 @@ from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
 from automp.runtime.tuning.fused_optimizers import OptimizerFuser
 from automp.runtime.tuning.weight_casts import SharedCasts
+from automp.runtime.guards.memory_budget import DeviceMemory, cuda_memory
 from automp.runtime.guards.unread_outputs import FieldWatch
 from automp.runtime.verdicts import VerdictCache, module_key
 from automp.scaling import Scaling
@@ -64,7 +65,8 @@ class Session:
     def __init__(self, config: AutoMPConfig, recorder: Recorder | None = None, *, candidates: Candidates | None = None,
                  clock: Callable[[], float] = time.perf_counter, cache: VerdictCache | None = None,
                  trial_config: TrialConfig | None = None, allocator: ExpandableSegments | None = None,
-                 fp8: Fp8Layers | None = None, fp32_rate: Callable[[torch.device], float | None] | None = None) -> None:
+                 fp8: Fp8Layers | None = None, fp32_rate: Callable[[torch.device], float | None] | None = None,
+                 memory: Callable[[torch.device], DeviceMemory | None] = cuda_memory) -> None:
         self.config = config
         self.recorder = recorder if recorder is not None else Recorder()
         self.candidates = candidates or CalibratedCandidates(config.cache_dir)
@@ -79,7 +81,7 @@ class Session:
         self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
                                forget=self._forget_layout,
                                # injected candidates without a rate (a test's): no bound
-                               fp32_rate=fp32_rate or getattr(self.candidates, "fp32_tflops", None))
+                               fp32_rate=fp32_rate or getattr(self.candidates, "fp32_tflops", None), memory=memory)
         self.labels: dict[str, int] = {}
         self.breaks_before: dict[str, int] = {}
         self.casts = SharedCasts()  # the eager path's weight casts, kept across calls
@@ -233,7 +235,7 @@ class Session:
             if root.confirm.verdict is not None:
                 self.paths.confirmed(root.confirm)
         if root.path is None:
-            return self.paths.trial_call(root, lambda path: self._run(module, root, path, args, kwargs))
+            return self.paths.trial_call(root, lambda path: self._run(module, root, path, args, kwargs), module)
         path = root.confirm.current if root.confirm else root.path
         eager, layout, tuning = path in EAGER_PATHS, self.layout, self.tuning
         if root.confirm is None:

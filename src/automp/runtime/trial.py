@@ -2,10 +2,10 @@
 
 A cost model predicts; only the device knows. Small scripts are launch- or host-bound, where casts and compiled graphs
 buy nothing, and compiling a big model is only worth it when Inductor beats the eager kernels. So, like PAI's online
-feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate path (FP32 eager
-as written, low precision eager, automp's compiled graph pass, and stock Inductor under autocast — what a careful user
-would hand-write, so automp is never slower than that either — and the same graphs replayed as CUDA graphs, which take
-the host's launch work away where a step is host-bound), timed from one call of the module to its next call — forward,
+feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate path (stock
+Inductor under autocast — what a careful user would hand-write, so automp is never slower than that either — FP32 eager
+as written, low precision eager, and the compiled graphs replayed as CUDA graphs, which take the host's launch work
+away where a step is host-bound; automp's own graph pass runs where the configuration forces it), timed from one call of the module to its next call — forward,
 backward, optimizer step and the data loading in between, everything the user waits for. The fastest path is kept for
 the rest of the run, re-measured once in steady state against the eager paths that came close (`confirmation`), and the
 verdict is cached on disk per module shape, dtype and device (automp.runtime.verdicts), so the next run of the same
@@ -321,8 +321,16 @@ def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Rou
         return [Route.FP32, Route.EAGER_LOW], (f"{rate}; whole steps timed as written and in low precision eager "
                                              f"(GEMMs are only part of a step); compiled graphs not tried on a CPU "
                                              f"(compile time)")
-    every = [Route.EAGER_LOW, Route.COMPILED, Route.COMPILED_AUTOCAST, Route.GRAPHED, Route.FP32]
-    return every, rate
+    return list(GPU_CANDIDATES), rate
+
+
+# A GPU trial's candidates, in the order they first run. The anchor's path first: its iteration's peak memory is the
+# budget of the eager candidates after it (automp.runtime.guards.memory_budget). Not automp's own graph pass
+# (Route.COMPILED, still there as path="compile"): interleaved with other paths in a trial, its step computed a wrong
+# loss on a GPU, tenths above plain autocast eager's from the same weights (forced from the first call, or left out,
+# every path tracked the plain loop; tests/runtime/test_trial_parity_gpu.py), and it led the anchor by noise at best
+# (BENCHMARKS.md, "Loss parity of the trial").
+GPU_CANDIDATES = (Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.GRAPHED, Route.FP32)
 
 
 def gemm_speed(dtype: str, gain: float, where: str) -> str:

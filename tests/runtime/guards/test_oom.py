@@ -10,7 +10,7 @@ from automp.runtime import compiled_paths
 from automp.runtime.decisions import TRIAL_OOM, Route
 from automp.runtime.guards.oom import oom_cause, oom_size
 from automp.runtime.trial import TrialConfig
-from tests.runtime.sessions import inject
+from tests.runtime.sessions import inject, train_mlp as _train
 
 pytestmark = pytest.mark.usefixtures("fresh_session")
 MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
@@ -28,20 +28,6 @@ def _out_of_memory_when_compiled(monkeypatch, wrapped=False):
             raise _oom()
         return call
     monkeypatch.setattr(compiled_paths, "stock", stock)
-
-
-def _train(net, steps=6):
-    g = torch.Generator().manual_seed(5)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        loss = nn.functional.mse_loss(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _net():

@@ -1,0 +1,127 @@
+"""The trial's memory budget: an eager candidate may hold no more device memory than the hand-written loop's path.
+
+Why: eager paths save for the backward every activation that Inductor fuses away or recomputes. At Llama-3.2-1B
+widths the low-precision eager step peaked at about three times stock Inductor's memory under autocast, and its
+trial's peak was the eager candidate's, well above the reduce-overhead loop's (BENCHMARKS.md, "Trial memory"). A
+script that fits under the strongest loop could then run out of memory in automp's trial, before automp had chosen
+anything.
+
+How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate.
+When its first iteration ends (the next call begins), the device's peak allocated memory so far, which covers that
+iteration's forward, backward and optimizer step, is the budget (times 1 + `slack`). The first call of each eager
+candidate then runs under a saved-tensor hook that adds the bytes autograd saves for the backward to what was allocated
+when the call began; past the budget the hook raises OverBudget inside the forward, before anything reached the
+script. The trial drops that candidate (rule trial-over-memory) and runs the call again on the next one, as it does
+after an out-of-memory error (automp.runtime.paths.RootPaths.over_budget), with the module's buffers as they were
+before the aborted call (a BatchNorm's running statistics are updated once).
+
+Where the anchor's peak is under `floor` of the device's memory there is no budget: a few hundred megabytes more
+cannot make a fitting script run out of memory, and a small, host-bound model may run fastest eager. The count is a
+lower bound of the eager step's peak (temporaries freed within the forward and the backward's own buffers are not
+in it), so an eager path can still exceed the anchor by those; compiled candidates are not guarded (their memory is
+Inductor's, as the anchor's is).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from automp.runtime.decisions import EAGER_PATHS, Route
+
+
+class OverBudget(RuntimeError):
+    """An eager candidate's saved activations passed the trial's memory budget (raised inside its forward)."""
+
+    def __init__(self, path: Route, used: int, limit: int) -> None:
+        self.path, self.used, self.limit = path, used, limit
+        super().__init__(f"{path.value} held {gib(used)} GiB before its forward ended, over the trial's budget of "
+                         f"{gib(limit)} GiB")
+
+
+@dataclass
+class DeviceMemory:
+    """What the budget reads of one device: bytes allocated now, the peak so far, the device's total."""
+
+    allocated: Callable[[], int]
+    peak: Callable[[], int]
+    total: int
+    device: torch.device
+
+
+def cuda_memory(device: torch.device) -> DeviceMemory | None:
+    """torch.cuda's figures for a CUDA device; None elsewhere (no compiled candidates off CUDA, so no anchor)."""
+    if device.type != "cuda":
+        return None
+    return DeviceMemory(lambda: torch.cuda.memory_allocated(device), lambda: torch.cuda.max_memory_allocated(device),
+                        torch.cuda.get_device_properties(device).total_memory, device)
+
+
+@dataclass
+class MemoryBudget:
+    """One trial's budget. `begin(path)` at every call of the trial's modules; `guard(path)` around the call."""
+
+    memory: DeviceMemory
+    slack: float = 0.05
+    floor: float = 0.03
+    limit: int | None = None  # bytes; None until the anchor's first iteration ended, or where there is none
+    record: dict[str, Any] | None = None  # what the budget was set from (a verdict's bounds["memory"])
+    passed: set[Route] = field(default_factory=set)  # eager paths whose guarded first call stayed within it
+    _last: Route | None = None
+
+    def begin(self, path: Route) -> None:
+        """A call on `path` begins; the call before it has ended, its backward and optimizer step included."""
+        if self._last is Route.COMPILED_AUTOCAST and self.record is None:
+            peak, total = self.memory.peak(), self.memory.total
+            self.record = {"anchor_peak_gib": gib(peak), "device_gib": gib(total)}
+            if peak >= self.floor * total:
+                self.limit = int(peak * (1 + self.slack))
+                self.record["limit_gib"] = gib(self.limit)
+        self._last = path
+
+    @contextlib.contextmanager
+    def guard(self, path: Route) -> Iterator[None]:
+        """The call on `path`, its saved activations counted against the budget (its first call, eager paths only)."""
+        if self.limit is None or path not in EAGER_PATHS or path in self.passed or not torch.is_grad_enabled():
+            yield
+            return
+        limit, device, seen = self.limit, self.memory.device, set()
+        used = [self.memory.allocated()]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.device == device and not (t.is_leaf and t.requires_grad):  # parameters are resident already
+                try:
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                except (RuntimeError, NotImplementedError):  # a tensor without storage of its own: not counted
+                    return t
+                if key not in seen:
+                    seen.add(key)
+                    used[0] += storage.nbytes()
+                    if used[0] > limit:
+                        raise OverBudget(path, used[0], limit)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.passed.add(path)
+
+
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
+    """Restores `module`'s buffers if the block raises OverBudget: the call runs again on another path, and running
+    statistics (and BatchNorm's count of batches) must be updated once per call, as written."""
+    saved = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    except OverBudget:
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+        raise
+
+
+def gib(n: int) -> float:
+    return round(n / 2**30, 3)

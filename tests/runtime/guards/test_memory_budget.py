@@ -1,0 +1,146 @@
+"""The trial's memory budget: once the anchor's path (autocast-compiled) has run one iteration, an eager candidate whose
+first forward saves more than that iteration's peak leaves the trial; the call runs again on the next candidate, no
+step is lost, buffers are updated once, and the report names the rule and the figures. Without an anchor, under the
+floor, or for the trial's last candidate, nothing is dropped.
+
+The device is emulated: its peak is a number the test sets, its allocated memory 0, so the eager forward's saved
+tensors alone (counted by the hook on real CPU tensors) are measured against it; the anchor's compiled path is an
+autocast call of the module (compiling is not what is tested)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import automp
+from automp.runtime import compiled_paths
+from automp.runtime.decisions import TRIAL_OOM, TRIAL_OVER_MEMORY, Route
+from automp.runtime.guards.memory_budget import DeviceMemory, MemoryBudget, OverBudget, buffers_kept
+from automp.runtime.trial import GPU_CANDIDATES, TrialConfig, candidate_paths
+from tests.runtime.sessions import inject, train_mlp as _train
+
+pytestmark = pytest.mark.usefixtures("fresh_session")
+CPU = torch.device("cpu")
+
+
+def _memory(peak: int, total: int = 10_000) -> DeviceMemory:
+    return DeviceMemory(allocated=lambda: 0, peak=lambda: peak, total=total, device=CPU)
+
+
+def _stock_as_autocast(monkeypatch, oom_after: int | None = None):
+    """The stock path, run as an autocast call (optionally out of memory from its call number `oom_after` on)."""
+    def stock(module, root, **kwargs):
+        calls = [0]
+
+        def call(*args, **kw):
+            calls[0] += 1
+            if oom_after is not None and calls[0] >= oom_after:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+            with torch.autocast("cpu", dtype=root.low):
+                return compiled_paths.ORIG_CALL(module, *args, **kw)
+        return call
+    monkeypatch.setattr(compiled_paths, "stock", stock)
+
+
+def _net(bn: bool = False):
+    torch.manual_seed(0)
+    layers = [nn.BatchNorm1d(16)] if bn else []
+    return nn.Sequential(*layers, nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _run(monkeypatch, peak, bn=False, total=10_000, cache_dir=None, steps=6):
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW], "test"),
+           memory=lambda d: _memory(peak, total),
+           trial_config=TrialConfig(warmup={Route.COMPILED_AUTOCAST: 1, Route.EAGER_LOW: 1}))
+    automp.enable(dtype="bf16", **({"cache_dir": str(cache_dir)} if cache_dir else {}))
+    net = _net(bn)
+    losses = _train(net, steps)
+    return losses, automp.disable(), net
+
+
+def _forced_stock(monkeypatch, bn=False):
+    automp.enable(dtype="bf16", path="autocast-compile")
+    net = _net(bn)
+    losses = _train(net)
+    automp.disable()
+    return losses, net
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_an_eager_candidate_over_the_anchors_peak_leaves_the_trial_and_no_step_is_lost(monkeypatch, bn):
+    _stock_as_autocast(monkeypatch)
+    ref, ref_net = _forced_stock(monkeypatch, bn)
+    losses, report, net = _run(monkeypatch, peak=1000, bn=bn)  # the first Linear's saves alone are over 1050 bytes
+    assert losses == ref  # every step ran, on the anchor's path as the forced run did
+    (choice,) = report["choices"]
+    assert choice["path"] == "autocast-compiled"
+    over = [f for f in report["fallbacks"] if f.get("rule") == TRIAL_OVER_MEMORY]
+    assert len(over) == 1 and over[0]["reason"].startswith("low-precision-eager held")
+    bound = choice["bounds"][Route.EAGER_LOW.value]
+    assert bound["rule"] == TRIAL_OVER_MEMORY and bound["limit_gib"] == round(1050 / 2**30, 3)
+    if bn:  # the aborted call had updated the running statistics: they were put back, so they were updated once
+        bn_layer, ref_bn = net[0], ref_net[0]
+        assert torch.equal(bn_layer.running_mean, ref_bn.running_mean)
+        assert torch.equal(bn_layer.num_batches_tracked, ref_bn.num_batches_tracked)
+
+
+def test_within_the_budget_or_under_the_floor_the_eager_candidate_is_timed(monkeypatch, tmp_path):
+    _stock_as_autocast(monkeypatch)
+    for peak, total in ((10**9, 2 * 10**9), (100, 10_000)):  # far above its saves; 1% of the device, under the floor
+        _, report, _ = _run(monkeypatch, peak=peak, total=total, cache_dir=tmp_path / str(peak),
+                            steps=12)  # no cached verdict; steps enough for a sample of each
+        assert not [f for f in report["fallbacks"] if f.get("rule") == TRIAL_OVER_MEMORY]
+        assert Route.EAGER_LOW.value in report["choices"][0]["timings_ms"]
+
+
+def test_the_trials_last_candidate_runs_on_without_a_budget(monkeypatch):
+    """The anchor sets the budget in its first iteration, then runs out of memory: low precision eager, over the
+    budget but the last candidate left, runs every call (the budget is off), and the script sees no error."""
+    _stock_as_autocast(monkeypatch, oom_after=2)
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW], "test"),
+           memory=lambda d: _memory(1000),
+           trial_config=TrialConfig(warmup={Route.COMPILED_AUTOCAST: 2, Route.EAGER_LOW: 1}))
+    automp.enable(dtype="bf16")
+    losses = _train(_net())
+    report = automp.disable()
+    assert len(losses) == 6 and report["choices"][0]["path"] == "low-precision-eager"
+    rules = [f.get("rule") for f in report["fallbacks"]]
+    assert TRIAL_OOM in rules and TRIAL_OVER_MEMORY not in rules
+
+
+def test_the_budget_counts_saved_activations_once_and_not_parameters():
+    peak = [4096]
+    budget = MemoryBudget(DeviceMemory(lambda: 100, lambda: peak[0], 8192, CPU))
+    budget.begin(Route.COMPILED_AUTOCAST)
+    assert budget.limit is None  # the anchor's iteration has not ended yet
+    budget.begin(Route.EAGER_LOW)
+    assert budget.limit == int(4096 * 1.05) and budget.record["anchor_peak_gib"] == round(4096 / 2**30, 3)
+    w = nn.Parameter(torch.randn(64, 64))  # 16 KiB, resident already: never counted
+    x = torch.randn(4, 64)  # 1 KiB, saved by both matmuls: counted once
+    with budget.guard(Route.EAGER_LOW):
+        (x @ w).sum().backward()
+        (x @ w).sum().backward()
+    assert Route.EAGER_LOW in budget.passed
+    budget.passed.clear()
+    with pytest.raises(OverBudget, match="low-precision-eager held"):
+        with budget.guard(Route.EAGER_LOW):
+            torch.randn(32, 64, requires_grad=True).exp()  # 8 KiB saved: over 100 + 4300 bytes
+    assert Route.EAGER_LOW not in budget.passed
+    with budget.guard(Route.COMPILED_AUTOCAST):  # compiled candidates are not guarded
+        torch.randn(32, 64, requires_grad=True).exp()
+
+
+def test_buffers_are_put_back_only_when_the_budget_aborts_the_call():
+    bn = nn.BatchNorm1d(4)
+    with buffers_kept(bn):
+        bn(torch.randn(8, 4))
+    assert bn.num_batches_tracked.item() == 1
+    before = bn.running_mean.clone()
+    with pytest.raises(OverBudget):
+        with buffers_kept(bn):
+            bn(torch.randn(8, 4))
+            raise OverBudget(Route.EAGER_LOW, 2, 1)
+    assert torch.equal(bn.running_mean, before) and bn.num_batches_tracked.item() == 1
+
+
+def test_a_gpu_trial_runs_the_anchor_first_and_not_automps_own_pass():
+    paths, _ = candidate_paths("cuda", 10.0, "bf16")
+    assert paths == list(GPU_CANDIDATES) and paths[0] is Route.COMPILED_AUTOCAST and Route.COMPILED not in paths

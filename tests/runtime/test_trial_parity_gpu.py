@@ -1,0 +1,47 @@
+"""Loss parity of a GPU trial: the candidates take turns over the first steps, and every step must train as the plain
+loop's would. Measured on a transformers Llama at Llama-3.2-1B widths (2 layers), whose 8-batch pool makes the loss
+of step 8 (batch 0 seen again) show how much step 0 taught: a step that computed a wrong loss or gradient moves it by
+tenths (the plain loop's paths agree within 0.01 there).
+
+GPU only (skipped on CPU, where the trial has no compiled candidates); run by the GPU test run."""
+import tempfile
+
+import pytest
+import torch
+
+import automp
+from automp.runtime.decisions import Route
+from tests.runtime.sessions import inject
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU trial"),
+              pytest.mark.usefixtures("fresh_session")]
+STEPS = 9  # the loss of step 8 is batch 0's again
+TOLERANCE = 0.05  # on a loss of about 9.3; the failure this guards against was 0.44
+
+
+def _losses(path: str = "auto") -> list[float]:
+    pytest.importorskip("transformers")
+    from automp.bench.fp8_workloads import fp32_loop, llama_d2048
+    torch.manual_seed(0)
+    work = llama_d2048(False, "cuda", 0, depth=2)
+    automp.enable(dtype="bf16", path=path, cache_dir=tempfile.mkdtemp(prefix="automp-parity-"))
+    step = fp32_loop(work, "cuda")
+    losses = [float(step()) for _ in range(STEPS)]
+    automp.disable()
+    return losses
+
+
+def test_the_default_gpu_trial_trains_as_low_precision_eager_does():
+    ref, got = _losses("eager"), _losses()
+    assert abs(got[-1] - ref[-1]) < TOLERANCE, (got, ref)
+
+
+@pytest.mark.xfail(strict=True, reason="automp's graph pass interleaved with eager steps in a trial computed a wrong "
+                                       "loss on an H100 (9.74 against 9.31); it is out of the default candidates "
+                                       "until this passes")
+def test_automps_own_pass_interleaved_in_a_trial_trains_as_eager_does(monkeypatch):
+    ref = _losses("eager")
+    inject(monkeypatch, candidates=lambda device, low: ([Route.EAGER_LOW, Route.COMPILED], "test"),
+           fp32_rate=lambda device: None)
+    got = _losses()
+    assert abs(got[-1] - ref[-1]) < TOLERANCE, (got, ref)
