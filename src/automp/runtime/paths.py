@@ -19,8 +19,7 @@ import torch.nn as nn
 from automp.config import AutoMPConfig
 from automp.runtime import compiled_paths, graph_pool
 from automp.runtime.guards import input_grads
-from automp.runtime.guards.memory_budget import (DeviceMemory, MemoryBudget, OverBudget, buffers_kept, cuda_memory,
-                                                 gib)
+from automp.runtime.guards.memory_budget import DeviceMemory, MemoryBudget, OverBudget, cuda_memory, gib
 from automp.runtime.guards.oom import oom_size
 from automp.runtime.fp32_bound import Fp32Floor
 from automp.runtime.report import Recorder, notice, notices_from_warnings
@@ -307,12 +306,15 @@ class RootPaths:
                 if budget is None or root.path is not None:
                     return run(path)
                 budget.begin(path)
-                with buffers_kept(module), budget.guard(path):
+                with budget.guard(path, module):
                     return run(path)
             except torch.OutOfMemoryError as e:
+                if budget is not None:
+                    budget.cancel()
                 if root.path is not None or not self.out_of_memory(root, path, e):
                     raise
             except OverBudget as e:
+                budget.cancel()
                 self.over_budget(root, path, e, budget)
 
     def over_budget(self, root: Root, path: Route, error: OverBudget, budget: MemoryBudget) -> None:

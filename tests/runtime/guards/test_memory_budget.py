@@ -13,7 +13,7 @@ import torch.nn as nn
 import automp
 from automp.runtime import compiled_paths
 from automp.runtime.decisions import TRIAL_OOM, TRIAL_OVER_MEMORY, Route
-from automp.runtime.guards.memory_budget import DeviceMemory, MemoryBudget, OverBudget, buffers_kept
+from automp.runtime.guards.memory_budget import DeviceMemory, MemoryBudget, OverBudget
 from automp.runtime.trial import GPU_CANDIDATES, TrialConfig, candidate_paths
 from tests.runtime.sessions import inject, train_mlp as _train
 
@@ -106,6 +106,20 @@ def test_the_trials_last_candidate_runs_on_without_a_budget(monkeypatch):
     assert TRIAL_OOM in rules and TRIAL_OVER_MEMORY not in rules
 
 
+def test_an_anchor_call_that_fails_sets_no_budget(monkeypatch):
+    """The anchor runs out of memory in its first call: that call's peak is no iteration's, so the eager candidates
+    after it run without a budget (both are timed, neither leaves for memory)."""
+    _stock_as_autocast(monkeypatch, oom_after=1)
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.FP32], "test"),
+           memory=lambda d: _memory(1000),
+           trial_config=TrialConfig(warmup={Route.COMPILED_AUTOCAST: 1, Route.EAGER_LOW: 1, Route.FP32: 1}))
+    automp.enable(dtype="bf16")
+    _train(_net(), 12)
+    report = automp.disable()
+    rules = [f.get("rule") for f in report["fallbacks"]]
+    assert TRIAL_OOM in rules and TRIAL_OVER_MEMORY not in rules
+
+
 def test_the_budget_counts_saved_activations_once_and_not_parameters():
     peak = [4096]
     budget = MemoryBudget(DeviceMemory(lambda: 100, lambda: peak[0], 8192, CPU))
@@ -129,14 +143,16 @@ def test_the_budget_counts_saved_activations_once_and_not_parameters():
 
 
 def test_buffers_are_put_back_only_when_the_budget_aborts_the_call():
+    budget = MemoryBudget(DeviceMemory(lambda: 0, lambda: 10**6, 10**7, CPU), limit=10**6)
     bn = nn.BatchNorm1d(4)
-    with buffers_kept(bn):
-        bn(torch.randn(8, 4))
-    assert bn.num_batches_tracked.item() == 1
+    with budget.guard(Route.EAGER_LOW, bn):
+        bn(torch.randn(8, 4, requires_grad=True))
+    assert bn.num_batches_tracked.item() == 1 and Route.EAGER_LOW in budget.passed
+    budget.passed.clear()
     before = bn.running_mean.clone()
     with pytest.raises(OverBudget):
-        with buffers_kept(bn):
-            bn(torch.randn(8, 4))
+        with budget.guard(Route.EAGER_LOW, bn):
+            bn(torch.randn(8, 4, requires_grad=True))
             raise OverBudget(Route.EAGER_LOW, 2, 1)
     assert torch.equal(bn.running_mean, before) and bn.num_batches_tracked.item() == 1
 

@@ -81,14 +81,21 @@ class MemoryBudget:
                 self.record["limit_gib"] = gib(self.limit)
         self._last = path
 
+    def cancel(self) -> None:
+        """The call that began did not finish (it raised): its peak is no iteration's."""
+        self._last = None
+
     @contextlib.contextmanager
-    def guard(self, path: Route) -> Iterator[None]:
-        """The call on `path`, its saved activations counted against the budget (its first call, eager paths only)."""
+    def guard(self, path: Route, module: torch.nn.Module | None = None) -> Iterator[None]:
+        """The call of `module` on `path`, its saved activations counted against the budget (its first call, eager
+        paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs again on
+        another path, and running statistics (and BatchNorm's count of batches) must be updated once per call."""
         if self.limit is None or path not in EAGER_PATHS or path in self.passed or not torch.is_grad_enabled():
             yield
             return
         limit, device, seen = self.limit, self.memory.device, set()
         used = [self.memory.allocated()]
+        buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if t.device == device and not (t.is_leaf and t.requires_grad):  # parameters are resident already
@@ -104,23 +111,15 @@ class MemoryBudget:
                         raise OverBudget(path, used[0], limit)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        except OverBudget:
+            with torch.no_grad():
+                for b, copy in buffers:
+                    b.copy_(copy)
+            raise
         self.passed.add(path)
-
-
-@contextlib.contextmanager
-def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
-    """Restores `module`'s buffers if the block raises OverBudget: the call runs again on another path, and running
-    statistics (and BatchNorm's count of batches) must be updated once per call, as written."""
-    saved = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    except OverBudget:
-        with torch.no_grad():
-            for b, copy in saved:
-                b.copy_(copy)
-        raise
 
 
 def gib(n: int) -> float:
