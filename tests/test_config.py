@@ -150,7 +150,7 @@ def test_compile_goes_through_the_session_and_disable_removes_its_scaler(tmp_pat
 @pytest.mark.parametrize("name, value, accepts", [
     ("path", None, r"path must be one of \['auto', 'compile'"), ("path", 3, "path must be one of"),
     ("inner", None, r"inner must be one of \['inductor', 'eager'\]"),
-    ("fp8_recipe", None, r"fp8_recipe must be one of \['tensorwise', 'rowwise'\]"),
+    ("fp8_recipe", None, r"fp8_recipe must be one of \['tensorwise', 'rowwise', 'auto'\]"),
     ("dtype", None, r"dtype must be one of \['auto', 'fp16', 'bf16', 'fp8'\]"),
     ("spec", 5, r"spec must be None or one of \["), ("cache_dir", 3, "cache_dir must be None or a directory path"),
     ("report", 3, "report must be None or a file path"), ("debug", None, "debug must be True or False"),

@@ -20,7 +20,7 @@ VERSION = "0.3.6"  # the package's version (automp.__version__), here so that an
 
 DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
           "fp8": "fp8", "float8": "fp8"}
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "auto")
 INNERS = ("inductor", "eager")
 SPECS = ("a100", "cpu", "h100", "h200")  # automp.precision.cost.SPECS: the devices a plan can be made for
 PATHS = ("auto", "compile", "eager", "fp32", "autocast-compile", "autocast-graphs", "fp8-compile", "fp8-graphs")
@@ -46,7 +46,8 @@ class AutoMPConfig:
     measured times predict a gain and FP8 stays accurate on the real batch, if the trial confirms it on the whole
     step (automp.precision.fp8.choice); it needs FP8 tensor cores (compute capability 8.9+).
     fp8_recipe: "tensorwise" (one scale per tensor; the fastest) or "rowwise" (a scale per row; more accurate with
-    outliers), as torchao names them (automp.precision.fp8).
+    outliers), as torchao names them, or "auto": each layer the recipe its measured times predict to gain most among
+    those accurate on the real batch (automp.precision.fp8.choice.merge).
     fp8_keep: linear layers that stay bf16 under dtype="fp8" whatever their measurements, as glob patterns over
     their names in the model ("lm_head", "*.self_attn.*"; a pattern also matches below a wrapper: "lm_head" is DDP's
     "module.lm_head"); a comma-separated string is split. For the layers a user knows to be sensitive, or whose FP8

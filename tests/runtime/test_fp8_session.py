@@ -151,3 +151,29 @@ def test_layers_named_by_fp8_keep_stay_bf16(fp8_device, tmp_path) -> None:
         report = automp.disable()
     rules = {n: c["rule"] for n, c in report["fp8"]["Sequential"]["layers"].items()}
     assert rules == {"0": fp8_choice.NO_GAIN, "2": fp8_choice.FP8, "4": fp8_choice.KEPT}
+
+
+def recipe_table(device, shapes, recipe, cache_dir):
+    """Tensorwise gains 2x on layers with 64+ inputs; rowwise gains 2.5x on the 128-wide input only."""
+    def timing(s):
+        if recipe == "rowwise":
+            return Fp8Timing(2.5, 0.8, 0.2) if s.k >= 128 else Fp8Timing(1.0, 1.0, 0.5)
+        return Fp8Timing(2.0, 0.8, 0.2) if s.k >= 64 else Fp8Timing(1.0, 1.0, 0.5)
+    return Fp8Table("fake", torch.__version__, 1000.0, {(recipe, bucket(s)): timing(s) for s in shapes})
+
+
+@needs_scaled_mm
+def test_auto_recipe_installs_each_layer_with_its_own_recipe(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(sessions, "open_session", lambda config, recorder: sessions.Session(
+        config, recorder, fp8=Fp8Layers(config, recorder, check=lambda device: None, table=recipe_table)))
+    model, x = net(), torch.randn(48, 32)
+    automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path), fp8_output=True, fp8_recipe="auto")
+    try:
+        model(x)
+        assert [getattr(m, "_automp_fp8_recipe", None) for m in model] == [None, None, "tensorwise", None, "rowwise"]
+    finally:
+        report = automp.disable()
+    entry = report["fp8"]["Sequential"]
+    assert entry["recipe"] == "auto" and entry["fp8_layers"] == 2
+    assert {n: c["recipe"] for n, c in entry["layers"].items()} == {"0": "tensorwise", "2": "tensorwise",
+                                                                    "4": "rowwise"}

@@ -176,7 +176,7 @@ class Run:
         bounds = {c["module"]: c["bounds"] for c in report.get("choices", []) if c.get("bounds")}
         if bounds:  # whether FP32 eager was ruled out before it ran (automp.runtime.fp32_bound), and by what figures
             self.row["fp32_bounds"] = bounds
-        if self.mode == "automp-fp8":
+        if self.mode.startswith("automp-fp8"):
             self.row["fp8_layers"] = report.get("fp8", {})
         rules = Counter(r["rule"] for r in report.get("rewrites", []))
         if rules:  # the graph rewrites that ran (automp-bf16-siblings: how many groups were joined)

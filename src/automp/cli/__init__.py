@@ -18,8 +18,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16", "fp8"],
                    help="low-precision dtype; auto = bf16 where supported, else fp16; fp8 = bf16 with FP8 linear "
                         "layers where measured to pay and accurate (needs compute capability 8.9+: Ada, Hopper)")
-    p.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise"],
-                   help="FP8 scaling under --dtype fp8: one scale per tensor (default, fastest) or per row")
+    p.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "auto"],
+                   help="FP8 scaling under --dtype fp8: one scale per tensor (default, fastest), per row, or auto: "
+                        "per layer, the recipe measured to gain most where it stays accurate")
     p.add_argument("--fp8-keep", default=None, metavar="PATTERNS",
                    help="under --dtype fp8, linear layers kept bf16 whatever their measurements: comma-separated "
                         "glob patterns over layer names, such as lm_head or '*.self_attn.*' (default: "

@@ -114,3 +114,22 @@ def test_probe_reads_transformers_conv1d_with_its_transposed_weight() -> None:
     probe = fc.probe(net, lambda: net(torch.randn(2, 16, 32)), "tensorwise")
     assert probe.shapes == {"0": GemmShape(32, 32, 48), "2": GemmShape(32, 48, 16)}
     assert all(0 < e < fc.MAX_ERROR for e in probe.errors.values())
+
+
+def test_auto_recipe_picks_per_layer_the_accurate_recipe_that_gains_most() -> None:
+    """Per layer: tensorwise where it gains most and is accurate; rowwise where tensorwise errs (an outlier channel)
+    or rowwise gains more; bf16 (the first recipe's rule) where neither goes FP8. Each choice names its recipe."""
+    shapes = {"plain": GemmShape(4096, 2048, 8192), "outlier": GemmShape(4096, 2048, 8192),
+              "wide": GemmShape(4096, 4096, 14336), "small": GemmShape(4096, 64, 64)}
+    probes = {"tensorwise": fc.Probe(shapes, {"plain": 0.04, "outlier": 0.5, "wide": 0.04, "small": 0.04}),
+              "rowwise": fc.Probe(shapes, {"plain": 0.03, "outlier": 0.05, "wide": 0.03, "small": 0.03})}
+    gains = {"tensorwise": {(2048, 8192): 1.6, (4096, 14336): 1.3, (64, 64): 0.7},
+             "rowwise": {(2048, 8192): 1.4, (4096, 14336): 1.5, (64, 64): 0.6}}
+    by_recipe = {r: fc.choose(probes[r], list(shapes), table(gains[r]), output_fp8=True, recipe=r) for r in probes}
+    merged = fc.merge(by_recipe)
+    assert {n: (c.dtype, c.recipe, c.rule) for n, c in merged.items()} == {
+        "plain": ("fp8", "tensorwise", fc.FP8), "outlier": ("fp8", "rowwise", fc.FP8),
+        "wide": ("fp8", "rowwise", fc.FP8), "small": ("bf16", "tensorwise", fc.NO_GAIN)}
+    assert merged["outlier"].predicted_gain == 1.4 and merged["outlier"].measured_error == 0.05
+    assert merged["wide"].as_dict()["recipe"] == "rowwise"
+    assert fc.choose(fc.Probe({}, {}), ["x"], table({}), recipe="rowwise")["x"].recipe is None  # nothing measured

@@ -127,14 +127,16 @@ def _worker(rank: int, port: int, out: str) -> None:
             opt.zero_grad()
         return losses, seen
 
-    def rowwise() -> dict[str, str]:
-        model, layers = _model("rowwise")
+    def rules(recipe) -> dict[str, str]:  # one recipe for all, or each layer's own (fp8_recipe="auto")
+        model, layers = _model("rowwise" if recipe == "rowwise" else "tensorwise")
         fully_shard(model, mesh=mesh)
-        return fp8_gather.Fp8Gather(model, layers, "rowwise").rules
+        return fp8_gather.Fp8Gather(model, layers, recipe).rules
 
     try:
         torch.save({"off": run(False), "on": run(True), "variant": (variant(False), variant(True)),
-                    "rowwise": rowwise()}, os.path.join(out, f"{rank}.pt"))
+                    "rowwise": rules("rowwise"),
+                    "mixed": rules({"0.0": "tensorwise", "1.0": "rowwise", "2": "tensorwise"})},
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -160,6 +162,7 @@ def test_fp8_all_gather_gives_the_same_steps_as_bf16_gather(tmp_path):
         assert off_seen == ["Parameter"] * 16 and on_seen == ["Parameter"] * 4 + ["Fp8Weight"] * 8 + ["Parameter"] * 4
         assert on_losses == off_losses
         assert r["rowwise"] == {n: fp8_gather.ROWWISE for n in ("0.0", "1.0", "2")}
+        assert r["mixed"] == {"0.0": fp8_gather.FP8_GATHER, "1.0": fp8_gather.ROWWISE, "2": fp8_gather.FP8_GATHER}
 
 
 def test_layers_fsdp2_does_not_shard_are_left_alone():

@@ -22,6 +22,7 @@ from automp.precision.fp8 import choice, gather, guard, layers, table
 __all__ = ["Conversion", "convert", "choice", "gather", "guard", "layers", "table"]
 
 TableLoader = Callable[..., table.Fp8Table]  # table.load_or_measure's signature
+AUTO = "auto"  # convert's recipe: each layer its own (choice.merge)
 
 
 @dataclass
@@ -64,30 +65,38 @@ def convert(module: nn.Module, run: Callable[[], Any], *, device: torch.device, 
             all_gather: bool = True, agree: Callable[[dict], dict] | None = None) -> Conversion:
     """Choose and install the FP8 layers of `module`; `run()` calls it once on a real batch (the probe).
 
+    recipe: one of layers.RECIPES for every FP8 layer, or AUTO: each layer the recipe predicted to gain most where it
+    stays accurate (choice.merge), probed and timed under every recipe (the device table measures both once).
+
     agree: makes every rank hold the same choices (rank 0's) before anything is installed; ranks that chose apart
     would run different graphs around the same collectives. Given, the module is one all ranks call in lockstep, and
     FSDP2-sharded FP8 layers get the FP8 all-gather (`all_gather=False`: reported, left to FSDP2's own)."""
-    probed = choice.probe(module, run, recipe, low)
-    shapes = [s for s in probed.shapes.values() if layers.fits(s.m, s.k, s.n)]
-    times: table.Fp8Table | None = None
-    table_error = None
-    if shapes:
-        try:
-            times = table_loader(device, shapes, recipe, cache_dir)
-        except (RuntimeError, ValueError) as e:
-            table_error = str(e)
+    recipes = layers.RECIPES if recipe == AUTO else (recipe,)
     linear = choice.linear_layers(module)
-    choices = choice.choose(probed, list(linear), lambda s: times.get(s, recipe) if times is not None else None,
-                            keep=keep, output_fp8=output_fp8)
+    by_recipe: dict[str, dict[str, choice.LayerChoice]] = {}
+    table_error = None
+    for r in recipes:
+        probed = choice.probe(module, run, r, low)
+        shapes = [s for s in probed.shapes.values() if layers.fits(s.m, s.k, s.n)]
+        times: table.Fp8Table | None = None
+        if shapes:
+            try:
+                times = table_loader(device, shapes, r, cache_dir)
+            except (RuntimeError, ValueError) as e:
+                table_error = table_error or str(e)
+        timing = (lambda s, r=r, t=times: t.get(s, r)) if times is not None else (lambda s: None)
+        by_recipe[r] = choice.choose(probed, list(linear), timing, keep=keep, output_fp8=output_fp8, recipe=r)
+    choices = choice.merge(by_recipe) if len(recipes) > 1 else by_recipe[recipe]
     if agree is not None:
         choices = agree(choices)
     result = Conversion(recipe, choices, table_error=table_error)
     for name, c in choices.items():
         if c.dtype == "fp8":
-            layers.install(linear[name], recipe)
+            layers.install(linear[name], c.recipe or recipe)
             result.installed[name] = linear[name]
     if agree is not None and result.installed:
-        sharded = gather.Fp8Gather(module, dict(result.installed), recipe, enabled=all_gather)
+        sharded = gather.Fp8Gather(module, dict(result.installed), {n: choices[n].recipe or recipe
+                                                                    for n in result.installed}, enabled=all_gather)
         if sharded.rules:  # FSDP2 shards some of them
             result.all_gather = sharded
     return result

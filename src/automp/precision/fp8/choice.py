@@ -23,7 +23,7 @@ A choice is data (`LayerChoice`) keyed by rule, for reports and tests.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -54,10 +54,11 @@ class LayerChoice:
     measured_error: float | None
     rule: str
     shape: tuple[int, int, int] | None = None  # (tokens, in, out) on the first batch
+    recipe: str | None = None  # the scaling whose gain and error these are (the one it runs, where dtype is fp8)
 
     def as_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "predicted_gain": self.predicted_gain, "measured_error": self.measured_error,
-                "rule": self.rule, "shape": list(self.shape) if self.shape else None}
+                "rule": self.rule, "shape": list(self.shape) if self.shape else None, "recipe": self.recipe}
 
 
 @dataclass
@@ -118,10 +119,17 @@ def output_layer(probe: Probe) -> str | None:
 
 def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None],
            min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR, keep: tuple[str, ...] = (),
-           output_fp8: bool = False) -> dict[str, LayerChoice]:
+           output_fp8: bool = False, recipe: str | None = None) -> dict[str, LayerChoice]:
     """Each layer's choice, in the order given. `timing`: the device table's entry for a shape (None: unmeasured);
     `keep`: patterns of layers kept bf16 (their measurements still reported); `output_fp8`: the output layer may go
-    FP8 (else it is kept bf16 under OUTPUT, its measurements reported)."""
+    FP8 (else it is kept bf16 under OUTPUT, its measurements reported); `recipe`: the one the probe and the timings
+    are of, named in every choice that has a measurement."""
+    return {name: replace(c, recipe=recipe) if c.shape is not None else c
+            for name, c in _choose(probe, layers, timing, min_gain, max_error, keep, output_fp8).items()}
+
+
+def _choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None], min_gain: float,
+            max_error: float, keep: tuple[str, ...], output_fp8: bool) -> dict[str, LayerChoice]:
     choices: dict[str, LayerChoice] = {}
     last = None if output_fp8 else output_layer(probe)
     for name in layers:
@@ -152,6 +160,19 @@ def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Tim
             rule = FP8
         choices[name] = LayerChoice("fp8" if rule == FP8 else "bf16", gain, error, rule, dims)
     return choices
+
+
+def merge(by_recipe: dict[str, dict[str, LayerChoice]]) -> dict[str, LayerChoice]:
+    """Each layer's choice across recipes (fp8_recipe="auto"), from `choose` run once per recipe on the same layers:
+    among the recipes under which the layer goes FP8, the one with the highest predicted gain (rowwise's extra scale
+    passes cost time, and its finer scales keep a layer with outlier channels accurate where tensorwise is not);
+    where none does, the first recipe's bf16 choice and rule. Each choice names its recipe."""
+    first, *_ = by_recipe
+    merged: dict[str, LayerChoice] = {}
+    for name in by_recipe[first]:
+        fp8 = [c for c in (choices[name] for choices in by_recipe.values()) if c.dtype == "fp8"]
+        merged[name] = max(fp8, key=lambda c: c.predicted_gain or 0.0) if fp8 else by_recipe[first][name]
+    return merged
 
 
 def summary(choices: dict[str, LayerChoice]) -> dict[str, int]:

@@ -163,7 +163,8 @@ class Fp8Gather:
     once where the caller knows it is such a point (the root's first call), else after the next optimizer step,
     where a training iteration ends; `set` switches at once (tests, and the end of the run)."""
 
-    def __init__(self, root: nn.Module, layers: dict[str, nn.Module], recipe: str, enabled: bool = True) -> None:
+    def __init__(self, root: nn.Module, layers: dict[str, nn.Module], recipe: str | dict[str, str],
+                 enabled: bool = True) -> None:
         by_layer = {id(p._module_info.module): (owner, p) for owner, p in _fsdp_params(root)
                     if p._module_info.param_name == "weight"}
         self.rules: dict[str, str] = {}
@@ -176,9 +177,9 @@ class Fp8Gather:
             if not enabled:
                 self.rules[name] = OFF
                 continue
-            why = "rowwise scaling casts the weight per row and per column" if recipe != "tensorwise" else \
-                _why_not(layer, param)
-            self.rules[name] = FP8_GATHER if why is None else ROWWISE if recipe != "tensorwise" else UNSUPPORTED
+            rowwise = (recipe if isinstance(recipe, str) else recipe[name]) != "tensorwise"  # or a layer's own
+            why = "rowwise scaling casts the weight per row and per column" if rowwise else _why_not(layer, param)
+            self.rules[name] = FP8_GATHER if why is None else ROWWISE if rowwise else UNSUPPORTED
             if why is None:
                 self._params.append((owner, param))
             else:
