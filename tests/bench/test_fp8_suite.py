@@ -256,8 +256,9 @@ def test_a_modes_peak_is_its_own_growth_allocated_and_reserved(monkeypatch):
 
 
 def test_the_liger_anchor_patches_its_model_only(monkeypatch):
-    """bf16-liger: Liger's kernels go on the model instance (RoPE left out), and transformers' Llama module gets
-    its classes back, so models built later in the process are plain ones."""
+    """bf16-liger: Liger's fused linear cross-entropy goes on the model instance (RoPE, RMSNorm and SwiGLU left out),
+    its function runs outside torch.compile, and transformers' Llama module gets its classes back, so models built
+    later in the process are plain ones."""
     import sys
     import types
 
@@ -268,19 +269,28 @@ def test_the_liger_anchor_patches_its_model_only(monkeypatch):
 
     calls = []
 
-    def apply(rope, model):
-        calls.append(rope)
+    def apply(rope, rms_norm, swiglu, fused_linear_cross_entropy, model):
+        calls.append((rope, rms_norm, swiglu, fused_linear_cross_entropy))
         modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = object, object  # what Liger does to the module
         model.liger = True
 
     fake = types.ModuleType("liger_kernel.transformers")
     fake.apply_liger_kernel_to_llama = apply
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = lambda *args: "loss"
+    fake.functional = functional
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
     monkeypatch.setattr(fp8_workloads, "compiled_loop", lambda work, device: "the compiled loop")
     before = modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP
     work = fp8_workloads.llama_d2048(True, "cpu", 0, depth=1)
     assert fp8_workloads.liger_loop(work, "cpu") == "the compiled loop"
-    assert calls == [False] and work.model.liger and (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == before
+    assert calls == [(False, False, False, True)] and work.model.liger
+    assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == before
+    patched = functional.liger_fused_linear_cross_entropy
+    assert patched._torchdynamo_disable and patched() == "loss"  # Dynamo leaves it to run eagerly
+    fp8_workloads.liger_loop(fp8_workloads.llama_d2048(True, "cpu", 0, depth=1), "cpu")
+    assert functional.liger_fused_linear_cross_entropy is patched  # wrapped once
     with pytest.raises(RuntimeError, match="do not apply to GPT2LMHeadModel"):
         fp8_workloads.liger_loop(fp8_workloads.gpt2(True, "cpu", 0), "cpu")

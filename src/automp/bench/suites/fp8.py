@@ -10,8 +10,8 @@ Modes (AdamW lr 1e-4 in every one, the same recipe, so the losses compare):
                         sensitive to FP8 error), and a Linear whose dims are not multiples of 16 is not swapped (FP8
                         GEMMs need them). GPT-2's blocks use transformers' Conv1D, not nn.Linear: torchao swaps none.
   torchao-auto          torchao tensorwise with torchao's own filter (_auto_filter_for_recipe), LM head kept bf16
-  bf16-liger            bf16-reduce-overhead with Liger-Kernel on the model (Llama only), as transformers' Trainer
-                        applies it: fused linear cross-entropy, RMSNorm, SwiGLU
+  bf16-liger            bf16-reduce-overhead with Liger-Kernel's fused linear cross-entropy on the model (Llama
+                        only), run eagerly inside the compiled model (its kernels fail under torch.compile)
   automp-bf16           the plain FP32 loop (no autocast, no compile, AdamW as built) with automp.enable(dtype=...)
   automp-fp8            before it and automp.disable() after, as `automp run` does; warm-up runs until
                         automp.settled(). On a machine without FP8, enable raises and the row says so (skipped).
