@@ -1,6 +1,6 @@
 """Loss parity of a GPU trial: the candidates take turns over the first steps, and every step must train as the plain
 loop's would. Measured on a transformers Llama at Llama-3.2-1B widths (2 layers), whose 8-batch pool makes the loss
-of step 8 (batch 0 seen again) show how much step 0 taught: a step that computed a wrong loss or gradient moves it by
+of step 8 (batch 0 seen again) show how much step 0 taught, and so on: a step that computed a wrong loss or gradient moves it by
 tenths (the plain loop's paths agree within 0.01 there).
 
 GPU only (skipped on CPU, where the trial has no compiled candidates); run by the GPU test run."""
@@ -15,8 +15,8 @@ from tests.runtime.sessions import inject
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU trial"),
               pytest.mark.usefixtures("fresh_session")]
-STEPS = 9  # the loss of step 8 is batch 0's again
-TOLERANCE = 0.05  # on a loss of about 9.3; the failure this guards against was 0.44
+STEPS = 17  # from step 8 each batch comes again: the CUDA graphs' steps (recorded after the first round) included
+TOLERANCE = 0.05  # on losses of 7-10; the failure this guards against was 0.44
 
 
 def _losses(path: str = "auto") -> list[float]:
@@ -33,7 +33,7 @@ def _losses(path: str = "auto") -> list[float]:
 
 def test_the_default_gpu_trial_trains_as_low_precision_eager_does():
     ref, got = _losses("eager"), _losses()
-    assert abs(got[-1] - ref[-1]) < TOLERANCE, (got, ref)
+    assert max(abs(a - b) for a, b in zip(got[8:], ref[8:])) < TOLERANCE, (got, ref)
 
 
 @pytest.mark.xfail(strict=True, reason="automp's graph pass interleaved with eager steps in a trial computed a wrong "
@@ -44,4 +44,4 @@ def test_automps_own_pass_interleaved_in_a_trial_trains_as_eager_does(monkeypatc
     inject(monkeypatch, candidates=lambda device, low: ([Route.EAGER_LOW, Route.COMPILED], "test"),
            fp32_rate=lambda device: None)
     got = _losses()
-    assert abs(got[-1] - ref[-1]) < TOLERANCE, (got, ref)
+    assert max(abs(a - b) for a, b in zip(got[8:], ref[8:])) < TOLERANCE, (got, ref)
