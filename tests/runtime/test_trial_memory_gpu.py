@@ -34,8 +34,9 @@ def _peak(rows: int, under_automp: bool) -> int:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, **({} if under_automp else {"fused": True}))
     model = net if under_automp else torch.compile(net)
     x = torch.randn(rows, WIDTH, device="cuda")
+    cache = tempfile.TemporaryDirectory(prefix="automp-memory-")
     if under_automp:
-        automp.enable(dtype="bf16", cache_dir=tempfile.mkdtemp(prefix="automp-memory-"))
+        automp.enable(dtype="bf16", cache_dir=cache.name)
     try:
         for _ in range(STEPS):
             if under_automp:
@@ -51,6 +52,7 @@ def _peak(rows: int, under_automp: bool) -> int:
     finally:
         if under_automp:
             automp.disable()
+        cache.cleanup()
         del net, opt, model, x
 
 
