@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from automp.precision.siblings import fuse_sibling_linears
+from tests.precision.fp8.test_layers import RECIPES, needs_scaled_mm
 
 
 def _rel(a, b):
@@ -83,3 +84,52 @@ def test_a_slice_viewed_in_a_way_the_wide_output_does_not_allow_keeps_the_graph(
     # a's output (2, 5, 6) flattened by view: fine on its own, not on a slice of the (2, 5, 10) joined output
     (flat, yb), groups = _compiled(lambda: (m.a(x).view(2, -1), m.b(x)))
     assert groups == [] and _rel(flat, m.a(x).reshape(2, -1)) < 1e-6
+
+
+class Qkv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), 2 * self.v(x)], dim=-1).float()
+
+
+def _fp8_qkv(recipes):
+    from automp.precision.fp8 import layers as fp8
+    torch.manual_seed(0)
+    net = Qkv()
+    for layer, recipe in zip((net.q, net.k, net.v), recipes):
+        if recipe is not None:
+            fp8.install(layer, recipe)
+    return net
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_siblings_of_one_recipe_become_one_fp8_call(recipe):
+    """Three FP8 layers on one input: one FP8 call on the concatenated weight, split back. One scale for the group's
+    weight changes the rounding, not the result: loss and gradients within FP8's error of the layers apart."""
+    from automp.precision.fp8 import layers as fp8
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(2, 24, 128, generator=torch.Generator().manual_seed(4))  # the outputs' gradient
+    net, ref_net = _fp8_qkv([recipe] * 3), _fp8_qkv([recipe] * 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp8.active():
+        out, groups = _compiled(net, x)
+        ref = ref_net(x)
+        (out * g).sum().backward()
+        (ref * g).sum().backward()
+    assert [g.widths for g in groups] == [(64, 32, 32)]
+    assert _rel(out, ref) < 0.1
+    for (name, p), q in zip(net.named_parameters(), ref_net.parameters()):
+        assert p.grad is not None and _rel(p.grad, q.grad) < 0.15, name
+
+
+@needs_scaled_mm
+def test_fp8_siblings_join_only_their_like():
+    """An FP8 layer beside a bf16 one, or beside one of another recipe, keeps its own call."""
+    from automp.precision.fp8 import layers as fp8
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(3))
+    for recipes in (["tensorwise", None, None], ["tensorwise", "rowwise", None]):
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8.active():
+            _, groups = _compiled(_fp8_qkv(recipes), x)
+        assert [g.widths for g in groups] == ([(32, 32)] if recipes[1] is None else []), recipes

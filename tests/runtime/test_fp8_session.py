@@ -177,3 +177,31 @@ def test_auto_recipe_installs_each_layer_with_its_own_recipe(monkeypatch, tmp_pa
     assert entry["recipe"] == "auto" and entry["fp8_layers"] == 2
     assert {n: c["recipe"] for n, c in entry["layers"].items()} == {"0": "tensorwise", "2": "tensorwise",
                                                                     "4": "rowwise"}
+
+
+@needs_scaled_mm
+def test_fp8_sibling_layers_run_as_one_fp8_gemm_on_the_compiled_path(fp8_device, tmp_path) -> None:
+    """With fuse_siblings, FP8 layers that read one input compile to one FP8 GEMM (reported as a rewrite), and
+    train as the layers apart do, within FP8's rounding."""
+    from automp.precision.siblings import FUSED_SIBLINGS
+    from tests.precision.test_siblings import Qkv
+
+    def run(fuse: bool):
+        torch.manual_seed(0)
+        model, x = Qkv(), torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(3))
+        automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path / str(fuse)), fp8_output=True,
+                      fuse_siblings=fuse)
+        try:
+            out = model(x)
+            out.square().mean().backward()
+        finally:
+            report = automp.disable()
+        return out.detach(), [p.grad for p in model.parameters()], report
+
+    ref, ref_grads, _ = run(False)
+    out, grads, report = run(True)
+    fused = [r for r in report["rewrites"] if r["rule"] == FUSED_SIBLINGS]
+    assert [r["widths"] for r in fused] == [[64, 32, 32]]
+    assert (out - ref).norm() / ref.norm() < 0.1
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).norm() / r.norm() < 0.15

@@ -172,7 +172,8 @@ def fp32_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
 LOOPS: dict[str, Callable[[Workload, str], Callable[[], torch.Tensor]]] = {
     "bf16-reduce-overhead": compiled_loop, "torchao-tensorwise": torchao_loop("tensorwise"),
     "torchao-rowwise": torchao_loop("rowwise"), "torchao-auto": torchao_auto_loop, "bf16-liger": liger_loop,
-    "automp-bf16": fp32_loop, "automp-fp8": fp32_loop, "automp-bf16-siblings": fp32_loop, "automp-fp8-auto": fp32_loop}
+    "automp-bf16": fp32_loop, "automp-fp8": fp32_loop, "automp-bf16-siblings": fp32_loop, "automp-fp8-auto": fp32_loop,
+    "automp-fp8-siblings": fp32_loop}
 
 
 def automp_options(mode: str) -> dict[str, Any]:

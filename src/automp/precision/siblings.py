@@ -12,6 +12,13 @@ own layer), with biases on all of them or on none. They become `linear(x, cat(W_
 outputs each layer had. The parameters, their gradients, `state_dict` and the optimizer stay as the script made them:
 the concatenation happens in the graph, each step, and its backward hands every parameter its own gradient.
 
+FP8 layers (automp.precision.fp8.layers) appear in Dynamo's graph as `autograd_function_apply(fwd, bwd,
+x.reshape(-1, k), W)`, the higher-order op of their autograd function around `torch._scaled_mm`. Siblings of one
+recipe (their bodies alike up to names) become one such call on the concatenated weight: the group casts its input
+to FP8 once and its weight into one FP8 buffer, and its GEMM is wide enough to pay where a key or value projection
+alone is not. One tensorwise scale then covers the whole group's weight (and its output gradient), as a fused
+projection's would.
+
 The rewritten graph is checked with fake tensors on the graph's example inputs before it is kept: a layer's output
 that the model views in a way its slice of the wide output does not allow keeps the original graph.
 """
@@ -72,6 +79,71 @@ def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return groups
 
 
+_HOP = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+
+
+def _body(gm: fx.GraphModule, node: Any) -> fx.GraphModule | None:
+    return getattr(gm, node.target, None) if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def _signature(body: fx.GraphModule) -> tuple:
+    """A subgraph's ops and constants, names left out: FP8 layers of one recipe and dtype have equal signatures."""
+    return tuple((n.op, str(n.target), tuple(a if not isinstance(a, fx.Node) else None for a in n.args),
+                  tuple(sorted((k, v) for k, v in n.kwargs.items() if not isinstance(v, fx.Node))))
+                 for n in body.graph.nodes if n.op != "placeholder" and n.op != "output")
+
+
+def _fp8_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """FP8 layers (their autograd function's higher-order op) on `reshape(x, -1, k)` of one x, alike in recipe."""
+    if _HOP is None:
+        return []
+    by_kind: dict[tuple, list[fx.Node]] = {}
+    for hop in gm.graph.nodes:
+        if hop.op != "call_function" or hop.target is not _HOP or len(hop.args) != 4:
+            continue
+        fwd, bwd, arg, w = (_body(gm, hop.args[0]), _body(gm, hop.args[1]), *hop.args[2:])
+        wv = _value(w)
+        if (fwd is None or bwd is None or not any(n.target is torch._scaled_mm for n in fwd.graph.nodes)
+                or not isinstance(arg, fx.Node) or arg.target != "reshape" or len(arg.users) != 1
+                or not _own_input(w) or wv is None or wv.dim() != 2
+                or [u.target for u in hop.users] != [operator.getitem] or next(iter(hop.users)).args[1] != 0):
+            continue
+        x = arg.args[0]
+        by_kind.setdefault((x, tuple(arg.args[1:]), wv.shape[1], wv.dtype, _signature(fwd), _signature(bwd),
+                            tuple(sorted(hop.kwargs.items(), key=str))), []).append(hop)
+    return [g for g in by_kind.values() if len(g) >= 2]
+
+
+def _join_fp8(gm: fx.GraphModule, hops: list[fx.Node]) -> Group:
+    """The first FP8 call on the concatenated weight, its output split back; the others and their inputs go."""
+    order = list(gm.graph.nodes)
+    first = min(hops, key=order.index)
+    weights = [h.args[3] for h in hops]
+    widths = [int(_value(w).shape[0]) for w in weights]
+    outs = [next(iter(h.users)) for h in hops]
+    with gm.graph.inserting_before(first):
+        w_cat = gm.graph.call_function(torch.cat, (tuple(weights),), {"dim": 0})
+    first.args = (*first.args[:3], w_cat)
+    head = next(iter(first.users))
+    with gm.graph.inserting_after(head):
+        parts = gm.graph.call_function(torch.split, (head, widths), {"dim": -1})
+    with gm.graph.inserting_after(parts):
+        pieces = [gm.graph.call_function(operator.getitem, (parts, i)) for i in range(len(hops))]
+    for out, piece in zip(outs, pieces):
+        out.replace_all_uses_with(piece, delete_user_cb=lambda u: u is not parts)
+    for hop, out in zip(hops, outs):
+        if hop is not first:
+            reshape = hop.args[2]
+            bodies = hop.args[:2]
+            gm.graph.erase_node(out)
+            gm.graph.erase_node(hop)
+            gm.graph.erase_node(reshape)
+            for body in bodies:  # its forward and backward subgraphs, read by nothing now
+                if not body.users:
+                    gm.graph.erase_node(body)
+    return Group(tuple(w.name for w in weights), tuple(widths))
+
+
 def _join(gm: fx.GraphModule, layers: list[fx.Node]) -> Group:
     x = layers[0].args[0]
     weights = [_operands(n)[1] for n in layers]
@@ -107,12 +179,13 @@ def fuse_sibling_linears(gm: fx.GraphModule, example_inputs: Sequence[Any] | Non
                          ) -> tuple[fx.GraphModule, list[Group]]:
     """Join each group of sibling linear layers of a Dynamo graph (module docstring); the graph and the groups
     joined. With `example_inputs`, a rewritten graph that does not run on them leaves `gm` as it was."""
-    groups = _groups(gm)
-    if not groups:
+    groups, fp8 = _groups(gm), _fp8_groups(gm)
+    if not groups and not fp8:
         return gm, []
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     names = {n.name: n for n in new.graph.nodes}
     joined = [_join(new, [names[n.name] for n in g]) for g in groups]
+    joined += [_join_fp8(new, [names[n.name] for n in g]) for g in fp8]
     new.graph.lint()
     new.recompile()
     if example_inputs is not None and not _checks(new, example_inputs):

@@ -17,6 +17,7 @@ Modes (AdamW lr 1e-4 in every one, the same recipe, so the losses compare):
                         automp.settled(). On a machine without FP8, enable raises and the row says so (skipped).
   automp-bf16-siblings  automp-bf16 with sibling linear layers joined into one GEMM (--fuse-siblings)
   automp-fp8-auto       automp-fp8 with each layer's recipe chosen from the device table (--fp8-recipe auto)
+  automp-fp8-siblings   automp-fp8 with sibling FP8 layers joined into one FP8 GEMM (--fuse-siblings)
 
 Blocks: models under 300M parameters keep every mode resident and time them in alternating blocks (A B C, then C B A,
 ...), so a host that drifts during the run (10-40% over minutes on a shared GPU host) biases no mode. automp's session
@@ -63,7 +64,7 @@ from automp.files import write_json_and_markdown
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
 
 MODES = ("bf16-reduce-overhead", "bf16-liger", "torchao-tensorwise", "torchao-rowwise", "torchao-auto", "automp-bf16",
-         "automp-fp8", "automp-bf16-siblings", "automp-fp8-auto")
+         "automp-fp8", "automp-bf16-siblings", "automp-fp8-auto", "automp-fp8-siblings")
 ANCHOR = "bf16-reduce-overhead"
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
 
