@@ -205,3 +205,35 @@ def test_fp8_sibling_layers_run_as_one_fp8_gemm_on_the_compiled_path(fp8_device,
     assert (out - ref).norm() / ref.norm() < 0.1
     for g, r in zip(grads, ref_grads):
         assert (g - r).norm() / r.norm() < 0.15
+
+
+def wide_table(device, shapes, recipe, cache_dir):
+    """FP8 gains 2x on GEMMs 64 or more outputs wide and loses on narrower ones."""
+    return Fp8Table("fake", torch.__version__, 1000.0, {
+        (recipe, bucket(s)): Fp8Timing(2.0, 0.8, 0.2) if s.n >= 64 else Fp8Timing(1.0, 1.0, 0.5) for s in shapes})
+
+
+@needs_scaled_mm
+def test_siblings_that_gain_only_joined_go_fp8_as_one_gemm(monkeypatch, tmp_path) -> None:
+    """Key and value (32 wide) lose alone and gain as a third of the joined query-key-value GEMM: with fuse_siblings
+    all three run FP8, chosen as a group, and compile to one FP8 GEMM; without it only the query does."""
+    from automp.precision.siblings import FUSED_SIBLINGS
+    from tests.precision.test_siblings import Qkv
+    monkeypatch.setattr(sessions, "open_session", lambda config, recorder: sessions.Session(
+        config, recorder, fp8=Fp8Layers(config, recorder, check=lambda device: None, table=wide_table)))
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(3))
+    rules = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = Qkv()
+        automp.enable(dtype="fp8", path="fp8-compile", cache_dir=str(tmp_path / str(fuse)), fp8_output=True,
+                      fuse_siblings=fuse)
+        try:
+            model(x).square().mean().backward()
+        finally:
+            report = automp.disable()
+        rules[fuse] = {n: c["rule"] for n, c in report["fp8"]["Qkv"]["layers"].items()}
+        fused = [r["widths"] for r in report["rewrites"] if r["rule"] == FUSED_SIBLINGS]
+        assert fused == ([[64, 32, 32]] if fuse else [])
+    assert rules[False] == {"q": fp8_choice.FP8, "k": fp8_choice.NO_GAIN, "v": fp8_choice.NO_GAIN}
+    assert rules[True] == {n: fp8_choice.FP8_GROUP for n in ("q", "k", "v")}

@@ -68,7 +68,8 @@ class Fp8Layers:
             conversion = fp8.convert(module, run, device=device, recipe=config.fp8_recipe,
                                      low=config.low_dtype(device), cache_dir=config.cache_dir, table_loader=self.table,
                                      keep=config.fp8_keep, output_fp8=config.fp8_output,
-                                     all_gather=config.fp8_all_gather, agree=from_rank0 if shared else None)
+                                     all_gather=config.fp8_all_gather, agree=from_rank0 if shared else None,
+                                     siblings=config.fuse_siblings)
         if conversion.table_error is not None:
             self.recorder.add_fallback(label, f"FP8 GEMM times could not be measured ({conversion.table_error}): "
                                               "runs bf16", FP8_OFF)

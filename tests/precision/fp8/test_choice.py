@@ -133,3 +133,55 @@ def test_auto_recipe_picks_per_layer_the_accurate_recipe_that_gains_most() -> No
     assert merged["outlier"].predicted_gain == 1.4 and merged["outlier"].measured_error == 0.05
     assert merged["wide"].as_dict()["recipe"] == "rowwise"
     assert fc.choose(fc.Probe({}, {}), ["x"], table({}), recipe="rowwise")["x"].recipe is None  # nothing measured
+
+
+def test_the_probe_finds_siblings_on_one_input_only() -> None:
+    """Layers called one after another on the same tensor are siblings; the same values in another tensor are not."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+            self.gate, self.up, self.down = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.q(x) + torch.cat([self.k(x), self.v(x)], -1)
+            y = h.clone()  # equal values, another tensor
+            return self.down(torch.relu(self.gate(h)) * self.up(y))
+
+    net = Block()
+    probe = fc.probe(net, lambda: net(torch.randn(48, 32)), "tensorwise")
+    assert probe.siblings == [("q", "k", "v")]
+
+
+def test_siblings_that_gain_as_one_gemm_go_fp8_together() -> None:
+    """q gains alone, k and v lose alone, the joined q-k-v GEMM gains: all three FP8 under the group rule, at the
+    group's gain. A group with a member held bf16 for accuracy or as the output layer keeps its own choices."""
+    shapes = {"q": GemmShape(4096, 2048, 2048), "k": GemmShape(4096, 2048, 512), "v": GemmShape(4096, 2048, 512),
+              "a": GemmShape(4096, 2048, 2048), "b": GemmShape(4096, 2048, 2048), "head": GemmShape(4096, 2048, 2048)}
+    groups = [("q", "k", "v"), ("a", "b"), ("b", "head")]
+    gains = {(2048, 2048): 1.4, (2048, 512): 0.8, (2048, 3072): 1.5, (2048, 4096): 1.6}
+    errors = {n: 0.04 for n in shapes} | {"b": 0.3}
+    probe = fc.Probe(shapes, errors, groups)
+    choices = fc.choose(probe, list(shapes), table(gains), siblings=True, recipe="tensorwise")
+    assert {n: (c.dtype, c.rule) for n, c in choices.items()} == {
+        "q": ("fp8", fc.FP8_GROUP), "k": ("fp8", fc.FP8_GROUP), "v": ("fp8", fc.FP8_GROUP), "a": ("fp8", fc.FP8),
+        "b": ("bf16", fc.ACCURACY), "head": ("bf16", fc.OUTPUT)}
+    assert choices["k"].predicted_gain == 1.5 and choices["k"].recipe == "tensorwise"
+    alone = fc.choose(probe, list(shapes), table(gains))  # without the joined GEMM: each layer on its own
+    assert [n for n, c in alone.items() if c.dtype == "fp8"] == ["q", "a"]
+
+
+def test_auto_recipe_keeps_a_group_on_one_recipe() -> None:
+    """Tensorwise chose the group as one; rowwise did not (its joined GEMM gains too little), though q alone gains
+    most there. Per layer q would go rowwise and k, v tensorwise, three GEMMs; the group keeps tensorwise, one GEMM."""
+    shapes = {"q": GemmShape(4096, 2048, 2048), "k": GemmShape(4096, 2048, 512), "v": GemmShape(4096, 2048, 512)}
+    probe = fc.Probe(shapes, {n: 0.04 for n in shapes}, [("q", "k", "v")])
+    by_recipe = {"tensorwise": fc.choose(probe, list(shapes), table({(2048, 2048): 1.4, (2048, 512): 0.8,
+                                                                     (2048, 3072): 1.5}),
+                                         output_fp8=True, siblings=True, recipe="tensorwise"),
+                 "rowwise": fc.choose(probe, list(shapes), table({(2048, 2048): 1.9, (2048, 512): 0.7,
+                                                                  (2048, 3072): 1.05}),
+                                      output_fp8=True, siblings=True, recipe="rowwise")}
+    assert by_recipe["rowwise"]["q"].rule == fc.FP8 and fc.merge(by_recipe)["q"].recipe == "rowwise"
+    merged = fc.merge(by_recipe, [("q", "k", "v")])
+    assert {n: (c.recipe, c.rule) for n, c in merged.items()} == {n: ("tensorwise", fc.FP8_GROUP) for n in shapes}

@@ -62,11 +62,14 @@ class Conversion:
 def convert(module: nn.Module, run: Callable[[], Any], *, device: torch.device, recipe: str = "tensorwise",
             low: torch.dtype = torch.bfloat16, cache_dir: str | None = None,
             table_loader: TableLoader = table.load_or_measure, keep: tuple[str, ...] = (), output_fp8: bool = False,
-            all_gather: bool = True, agree: Callable[[dict], dict] | None = None) -> Conversion:
+            all_gather: bool = True, agree: Callable[[dict], dict] | None = None, siblings: bool = False
+            ) -> Conversion:
     """Choose and install the FP8 layers of `module`; `run()` calls it once on a real batch (the probe).
 
     recipe: one of layers.RECIPES for every FP8 layer, or AUTO: each layer the recipe predicted to gain most where it
     stays accurate (choice.merge), probed and timed under every recipe (the device table measures both once).
+    siblings: the compiled paths join sibling layers into one GEMM (AutoMPConfig.fuse_siblings), so sibling groups
+    are judged at their joined shape too (choice.group_choices).
 
     agree: makes every rank hold the same choices (rank 0's) before anything is installed; ranks that chose apart
     would run different graphs around the same collectives. Given, the module is one all ranks call in lockstep, and
@@ -77,7 +80,9 @@ def convert(module: nn.Module, run: Callable[[], Any], *, device: torch.device, 
     table_error = None
     for r in recipes:
         probed = choice.probe(module, run, r, low)
-        shapes = [s for s in probed.shapes.values() if layers.fits(s.m, s.k, s.n)]
+        groups = probed.siblings if siblings else []
+        shapes = [s for s in [*probed.shapes.values(), *(choice.group_shape(probed, g) for g in groups)]
+                  if layers.fits(s.m, s.k, s.n)]
         times: table.Fp8Table | None = None
         if shapes:
             try:
@@ -85,8 +90,9 @@ def convert(module: nn.Module, run: Callable[[], Any], *, device: torch.device, 
             except (RuntimeError, ValueError) as e:
                 table_error = table_error or str(e)
         timing = (lambda s, r=r, t=times: t.get(s, r)) if times is not None else (lambda s: None)
-        by_recipe[r] = choice.choose(probed, list(linear), timing, keep=keep, output_fp8=output_fp8, recipe=r)
-    choices = choice.merge(by_recipe) if len(recipes) > 1 else by_recipe[recipe]
+        by_recipe[r] = choice.choose(probed, list(linear), timing, keep=keep, output_fp8=output_fp8, recipe=r,
+                                     siblings=siblings)
+    choices = choice.merge(by_recipe, groups) if len(recipes) > 1 else by_recipe[recipe]
     if agree is not None:
         choices = agree(choices)
     result = Conversion(recipe, choices, table_error=table_error)

@@ -23,7 +23,8 @@ A choice is data (`LayerChoice`) keyed by rule, for reports and tests.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,7 @@ ACCURACY = "bf16-accuracy-guard"
 NOT_CALLED = "bf16-not-called"  # the layer did not run on the first batch: nothing to measure it on
 NOT_MEASURED = "bf16-not-measured"  # the device table has no time for its shape
 KEPT = "bf16-kept"  # named by the configuration's fp8_keep: bf16 whatever its measurements
+FP8_GROUP = "fp8-group-gain"  # one of sibling layers run as one FP8 GEMM, predicted to gain as a group
 OUTPUT = "bf16-output-layer"  # the last linear layer the forward calls (an LM head): bf16 unless fp8_output
 
 
@@ -63,10 +65,12 @@ class LayerChoice:
 
 @dataclass
 class Probe:
-    """What one forward of the real batch showed: each linear layer's GEMM shape and FP8 error."""
+    """What one forward of the real batch showed: each linear layer's GEMM shape and FP8 error, and the siblings:
+    runs of layers called one after another on the same input tensor (query, key and value; gate and up)."""
 
     shapes: dict[str, GemmShape]
     errors: dict[str, float]
+    siblings: list[tuple[str, ...]] = field(default_factory=list)
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -80,12 +84,19 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
     layers = linear_layers(model)
     shapes: dict[str, GemmShape] = {}
     errors: dict[str, float] = {}
+    runs: list[list[str]] = []
+    last: list[Any] = [None]  # the input of the layer called last, held weakly (a dead tensor's id can come back)
 
     def hook_for(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = args[0] if args else next(iter(kwargs.values()))
             if name in shapes or not torch.is_tensor(x) or x.dim() < 2:
                 return
+            if last[0] is not None and last[0]() is x:
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+            last[0] = weakref.ref(x)
             w = fp8.weight_nk(module)
             shapes[name] = GemmShape(x.numel() // x.shape[-1], w.shape[1], w.shape[0])
             if fp8.fits(shapes[name].m, shapes[name].k, shapes[name].n):  # PROBE_ROWS keeps rows a multiple of 16
@@ -104,7 +115,7 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
             h.remove()
         for m, training in modes.items():
             m.training = training
-    return Probe(shapes, errors)
+    return Probe(shapes, errors, [tuple(r) for r in runs if len(r) > 1])
 
 
 def kept(name: str, patterns: tuple[str, ...]) -> bool:
@@ -119,13 +130,43 @@ def output_layer(probe: Probe) -> str | None:
 
 def choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None],
            min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR, keep: tuple[str, ...] = (),
-           output_fp8: bool = False, recipe: str | None = None) -> dict[str, LayerChoice]:
+           output_fp8: bool = False, recipe: str | None = None, siblings: bool = False) -> dict[str, LayerChoice]:
     """Each layer's choice, in the order given. `timing`: the device table's entry for a shape (None: unmeasured);
     `keep`: patterns of layers kept bf16 (their measurements still reported); `output_fp8`: the output layer may go
     FP8 (else it is kept bf16 under OUTPUT, its measurements reported); `recipe`: the one the probe and the timings
-    are of, named in every choice that has a measurement."""
-    return {name: replace(c, recipe=recipe) if c.shape is not None else c
-            for name, c in _choose(probe, layers, timing, min_gain, max_error, keep, output_fp8).items()}
+    are of, named in every choice that has a measurement; `siblings`: the probe's sibling layers run as one GEMM
+    (automp.precision.siblings), so they are judged together (`group_choices`)."""
+    choices = _choose(probe, layers, timing, min_gain, max_error, keep, output_fp8)
+    if siblings:
+        choices.update(group_choices(probe, choices, timing, min_gain, max_error))
+    return {name: replace(c, recipe=recipe) if c.shape is not None else c for name, c in choices.items()}
+
+
+def group_shape(probe: Probe, group: tuple[str, ...]) -> GemmShape:
+    """The GEMM of a sibling group joined into one: its rows and input width, its layers' output widths summed."""
+    first = probe.shapes[group[0]]
+    return GemmShape(first.m, first.k, sum(probe.shapes[n].n for n in group))
+
+
+def group_choices(probe: Probe, choices: dict[str, LayerChoice], timing: Callable[[GemmShape], Fp8Timing | None],
+                  min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR) -> dict[str, LayerChoice]:
+    """Sibling groups that run FP8 together (rule FP8_GROUP): where the group's joined GEMM is predicted to gain
+    MIN_GAIN, every member is accurate alone (the group's one weight scale is not measured), and no member is held
+    bf16 for another reason (kept, the output layer, its shape). A 512-wide key projection that loses alone can gain
+    as a third of the query-key-value GEMM. Groups that do not qualify keep their members' own choices."""
+    out: dict[str, LayerChoice] = {}
+    for group in probe.siblings:
+        members = [choices.get(n) for n in group]
+        if any(c is None or c.rule not in (FP8, NO_GAIN) or c.measured_error is None or c.measured_error > max_error
+               for c in members):
+            continue
+        entry = timing(group_shape(probe, group))
+        gain = round(entry.predicted_gain, 3) if entry is not None else None
+        if gain is None or gain < min_gain:
+            continue
+        for name, c in zip(group, members):
+            out[name] = replace(c, dtype="fp8", predicted_gain=gain, rule=FP8_GROUP)
+    return out
 
 
 def _choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Timing | None], min_gain: float,
@@ -162,16 +203,24 @@ def _choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Ti
     return choices
 
 
-def merge(by_recipe: dict[str, dict[str, LayerChoice]]) -> dict[str, LayerChoice]:
+def merge(by_recipe: dict[str, dict[str, LayerChoice]], groups: list[tuple[str, ...]] = ()
+          ) -> dict[str, LayerChoice]:
     """Each layer's choice across recipes (fp8_recipe="auto"), from `choose` run once per recipe on the same layers:
     among the recipes under which the layer goes FP8, the one with the highest predicted gain (rowwise's extra scale
     passes cost time, and its finer scales keep a layer with outlier channels accurate where tensorwise is not);
-    where none does, the first recipe's bf16 choice and rule. Each choice names its recipe."""
+    where none does, the first recipe's bf16 choice and rule. A sibling group chosen as one (FP8_GROUP) takes one
+    recipe for all its members, the one its joined GEMM gains most in: only layers of one recipe are joined. Each
+    choice names its recipe."""
     first, *_ = by_recipe
     merged: dict[str, LayerChoice] = {}
     for name in by_recipe[first]:
         fp8 = [c for c in (choices[name] for choices in by_recipe.values()) if c.dtype == "fp8"]
         merged[name] = max(fp8, key=lambda c: c.predicted_gain or 0.0) if fp8 else by_recipe[first][name]
+    for group in groups:
+        joined = [choices for choices in by_recipe.values() if all(choices[n].rule == FP8_GROUP for n in group)]
+        if joined:
+            best = max(joined, key=lambda choices: choices[group[0]].predicted_gain or 0.0)
+            merged.update({n: best[n] for n in group})
     return merged
 
 
