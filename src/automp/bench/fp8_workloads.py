@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from automp.bench.liger import with_liger
 from automp.bench.zoo_modes import fuse_adam
 
 LR = 1e-4  # AdamW's, in every mode: the same recipe, so the losses compare
@@ -138,29 +139,8 @@ def torchao_auto_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]
 
 
 def liger_loop(work: Workload, device: str) -> Callable[[], torch.Tensor]:
-    """The strongest bf16 loop with Liger-Kernel's fused linear cross-entropy (no logits), as transformers' Trainer
-    applies it (`use_liger_kernel=True`), Llama models only. Under torch.compile (torch 2.11, Liger 0.8.5) Liger's
-    RMSNorm kernel fails Inductor's Triton compile and Dynamo fails to trace its fused linear cross-entropy, so what a
-    user can run is the compiled model with that one function left to run eagerly (`torch.compiler.disable`, a graph
-    break at the loss): RMSNorm and SwiGLU stay transformers' own, which Inductor fuses as Liger's kernels would.
-    Liger's RoPE is left out: it replaces a function of transformers' Llama module, which every other model built in
-    this process would then run; the two classes it replaces there go back once this model's instances hold
-    Liger's, for the same reason."""
-    import liger_kernel.transformers.functional as liger_functional
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-    from transformers.models.llama import modeling_llama
-    if not isinstance(work.model, modeling_llama.LlamaForCausalLM):
-        raise RuntimeError(f"bf16-liger: Liger's Llama kernels do not apply to {type(work.model).__name__}")
-    saved = {name: getattr(modeling_llama, name) for name in ("LlamaRMSNorm", "LlamaMLP")}
-    try:
-        apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, fused_linear_cross_entropy=True,
-                                    model=work.model)
-    finally:
-        for name, value in saved.items():
-            setattr(modeling_llama, name, value)
-    fused = liger_functional.liger_fused_linear_cross_entropy
-    if not getattr(fused, "_torchdynamo_disable", False):  # looked up at each call (liger's loss_utils)
-        liger_functional.liger_fused_linear_cross_entropy = torch.compiler.disable(fused)
+    """The strongest bf16 loop with Liger-Kernel on the model (`with_liger`), Llama models only."""
+    with_liger(work.model)
     return compiled_loop(work, device)
 
 

@@ -6,6 +6,8 @@ Modes, each the same training loop as the user would write it:
   autocast-bf16-compile  the same + torch.compile of every module: what a careful user writes
   autocast-bf16-graphs   the same with torch.compile(mode="reduce-overhead") (CUDA graphs) and fused Adam/AdamW: the
                          strongest loop an expert writes by hand, the ANCHOR of the results table where it is run
+  bf16-liger             autocast-bf16-graphs with Liger-Kernel's fused linear cross-entropy on a transformers Llama
+                         (llama only; automp.bench.liger.with_liger): the strongest loop for an HF LLM
   autocast-fp16-compile  torch.autocast(fp16) + torch.compile + torch.amp.GradScaler
   automp-bf16/-fp16      the fp32-eager loop unchanged, automp.enable() before it, disable() after (`automp run`)
 """
@@ -35,7 +37,8 @@ MODES = ("fp32-eager", "autocast-bf16-eager", "autocast-bf16-compile", "autocast
          "automp-fp16")
 ANCHOR = "autocast-bf16-compile"  # the default anchor: every default run has it
 STRONGEST = "autocast-bf16-graphs"  # the expert's loop; ratios are taken against it in a run that has it
-EXTRA_MODES = (STRONGEST,)  # accepted by --modes, not run by default (it compiles each model once more)
+LIGER = "bf16-liger"  # the strongest loop plus Liger-Kernel, for transformers Llama models
+EXTRA_MODES = (STRONGEST, LIGER)  # accepted by --modes, not run by default (each compiles the model once more)
 
 
 class ModeLoop:
@@ -43,6 +46,11 @@ class ModeLoop:
 
     def __init__(self, work: zm.Workload, mode: str, device: str):
         self.work, self.device = work, device
+        if mode == LIGER:
+            from automp.bench.liger import with_liger
+            for module in work.modules.values():
+                with_liger(module)
+            mode = STRONGEST
         graphs = mode.endswith("-graphs")
         compiled = mode.endswith("-compile") or graphs
         self.nets = {k: (torch.compile(m, mode="reduce-overhead") if graphs else torch.compile(m)) if compiled else m
