@@ -151,6 +151,11 @@ def test_the_probe_finds_siblings_on_one_input_only() -> None:
     net = Block()
     probe = fc.probe(net, lambda: net(torch.randn(48, 32)), "tensorwise")
     assert probe.siblings == [("q", "k", "v")]
+    assert list(probe.group_errors) == [("q", "k", "v")] and 0 < probe.group_errors[("q", "k", "v")] < fc.MAX_ERROR
+    with torch.no_grad():
+        net.v.weight.mul_(1e-6)  # one scale for the joined weight: v's values fall into FP8's subnormal steps
+    blurred = fc.probe(net, lambda: net(torch.randn(48, 32)), "tensorwise")
+    assert blurred.errors["v"] < fc.MAX_ERROR < blurred.group_errors[("q", "k", "v")]
 
 
 def test_siblings_that_gain_as_one_gemm_go_fp8_together() -> None:
@@ -161,21 +166,26 @@ def test_siblings_that_gain_as_one_gemm_go_fp8_together() -> None:
     groups = [("q", "k", "v"), ("a", "b"), ("b", "head")]
     gains = {(2048, 2048): 1.4, (2048, 512): 0.8, (2048, 3072): 1.5, (2048, 4096): 1.6}
     errors = {n: 0.04 for n in shapes} | {"b": 0.3}
-    probe = fc.Probe(shapes, errors, groups)
+    probe = fc.Probe(shapes, errors, groups, {g: 0.05 for g in groups})
     choices = fc.choose(probe, list(shapes), table(gains), siblings=True, recipe="tensorwise")
     assert {n: (c.dtype, c.rule) for n, c in choices.items()} == {
         "q": ("fp8", fc.FP8_GROUP), "k": ("fp8", fc.FP8_GROUP), "v": ("fp8", fc.FP8_GROUP), "a": ("fp8", fc.FP8),
         "b": ("bf16", fc.ACCURACY), "head": ("bf16", fc.OUTPUT)}
     assert choices["k"].predicted_gain == 1.5 and choices["k"].recipe == "tensorwise"
+    assert choices["k"].measured_error == 0.05  # the error it runs with: under the group's one weight scale
     alone = fc.choose(probe, list(shapes), table(gains))  # without the joined GEMM: each layer on its own
     assert [n for n, c in alone.items() if c.dtype == "fp8"] == ["q", "a"]
+    # accurate alone, not joined (one member's weights far smaller than the others'): each keeps its own choice
+    blurred = fc.Probe(shapes, errors, groups, {g: 0.3 for g in groups})
+    assert [n for n, c in fc.choose(blurred, list(shapes), table(gains), siblings=True).items()
+            if c.dtype == "fp8"] == ["q", "a"]
 
 
 def test_auto_recipe_keeps_a_group_on_one_recipe() -> None:
     """Tensorwise chose the group as one; rowwise did not (its joined GEMM gains too little), though q alone gains
     most there. Per layer q would go rowwise and k, v tensorwise, three GEMMs; the group keeps tensorwise, one GEMM."""
     shapes = {"q": GemmShape(4096, 2048, 2048), "k": GemmShape(4096, 2048, 512), "v": GemmShape(4096, 2048, 512)}
-    probe = fc.Probe(shapes, {n: 0.04 for n in shapes}, [("q", "k", "v")])
+    probe = fc.Probe(shapes, {n: 0.04 for n in shapes}, [("q", "k", "v")], {("q", "k", "v"): 0.05})
     by_recipe = {"tensorwise": fc.choose(probe, list(shapes), table({(2048, 2048): 1.4, (2048, 512): 0.8,
                                                                      (2048, 3072): 1.5}),
                                          output_fp8=True, siblings=True, recipe="tensorwise"),

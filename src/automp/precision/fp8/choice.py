@@ -71,6 +71,7 @@ class Probe:
     shapes: dict[str, GemmShape]
     errors: dict[str, float]
     siblings: list[tuple[str, ...]] = field(default_factory=list)
+    group_errors: dict[tuple[str, ...], float] = field(default_factory=dict)  # joined, one weight scale (group_error)
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -86,6 +87,14 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
     errors: dict[str, float] = {}
     runs: list[list[str]] = []
     last: list[Any] = [None]  # the input of the layer called last, held weakly (a dead tensor's id can come back)
+    group_errors: dict[tuple[str, ...], float] = {}
+    rows: list[Any] = [None]  # the current run's input rows, until the run ends and its joined error is measured
+
+    def close_run() -> None:
+        run = tuple(runs[-1]) if runs else ()
+        if len(run) > 1 and rows[0] is not None and all(name in errors for name in run):
+            group_errors[run] = fp8.group_error([layers[n] for n in run], rows[0], recipe)
+        rows[0] = None
 
     def hook_for(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -95,7 +104,9 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
             if last[0] is not None and last[0]() is x:
                 runs[-1].append(name)
             else:
+                close_run()
                 runs.append([name])
+                rows[0] = x.reshape(-1, x.shape[-1])[:PROBE_ROWS]
             last[0] = weakref.ref(x)
             w = fp8.weight_nk(module)
             shapes[name] = GemmShape(x.numel() // x.shape[-1], w.shape[1], w.shape[0])
@@ -110,12 +121,13 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
         model.eval()
         with torch.no_grad(), torch.autocast(device, dtype=low), fp8.active(False):
             run()
+            close_run()
     finally:
         for h in handles:
             h.remove()
         for m, training in modes.items():
             m.training = training
-    return Probe(shapes, errors, [tuple(r) for r in runs if len(r) > 1])
+    return Probe(shapes, errors, [tuple(r) for r in runs if len(r) > 1], group_errors)
 
 
 def kept(name: str, patterns: tuple[str, ...]) -> bool:
@@ -151,21 +163,24 @@ def group_shape(probe: Probe, group: tuple[str, ...]) -> GemmShape:
 def group_choices(probe: Probe, choices: dict[str, LayerChoice], timing: Callable[[GemmShape], Fp8Timing | None],
                   min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR) -> dict[str, LayerChoice]:
     """Sibling groups that run FP8 together (rule FP8_GROUP): where the group's joined GEMM is predicted to gain
-    MIN_GAIN, every member is accurate alone (the group's one weight scale is not measured), and no member is held
-    bf16 for another reason (kept, the output layer, its shape). A 512-wide key projection that loses alone can gain
-    as a third of the query-key-value GEMM. Groups that do not qualify keep their members' own choices."""
+    MIN_GAIN, every member is accurate alone and joined (its error under the group's one weight scale, the probe's
+    group_errors, is the one reported), and no member is held bf16 for another reason (kept, the output layer, its
+    shape). A 512-wide key projection that loses alone can gain as a third of the query-key-value GEMM. Groups that
+    do not qualify keep their members' own choices."""
     out: dict[str, LayerChoice] = {}
     for group in probe.siblings:
         members = [choices.get(n) for n in group]
-        if any(c is None or c.rule not in (FP8, NO_GAIN) or c.measured_error is None or c.measured_error > max_error
-               for c in members):
+        joined = probe.group_errors.get(group)
+        if joined is None or joined > max_error or any(
+                c is None or c.rule not in (FP8, NO_GAIN) or c.measured_error is None or c.measured_error > max_error
+                for c in members):
             continue
         entry = timing(group_shape(probe, group))
         gain = round(entry.predicted_gain, 3) if entry is not None else None
         if gain is None or gain < min_gain:
             continue
         for name, c in zip(group, members):
-            out[name] = replace(c, dtype="fp8", predicted_gain=gain, rule=FP8_GROUP)
+            out[name] = replace(c, dtype="fp8", predicted_gain=gain, measured_error=round(joined, 4), rule=FP8_GROUP)
     return out
 
 

@@ -296,3 +296,18 @@ def relative_error(module: nn.Module, x: torch.Tensor, recipe: str) -> float:
         ref = (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
         out = _Fp8Matmul.apply(x2, w, recipe, torch.float32).float()
         return float((out - ref).norm() / ref.norm().clamp(min=_EPS))
+
+
+def group_error(modules: list[nn.Module], x: torch.Tensor, recipe: str) -> float:
+    """The largest of `relative_error` among layers run as one FP8 GEMM on their concatenated weight
+    (automp.precision.siblings): one weight scale covers them all, so a member whose weights are much smaller than
+    the others' keeps fewer of FP8's steps than it would alone."""
+    ws = [weight_nk(m) for m in modules]
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = _Fp8Matmul.apply(x2, torch.cat(ws), recipe, torch.float32).float()
+        errors = []
+        for part, w in zip(out.split([w.shape[0] for w in ws], dim=-1), ws):
+            ref = (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
+            errors.append(float((part - ref).norm() / ref.norm().clamp(min=_EPS)))
+        return max(errors)
