@@ -320,11 +320,12 @@ class RootPaths:
     def over_budget(self, root: Root, path: Route, error: OverBudget, budget: MemoryBudget) -> None:
         """An eager candidate held more memory in its first forward than the anchor's whole iteration
         (automp.runtime.guards.memory_budget): it leaves the trial, and the report says by how much. Where it cannot
-        leave (the trial's last candidate, a module run in lockstep on several ranks), the budget is off and the call
-        runs again as it was: a budget must never cost the script a step or an error of automp's own."""
+        leave for a compiled candidate (the trial's last candidate, or only eager ones left: FP32 eager holds more
+        than low precision eager), or runs in lockstep on several ranks, the budget is off and the call runs again as
+        it was: a budget must never cost the script a step or an error of automp's own."""
         trial = root.trial
-        if trial is None or trial.verdict is not None or path not in trial.alive or len(trial.alive) < 2 \
-                or root.lockstep:
+        if trial is None or trial.verdict is not None or path not in trial.alive or root.lockstep \
+                or all(p in EAGER_PATHS for p in trial.alive if p is not path):
             budget.limit = None
             return
         why = f"{error}, the peak of {Route.COMPILED_AUTOCAST.value}'s iteration (the hand-written loop's path)"

@@ -91,17 +91,22 @@ def test_within_the_budget_or_under_the_floor_the_eager_candidate_is_timed(monke
         assert Route.EAGER_LOW.value in report["choices"][0]["timings_ms"]
 
 
-def test_the_trials_last_candidate_runs_on_without_a_budget(monkeypatch):
-    """The anchor sets the budget in its first iteration, then runs out of memory: low precision eager, over the
-    budget but the last candidate left, runs every call (the budget is off), and the script sees no error."""
+@pytest.mark.parametrize("fp32", [False, True])
+def test_without_a_compiled_candidate_left_the_eager_ones_run_without_a_budget(monkeypatch, fp32):
+    """The anchor sets the budget in its first iteration, then runs out of memory. Low precision eager, over the
+    budget, is then the last candidate, or has only FP32 eager beside it (which holds more): it stays, the budget is
+    off, every call runs, and the script sees no error."""
     _stock_as_autocast(monkeypatch, oom_after=2)
-    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW], "test"),
-           memory=lambda d: _memory(1000),
-           trial_config=TrialConfig(warmup={Route.COMPILED_AUTOCAST: 2, Route.EAGER_LOW: 1}))
+    paths = [Route.COMPILED_AUTOCAST, Route.EAGER_LOW] + ([Route.FP32] if fp32 else [])
+    inject(monkeypatch, candidates=lambda device, low: (paths, "test"), memory=lambda d: _memory(1000),
+           trial_config=TrialConfig(warmup={Route.COMPILED_AUTOCAST: 2, Route.EAGER_LOW: 1, Route.FP32: 1}))
     automp.enable(dtype="bf16")
-    losses = _train(_net())
+    losses = _train(_net(), 30)
     report = automp.disable()
-    assert len(losses) == 6 and report["choices"][0]["path"] == "low-precision-eager"
+    (choice,) = report["choices"]
+    assert len(losses) == 30 and choice["path"] in ("low-precision-eager", "fp32-eager")
+    if fp32:  # both eager paths were timed: neither left for memory
+        assert {Route.EAGER_LOW.value, Route.FP32.value} <= set(choice["timings_ms"])
     rules = [f.get("rule") for f in report["fallbacks"]]
     assert TRIAL_OOM in rules and TRIAL_OVER_MEMORY not in rules
 
