@@ -5,6 +5,7 @@ import torch.nn as nn
 
 from automp.precision.fp8 import choice as fc
 from automp.precision.fp8.table import Fp8Timing, GemmShape
+from tests.precision.fp8.test_layers import _cpu_scaled_mm
 
 
 def table(gains: dict[tuple[int, int], float]):
@@ -195,3 +196,15 @@ def test_auto_recipe_keeps_a_group_on_one_recipe() -> None:
     assert by_recipe["rowwise"]["q"].rule == fc.FP8 and fc.merge(by_recipe)["q"].recipe == "rowwise"
     merged = fc.merge(by_recipe, [("q", "k", "v")])
     assert {n: (c.recipe, c.rule) for n, c in merged.items()} == {n: ("tensorwise", fc.FP8_GROUP) for n in shapes}
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm("rowwise"), reason="no rowwise torch._scaled_mm on this CPU build")
+def test_probes_measure_every_recipe_in_one_forward() -> None:
+    net = Net().train()
+    x = torch.randn(48, 32)
+    forwards = []
+    by_recipe = fc.probes(net, lambda: forwards.append(net(x)), ("tensorwise", "rowwise"))
+    assert len(forwards) == 1
+    alone = fc.probe(net, lambda: net(x), "tensorwise")
+    assert by_recipe["tensorwise"].errors == alone.errors and by_recipe["tensorwise"].shapes == alone.shapes
+    assert set(by_recipe["rowwise"].errors) == set(alone.errors)

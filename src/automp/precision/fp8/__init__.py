@@ -76,13 +76,14 @@ def convert(module: nn.Module, run: Callable[[], Any], *, device: torch.device, 
     FSDP2-sharded FP8 layers get the FP8 all-gather (`all_gather=False`: reported, left to FSDP2's own)."""
     recipes = layers.RECIPES if recipe == AUTO else (recipe,)
     linear = choice.linear_layers(module)
+    probed_by_recipe = choice.probes(module, run, recipes, low)
+    first = probed_by_recipe[recipes[0]]  # shapes and siblings are every recipe's
+    groups = first.siblings if siblings else []
+    shapes = [s for s in [*first.shapes.values(), *(choice.group_shape(first, g) for g in groups)]
+              if layers.fits(s.m, s.k, s.n)]
     by_recipe: dict[str, dict[str, choice.LayerChoice]] = {}
     table_error = None
-    for r in recipes:
-        probed = choice.probe(module, run, r, low)
-        groups = probed.siblings if siblings else []
-        shapes = [s for s in [*probed.shapes.values(), *(choice.group_shape(probed, g) for g in groups)]
-                  if layers.fits(s.m, s.k, s.n)]
+    for r, probed in probed_by_recipe.items():
         times: table.Fp8Table | None = None
         if shapes:
             try:

@@ -79,21 +79,29 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtype = torch.bfloat16) -> Probe:
+    """`probes` under one recipe."""
+    return probes(model, run, (recipe,), low)[recipe]
+
+
+def probes(model: nn.Module, run: Callable[[], Any], recipes: tuple[str, ...], low: torch.dtype = torch.bfloat16
+           ) -> dict[str, Probe]:
     """Run `run()` (one forward of `model` on the script's batch) under no_grad and autocast, in eval mode so that it
     leaves no trace (no BatchNorm statistics, no dropout draws from the script's RNG), recording each linear layer's
-    shape and FP8 error on the input it receives. Training flags are restored after."""
+    shape and, under each of `recipes`, its FP8 error on the input it receives: one forward for every recipe (the
+    shapes and siblings are the same). Training flags are restored after."""
     layers = linear_layers(model)
     shapes: dict[str, GemmShape] = {}
-    errors: dict[str, float] = {}
+    errors: dict[str, dict[str, float]] = {r: {} for r in recipes}
     runs: list[list[str]] = []
     last: list[Any] = [None]  # the input of the layer called last, held weakly (a dead tensor's id can come back)
-    group_errors: dict[tuple[str, ...], float] = {}
+    group_errors: dict[str, dict[tuple[str, ...], float]] = {r: {} for r in recipes}
     rows: list[Any] = [None]  # the current run's input rows, until the run ends and its joined error is measured
 
     def close_run() -> None:
         run = tuple(runs[-1]) if runs else ()
-        if len(run) > 1 and rows[0] is not None and all(name in errors for name in run):
-            group_errors[run] = fp8.group_error([layers[n] for n in run], rows[0], recipe)
+        if len(run) > 1 and rows[0] is not None and all(name in errors[recipes[0]] for name in run):
+            for r in recipes:
+                group_errors[r][run] = fp8.group_error([layers[n] for n in run], rows[0], r)
         rows[0] = None
 
     def hook_for(name: str) -> Callable[..., None]:
@@ -101,17 +109,19 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
             x = args[0] if args else next(iter(kwargs.values()))
             if name in shapes or not torch.is_tensor(x) or x.dim() < 2:
                 return
+            x2 = x.reshape(-1, x.shape[-1])[:PROBE_ROWS]
             if last[0] is not None and last[0]() is x:
                 runs[-1].append(name)
             else:
                 close_run()
                 runs.append([name])
-                rows[0] = x.reshape(-1, x.shape[-1])[:PROBE_ROWS]
+                rows[0] = x2
             last[0] = weakref.ref(x)
             w = fp8.weight_nk(module)
             shapes[name] = GemmShape(x.numel() // x.shape[-1], w.shape[1], w.shape[0])
             if fp8.fits(shapes[name].m, shapes[name].k, shapes[name].n):  # PROBE_ROWS keeps rows a multiple of 16
-                errors[name] = fp8.relative_error(module, x.reshape(-1, x.shape[-1])[:PROBE_ROWS], recipe)
+                for r in recipes:
+                    errors[r][name] = fp8.relative_error(module, x2, r)
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in layers.items()]
@@ -127,7 +137,8 @@ def probe(model: nn.Module, run: Callable[[], Any], recipe: str, low: torch.dtyp
             h.remove()
         for m, training in modes.items():
             m.training = training
-    return Probe(shapes, errors, [tuple(r) for r in runs if len(r) > 1], group_errors)
+    siblings = [tuple(r) for r in runs if len(r) > 1]
+    return {r: Probe(shapes, errors[r], siblings, group_errors[r]) for r in recipes}
 
 
 def kept(name: str, patterns: tuple[str, ...]) -> bool:

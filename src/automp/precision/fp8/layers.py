@@ -290,12 +290,7 @@ def uninstall(module: nn.Module) -> None:
 def relative_error(module: nn.Module, x: torch.Tensor, recipe: str) -> float:
     """‖y_fp8 − y_bf16‖ / ‖y_bf16‖ of one layer on the input it was given: what FP8 changes in its output, against
     what the bf16 path computes (both without bias: it is added exactly in either)."""
-    w = weight_nk(module)
-    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        x2 = x.reshape(-1, x.shape[-1])
-        ref = (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
-        out = _Fp8Matmul.apply(x2, w, recipe, torch.float32).float()
-        return float((out - ref).norm() / ref.norm().clamp(min=_EPS))
+    return group_error([module], x, recipe)
 
 
 def group_error(modules: list[nn.Module], x: torch.Tensor, recipe: str) -> float:
@@ -305,7 +300,7 @@ def group_error(modules: list[nn.Module], x: torch.Tensor, recipe: str) -> float
     ws = [weight_nk(m) for m in modules]
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])
-        out = _Fp8Matmul.apply(x2, torch.cat(ws), recipe, torch.float32).float()
+        out = _Fp8Matmul.apply(x2, ws[0] if len(ws) == 1 else torch.cat(ws), recipe, torch.float32).float()
         errors = []
         for part, w in zip(out.split([w.shape[0] for w in ws], dim=-1), ws):
             ref = (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
