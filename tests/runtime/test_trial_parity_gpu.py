@@ -1,7 +1,7 @@
 """Loss parity of a GPU trial: the candidates take turns over the first steps, and every step must train as the plain
 loop's would. Measured on a transformers Llama at Llama-3.2-1B widths (2 layers), whose 8-batch pool makes the loss
-of step 8 (batch 0 seen again) show how much step 0 taught, and so on: a step that computed a wrong loss or gradient moves it by
-tenths (the plain loop's paths agree within 0.01 there).
+of step 8 (batch 0 seen again) show how much step 0 taught, and so on: a step that computed a wrong loss or gradient
+moves it by tenths (the plain loop's paths agree within 0.01 there).
 
 GPU only (skipped on CPU, where the trial has no compiled candidates); run by the GPU test run."""
 import tempfile

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from automp.bench import zoo_models as zm
+from automp.bench.liger import with_liger
 from automp.bench import zoo_scripts as zs
 
 # name -> (builder, libraries it needs): the order of the tables and the plot
@@ -47,7 +48,6 @@ class ModeLoop:
     def __init__(self, work: zm.Workload, mode: str, device: str):
         self.work, self.device = work, device
         if mode == LIGER:
-            from automp.bench.liger import with_liger
             for module in work.modules.values():
                 with_liger(module)
             mode = STRONGEST

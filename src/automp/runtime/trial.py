@@ -5,8 +5,9 @@ buy nothing, and compiling a big model is only worth it when Inductor beats the 
 feedback tuning, each newly seen root module runs a short trial: a few whole iterations per candidate path (stock
 Inductor under autocast — what a careful user would hand-write, so automp is never slower than that either — FP32 eager
 as written, low precision eager, and the compiled graphs replayed as CUDA graphs, which take the host's launch work
-away where a step is host-bound; automp's own graph pass runs where the configuration forces it), timed from one call of the module to its next call — forward,
-backward, optimizer step and the data loading in between, everything the user waits for. The fastest path is kept for
+away where a step is host-bound; automp's own graph pass runs where the configuration forces it), timed from one call
+of the module to its next call — forward, backward, optimizer step and the data loading in between, everything the
+user waits for. The fastest path is kept for
 the rest of the run, re-measured once in steady state against the eager paths that came close (`confirmation`), and the
 verdict is cached on disk per module shape, dtype and device (automp.runtime.verdicts), so the next run of the same
 script starts on the winner and pays nothing.

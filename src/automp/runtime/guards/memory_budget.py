@@ -67,7 +67,7 @@ class MemoryBudget:
     slack: float = 0.05
     floor: float = 0.03
     limit: int | None = None  # bytes; None until the anchor's first iteration ended, or where there is none
-    record: dict[str, Any] | None = None  # what the budget was set from (a verdict's bounds["memory"])
+    record: dict[str, Any] | None = None  # what the budget was set from (in a dropped candidate's verdict bounds)
     passed: set[Route] = field(default_factory=set)  # eager paths whose guarded first call stayed within it
     _last: Route | None = None
 
