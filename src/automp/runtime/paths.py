@@ -321,10 +321,10 @@ class RootPaths:
         """An eager candidate held more memory in its first forward than the anchor's whole iteration
         (automp.runtime.guards.memory_budget): it leaves the trial, and the report says by how much. Where it cannot
         leave for a compiled candidate (the trial's last candidate, or only eager ones left: FP32 eager holds more
-        than low precision eager), or runs in lockstep on several ranks, the budget is off and the call runs again as
-        it was: a budget must never cost the script a step or an error of automp's own."""
+        than low precision eager), the budget is off and the call runs again as it was: a budget must never cost the
+        script a step or an error of automp's own. (Under torch.distributed no trial has a budget: `start`.)"""
         trial = root.trial
-        if trial is None or trial.verdict is not None or path not in trial.alive or root.lockstep \
+        if trial is None or trial.verdict is not None or path not in trial.alive \
                 or all(p in EAGER_PATHS for p in trial.alive if p is not path):
             budget.limit = None
             return
