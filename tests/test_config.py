@@ -181,3 +181,13 @@ def test_fused_siblings_are_off_unless_asked_for():
     assert AutoMPConfig.from_cli(parse(["run", "s.py"]), {"AUTOMP_FUSE_SIBLINGS": "1"}).fuse_siblings is True
     with pytest.raises(TypeError, match="fuse_siblings must be"):
         AutoMPConfig(fuse_siblings="yes")
+
+
+def test_causal_attention_is_on_unless_switched_off_on_the_command_line():
+    from automp.cli import build_parser
+    parse = build_parser().parse_args
+    assert AutoMPConfig().causal_attention is True
+    assert AutoMPConfig.from_cli(parse(["run", "s.py"]), {}).causal_attention is True
+    assert AutoMPConfig.from_cli(parse(["run", "--no-causal-attention", "s.py"]), {}).causal_attention is False
+    with pytest.raises(ValueError, match="causal_attention must be True or False"):
+        AutoMPConfig(causal_attention="yes")

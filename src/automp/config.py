@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path as FsPath
 from typing import Any, Mapping
 
-VERSION = "0.3.6"  # the package's version (automp.__version__), here so that any layer can key a cache by it
+VERSION = "0.3.7"  # the package's version (automp.__version__), here so that any layer can key a cache by it
 
 DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
           "fp8": "fp8", "float8": "fp8"}
@@ -29,8 +29,8 @@ ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR
                "AUTOMP_DEBUG": "debug", "AUTOMP_FP8_KEEP": "fp8_keep",
                "AUTOMP_FUSE_SIBLINGS": "fuse_siblings", "AUTOMP_FUSE_LINEAR_CE": "fuse_linear_ce", "RANK": "rank",
                "WORLD_SIZE": "world_size"}
-_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_siblings", "fuse_linear_ce", "fuse_optimizers", "tune_cudnn",
-          "tune_layout", "cuda_graphs", "debug")
+_FLAGS = ("fp8_output", "fp8_all_gather", "fuse_siblings", "fuse_linear_ce", "causal_attention", "fuse_optimizers",
+          "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
 
 
 class FieldError(ValueError, TypeError):
@@ -77,6 +77,9 @@ class AutoMPConfig:
     loss) a block of rows at a time (automp.precision.linear_ce), where the script does not read the logits'
     gradient. Off by default: at Llama-3.2-1B's head it was slower than Inductor's own graph and no smaller
     (BENCHMARKS.md, "Output layer + cross-entropy in blocks").
+    causal_attention: on the compiled paths, hand attention a causal mask that the graph builds from fixed sizes
+    as `is_causal=True` (automp.precision.causal_mask): the same attention, without computing the masked half. On by
+    default; off keeps the script's mask.
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
@@ -101,6 +104,7 @@ class AutoMPConfig:
     cache_dir: str | None = None
     fuse_siblings: bool = False
     fuse_linear_ce: bool = False
+    causal_attention: bool = True
     fuse_optimizers: bool = True
     tune_cudnn: bool = True
     tune_layout: bool = True

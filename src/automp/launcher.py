@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import automp
 from automp.config import AutoMPConfig
 from automp.files import check_writable, same_file
+from automp.precision.causal_mask import CAUSAL_ATTENTION
 from automp.precision.linear_ce import FUSED_LINEAR_CE
 from automp.precision.siblings import FUSED_SIBLINGS
 from automp.runtime.report import notice
@@ -30,7 +31,7 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 _ASIDE = {SCRIPTS_AUTOCAST: "the script's own autocast", HALF_MODEL: "already half precision",
           COMPILE_FAILED: "compilation failed"}  # by rule
 _COMPILED = {r.value for r in COMPILED_PATHS}
-_REWRITES = {FUSED_SIBLINGS: "sibling linear group(s) as one GEMM",
+_REWRITES = {CAUSAL_ATTENTION: "causal mask(s) as is_causal", FUSED_SIBLINGS: "sibling linear group(s) as one GEMM",
              FUSED_LINEAR_CE: "output layer(s) + cross-entropy in blocks"}  # by rule
 _IN_TRANSFORM = "calls ran inside a torch.func transform, which torch.compile cannot trace from eager code"
 

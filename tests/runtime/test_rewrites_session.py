@@ -1,7 +1,8 @@
-"""The session's graph rewrites on a transformers causal LM's stock compiled path, sibling linear layers as one GEMM
-(config.fuse_siblings) and the output layer + cross-entropy in blocks (config.fuse_linear_ce): the same losses and
-weight updates as without them, each site in the report and the summary line, and no cross-entropy rewrite where the
-script reads the logits."""
+"""The session's graph rewrites on a transformers causal LM's stock compiled path, a causal mask built in the graph
+as is_causal (config.causal_attention, on by default), sibling linear layers as one GEMM (config.fuse_siblings) and
+the output layer + cross-entropy in blocks (config.fuse_linear_ce): the same losses and weight updates as without
+them, each site in the report and the summary line, and no cross-entropy rewrite where the script reads the
+logits."""
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("fresh_session", "eager_inductor")
 
 
 def _train(monkeypatch, read_logits: bool = False, steps: int = 8, route: Route = Route.COMPILED_AUTOCAST, **fuse):
+    fuse.setdefault("causal_attention", False)  # each test names the rewrites it is about
     # the trial runs it eagerly first (the script's reads are seen there), then on the compiled `route`, which a clock
     # of fixed costs per call makes the faster
     cost, now, run = {Route.EAGER_LOW: 2.0, route: 1.0}, [0.0], Session._run
@@ -79,3 +81,19 @@ def test_sibling_layers_join_and_train_as_the_unjoined_step(monkeypatch, route):
     assert (moved - ref_moved).norm() / ref_moved.norm() < 3e-2
     line = summary(report, AutoMPConfig())
     assert "2 sibling linear group(s) as one GEMM" in line and route.value in line
+
+
+def test_a_causal_mask_built_in_the_graph_becomes_is_causal_by_default(monkeypatch):
+    import transformers.masking_utils as masking
+    if not hasattr(masking, "_ignore_causal_mask_sdpa"):
+        pytest.skip("this transformers release decides the SDPA mask elsewhere")
+    # as older transformers releases do while Dynamo traces: the mask is built as a tensor in the graph
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    ref_losses, ref_moved, ref_report = _train(monkeypatch)
+    losses, moved, report = _train(monkeypatch, causal_attention=True)
+    assert ref_report["rewrites"] == []
+    assert [(r["rule"], r["calls"]) for r in report["rewrites"]] == [("causal-attention", 1)]  # the one layer's
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-2
+    assert (moved - ref_moved).norm() / ref_moved.norm() < 3e-2
+    assert "1 causal mask(s) as is_causal" in summary(report, AutoMPConfig())
+    assert AutoMPConfig().causal_attention

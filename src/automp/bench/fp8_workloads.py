@@ -153,12 +153,14 @@ LOOPS: dict[str, Callable[[Workload, str], Callable[[], torch.Tensor]]] = {
     "bf16-reduce-overhead": compiled_loop, "torchao-tensorwise": torchao_loop("tensorwise"),
     "torchao-rowwise": torchao_loop("rowwise"), "torchao-auto": torchao_auto_loop, "bf16-liger": liger_loop,
     "automp-bf16": fp32_loop, "automp-fp8": fp32_loop, "automp-bf16-siblings": fp32_loop, "automp-fp8-auto": fp32_loop,
-    "automp-fp8-siblings": fp32_loop}
+    "automp-fp8-siblings": fp32_loop, "automp-bf16-masked": fp32_loop}
 
 
 def automp_options(mode: str) -> dict[str, Any]:
     """automp.enable's arguments for an automp mode: its dtype ("automp-bf16" -> bf16), for "-siblings" the
-    sibling-GEMM rewrite (automp.precision.siblings) and for "-auto" each FP8 layer's recipe chosen per layer
-    (fp8_recipe="auto"), so that one process times automp with and without them."""
-    extra = {"-siblings": {"fuse_siblings": True}, "-auto": {"fp8_recipe": "auto"}}
+    sibling-GEMM rewrite (automp.precision.siblings), for "-auto" each FP8 layer's recipe chosen per layer
+    (fp8_recipe="auto") and for "-masked" the model's causal mask kept (automp.precision.causal_mask off), so that
+    one process times automp with and without them."""
+    extra = {"-siblings": {"fuse_siblings": True}, "-auto": {"fp8_recipe": "auto"},
+             "-masked": {"causal_attention": False}}
     return {"dtype": mode.split("-")[1], **next((v for k, v in extra.items() if mode.endswith(k)), {})}

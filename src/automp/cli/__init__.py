@@ -49,6 +49,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="compute an output layer and its cross-entropy a block of rows at a time on the "
                         "compiled paths (experimental: slower than Inductor's own graph where measured, BENCHMARKS.md; "
                         "default: the environment's AUTOMP_FUSE_LINEAR_CE, else off)")
+    p.add_argument("--no-causal-attention", dest="causal_attention", action="store_false", default=None,
+                   help="keep a causal mask the model builds as a tensor (default: hand it to attention as "
+                        "is_causal on the compiled paths, which skips the masked half)")
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")

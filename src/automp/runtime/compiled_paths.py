@@ -129,15 +129,20 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
 
 
 def rewrites(config: Any, recorder: Any, label: str) -> Callable[[Any, Any], Any] | None:
-    """The graph rewrites of a root's compiled paths, those the configuration asks for (config.fuse_siblings:
-    automp.precision.siblings; config.fuse_linear_ce: automp.precision.linear_ce), each site reported once. Holds the
-    root's label, not the root: see entry_point."""
-    if not (config.fuse_siblings or config.fuse_linear_ce):
+    """The graph rewrites of a root's compiled paths, those the configuration asks for (config.causal_attention:
+    automp.precision.causal_mask; config.fuse_siblings: automp.precision.siblings; config.fuse_linear_ce:
+    automp.precision.linear_ce), each site reported once. Holds the root's label, not the root: see entry_point."""
+    if not (config.causal_attention or config.fuse_siblings or config.fuse_linear_ce):
         return None
+    from automp.precision.causal_mask import CAUSAL_ATTENTION, causal_attention
     from automp.precision.linear_ce import FUSED_LINEAR_CE, fuse_linear_cross_entropy
     from automp.precision.siblings import FUSED_SIBLINGS, fuse_sibling_linears
 
     def rewrite(gm: Any, example_inputs: Any) -> Any:
+        if config.causal_attention:
+            gm, masks = causal_attention(gm)
+            for mask in masks:
+                recorder.add_rewrite(label, CAUSAL_ATTENTION, mask=mask.mask, calls=mask.calls, shape=list(mask.shape))
         if config.fuse_siblings:
             gm, groups = fuse_sibling_linears(gm, example_inputs)
             for group in groups:

@@ -16,6 +16,8 @@ Modes (AdamW lr 1e-4 in every one, the same recipe, so the losses compare):
   automp-fp8            before it and automp.disable() after, as `automp run` does; warm-up runs until
                         automp.settled(). On a machine without FP8, enable raises and the row says so (skipped).
   automp-bf16-siblings  automp-bf16 with sibling linear layers joined into one GEMM (--fuse-siblings)
+  automp-bf16-masked    automp-bf16 keeping the causal mask the model builds (--no-causal-attention): what the
+                        causal-attention rewrite earns
   automp-fp8-auto       automp-fp8 with each layer's recipe chosen from the device table (--fp8-recipe auto)
   automp-fp8-siblings   automp-fp8 with sibling FP8 layers joined into one FP8 GEMM (--fuse-siblings)
 
@@ -64,7 +66,7 @@ from automp.files import write_json_and_markdown
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
 
 MODES = ("bf16-reduce-overhead", "bf16-liger", "torchao-tensorwise", "torchao-rowwise", "torchao-auto", "automp-bf16",
-         "automp-fp8", "automp-bf16-siblings", "automp-fp8-auto", "automp-fp8-siblings")
+         "automp-fp8", "automp-bf16-siblings", "automp-bf16-masked", "automp-fp8-auto", "automp-fp8-siblings")
 ANCHOR = "bf16-reduce-overhead"
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
 
