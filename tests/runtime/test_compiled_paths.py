@@ -321,3 +321,42 @@ def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeyp
     finally:
         logger.removeHandler(handler)
     assert not [m for m in messages if "recompile_limit" in m or "cache_size_limit" in m]
+
+
+@pytest.mark.usefixtures("eager_inductor")
+@pytest.mark.parametrize("host_ms, tried", [(10.0, False), (80.0, True)])
+def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_far_ahead_of_the_device(
+        monkeypatch, tmp_path, host_ms, tried):
+    """A device-bound step (the host done issuing it long before the device is done running it) leaves CUDA graphs
+    no launch work to take away: they are neither compiled nor timed, and the verdict's bounds say why, with the
+    measured share. A step whose host work is most of it keeps them in the trial."""
+    from automp.runtime import paths
+    from automp.runtime.decisions import GRAPHS_DEVICE_BOUND, Route
+    from automp.runtime.session import Session
+    clock = {"now": 0.0, "done": 0.0}  # seconds: the host's time, and when the device finishes what it was given
+    run = Session._run
+
+    def timed_run(self, module, root, path, args, kwargs):
+        out = run(self, module, root, path, args, kwargs)
+        clock["done"] = max(clock["done"], clock["now"]) + 0.1  # the device's 100 ms a step, on every path
+        clock["now"] += host_ms / 1e3
+        return out
+
+    monkeypatch.setattr(Session, "_run", timed_run)
+    monkeypatch.setattr(paths, "sync_for", lambda device: lambda: clock.update(now=max(clock["now"], clock["done"])))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"),
+           clock=lambda: clock["now"])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(60):
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+        if automp.settled():
+            break
+    built = automp._session.roots[net].graphs
+    (choice,) = automp.disable()["choices"]
+    assert (Route.GRAPHED.value in choice["timings_ms"]) == tried
+    assert built == (2 if tried else 1)
+    if not tried:
+        assert choice["path"] == Route.COMPILED_AUTOCAST.value
+        assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.1, "limit": 0.25}

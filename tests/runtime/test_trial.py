@@ -417,3 +417,47 @@ def test_a_calibration_not_cached_is_named_in_the_reason():
     same_paths, doubted_why = doubted(cpu, torch.bfloat16)
     assert same_paths == paths and "not cached" not in why
     assert "not cached" in doubted_why and "4.7x the fastest" in doubted_why
+
+
+class Device:
+    """A host that issues each iteration in `host` seconds and a device that runs it in `device` seconds, queued
+    behind what it still runs: the trial's sync waits for the device to finish."""
+
+    def __init__(self, host: dict[Route, float], device: dict[Route, float]):
+        self.host, self.device, self.now, self.done = host, device, 0.0, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sync(self) -> None:
+        self.now = max(self.now, self.done)
+
+    def run(self, trial: Trial) -> None:
+        trial.tick(1)
+        path = trial.current
+        self.done = max(self.done, self.now) + self.device[path]
+        self.now += self.host[path]
+
+
+@pytest.mark.parametrize("host, bound", [(0.01, True), (0.08, False)])
+def test_graphs_are_judged_launch_bound_only_where_the_host_issued_every_compiled_sample_far_ahead(host, bound):
+    device = {Route.COMPILED_AUTOCAST: 0.1, Route.FP32: 0.2}
+    clock = Device({p: host for p in device}, device)
+    trial = Trial(list(device), TrialConfig(give_up=100.0), clock, clock.sync)
+    for _ in range(100):
+        if trial.verdict is not None:
+            break
+        clock.run(trial)
+    shares = trial.host_shares[Route.COMPILED_AUTOCAST]
+    assert shares and max(shares) == pytest.approx(host / 0.1)  # the step's own figures, sample by sample
+    assert trial.verdict.timings_ms[Route.COMPILED_AUTOCAST.value] == pytest.approx(100.0)  # device time, not host
+    why = trial.launch_bound()
+    assert (why is not None) == bound
+    if bound:
+        assert trial.bounds[Route.GRAPHED.value] == {"rule": "graphs-device-bound", "host_share": 0.1, "limit": 0.25}
+        assert "no launch work" in why
+
+
+def test_without_a_compiled_sample_graphs_are_not_judged():
+    trial = Trial([Route.GRAPHED, Route.FP8_GRAPHED], TrialConfig(), lambda: 0.0, lambda: None)
+    assert trial.launch_bound() is None and trial.bounds == {}

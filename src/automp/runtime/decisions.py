@@ -79,6 +79,7 @@ FP8_OFF = "fp8-off"  # FP8 not used for a module (no FP8 on its device, no GEMM 
 FP8_SKIPPED = "fp8-skipped-steps"  # optimizer steps the FP8 loss watch skipped
 TRIAL_OOM = "trial-out-of-memory"  # a candidate ran out of device memory in the trial and left it (paths.out_of_memory)
 TRIAL_OVER_MEMORY = "trial-over-memory"  # an eager candidate held more than the anchor's peak: it left the trial
+GRAPHS_DEVICE_BOUND = "graphs-device-bound"  # the host issued the compiled steps well ahead: no CUDA graphs recorded
 
 
 @dataclass

@@ -183,9 +183,10 @@ class RootPaths:
         self._remember([root], verdict)
 
     def check_graphs_fit(self, root: Root) -> None:
-        """Before CUDA graphs are built in a trial: the script's memory so far must leave room for their pool."""
+        """Before CUDA graphs are built in a trial: the script's memory so far must leave room for their pool, and the
+        step must leave the host launch work for them to take away (Trial.launch_bound)."""
         memory = compiled_paths.device_memory(root.device)
-        why = None if memory is None else compiled_paths.graphs_fit(*memory)
+        why = (None if memory is None else compiled_paths.graphs_fit(*memory)) or root.trial.launch_bound()
         if why is not None:
             self._without_graphs(root.trial, why)
         else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from automp.runtime.decisions import (ANCHOR_KEPT, AS_WRITTEN, BF16_TWIN, COMPILED_PATHS, CONFIRMED, EAGER_PATHS,
-                                      MEASURED, ONLY_LEFT, REMEASURED, TWIN_KEPT, Route, Verdict)
+                                      GRAPHS_DEVICE_BOUND, MEASURED, ONLY_LEFT, REMEASURED, TWIN_KEPT, Route, Verdict)
 from automp.runtime.fp32_bound import RULED_OUT, Fp32Floor
 
 
@@ -46,7 +46,12 @@ class TrialConfig:
     came within confirm_within of it (see `confirmation`); 0: never. churn: a compiled path's recompiling training
     calls after its verdict before it may go back to the eager path it beat, if compiling cost more than it saved
     (automp.runtime.guards.recompile_watch); 0: never. give_up also rules FP32 eager out before it runs, by a lower
-    bound of its step (automp.runtime.fp32_bound)."""
+    bound of its step (automp.runtime.fp32_bound). graphs_host_share: CUDA graphs take the host's work of launching
+    kernels off the step; where the host issued every timed sample of the compiled paths without graphs in at most
+    this share of the sample's time, waiting for the device the rest, the device never waited for it and graphs have
+    nothing to hide, so they are not recorded (`launch_bound`): their compile and memory pool cost the trial time
+    and memory for nothing (on Llama-3.2-1B dims the graphs did not beat the same step without them, and the trial's
+    peak was theirs, the eager candidates having left it under their memory budget)."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
@@ -61,6 +66,7 @@ class TrialConfig:
     confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
     confirm_within: float = 0.25
     churn: int = 3
+    graphs_host_share: float = 0.25
 
 
 class Trial:
@@ -94,6 +100,7 @@ class Trial:
         self.incumbent = incumbent  # a confirmation's path so far: another low-precision path must clearly beat it
         warmup = config.warmup if warmup is None else warmup
         self.samples: dict[Route, list[float]] = {c: [] for c in candidates}
+        self.host_shares: dict[Route, list[float]] = {}  # per timed sample: the share of it the host took to issue it
         self.alive = list(candidates)
         self.abandoned: set[Route] = set()
         self._warmup = warmup
@@ -153,10 +160,13 @@ class Trial:
         self._done += 1
         if self._done < iterations:
             return  # inside a sample: the loop runs on unsynchronized, as it will after the trial
+        issued = self.clock()
         self.sync()
         now = self.clock()
         if timed:
             self.samples[path].append((now - self._start) / iterations)
+            if now > self._start:
+                self.host_shares.setdefault(path, []).append((issued - self._start) / (now - self._start))
         elif self._count is not None:
             self._counted, self._count = (self._count, iterations), None
         elif self._counted is not None and path is Route.EAGER_LOW:
@@ -191,6 +201,20 @@ class Trial:
             self.exclude({Route.FP32}, why)
         elif why:
             self._add_note(why)
+
+    def launch_bound(self) -> str | None:
+        """Why CUDA graphs are not worth recording in this trial, or None: every timed sample of the compiled paths
+        without graphs so far was issued by the host in at most TrialConfig.graphs_host_share of its time (the rest it
+        waited for the device). A script that syncs inside its step (`loss.item()`) shows the host busy to the end:
+        graphs stay. The figures go into the verdict's bounds."""
+        shares = [s for p in (Route.COMPILED_AUTOCAST, Route.FP8_COMPILED) for s in self.host_shares.get(p, ())]
+        limit = self.config.graphs_host_share
+        if not shares or max(shares) > limit:
+            return None
+        self.bounds[Route.GRAPHED.value] = {"rule": GRAPHS_DEVICE_BOUND, "host_share": round(max(shares), 3),
+                                            "limit": limit}
+        return (f"CUDA graphs not tried: the host issued each compiled step in at most {100 * max(shares):.0f}% of its "
+                f"time and waited for the device the rest, so there is no launch work for graphs to take away")
 
     def exclude(self, paths: frozenset[Route] | set[Route], why: str) -> None:
         """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.guards.input_grads); a sample of
