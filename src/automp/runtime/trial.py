@@ -50,7 +50,9 @@ class TrialConfig:
     kernels off the step; where the host issued every timed sample of the compiled paths without graphs in at most
     this share of the sample's time, waiting for the device the rest, the device never waited for it and graphs have
     nothing to hide, so they are not recorded (`launch_bound`): their compile and memory pool cost the trial time
-    and memory for nothing (on Llama-3.2-1B dims the graphs did not beat the same step without them, and the trial's
+    and memory for nothing. Graphs also shorten the device's gaps between kernels, a gain that grows with the
+    kernels the host issues; at a tenth of the step spent issuing, that gain stays within anchor_margin, below which
+    graphs are not chosen anyway (on Llama-3.2-1B dims the graphs did not beat the same step without them, and the trial's
     peak was theirs, the eager candidates having left it under their memory budget)."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
@@ -66,7 +68,7 @@ class TrialConfig:
     confirm_after: int = 10  # the trial already ran each path 9 or more times: the process is mostly warm
     confirm_within: float = 0.25
     churn: int = 3
-    graphs_host_share: float = 0.25
+    graphs_host_share: float = 0.1
 
 
 class Trial:
