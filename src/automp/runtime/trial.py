@@ -52,8 +52,8 @@ class TrialConfig:
     nothing to hide, so they are not recorded (`launch_bound`): their compile and memory pool cost the trial time
     and memory for nothing. Graphs also shorten the device's gaps between kernels, a gain that grows with the
     kernels the host issues; at a tenth of the step spent issuing, that gain stays within anchor_margin, below which
-    graphs are not chosen anyway (on Llama-3.2-1B dims the graphs did not beat the same step without them, and the trial's
-    peak was theirs, the eager candidates having left it under their memory budget)."""
+    graphs are not chosen anyway. (On Llama-3.2-1B dims the graphs did not beat the same step without them, and the
+    trial's peak was theirs, the eager candidates having left it under their memory budget.)"""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
