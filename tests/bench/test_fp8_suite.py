@@ -253,3 +253,34 @@ def test_a_modes_peak_is_its_own_growth_allocated_and_reserved(monkeypatch):
     cpu = {}
     fp8_run.Peak("cpu").into(cpu, "")
     assert cpu == {}
+
+
+def test_profile_adds_each_modes_kernel_time_by_category(tmp_path, cache, fake_models, monkeypatch):
+    def matmuls(work, device):
+        w = torch.randn(64, 64)
+
+        def step():
+            return (torch.randn(32, 64) @ w).relu().sum()
+        return step
+
+    monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", matmuls)
+    args = ["--models", "gpt2", "--modes", "bf16-reduce-overhead", *QUICK]
+    assert fp8.main([*args, "--out", str(tmp_path / "p"), "--profile"]) == 0
+    row = _rows(tmp_path / "p")[("gpt2", "bf16-reduce-overhead")]
+    assert row["matmul_ms"] > 0 and row["kernel_ms"] >= row["matmul_ms"] + row["other_ms"] - 1e-3
+    assert row["top"][0]["category"] in ("matmul", "other") and row["kernels"] >= 2
+    assert "kernel time of one step by category" in (tmp_path / "p.md").read_text()
+    assert fp8.main([*args, "--out", str(tmp_path / "n")]) == 0
+    assert "kernel_ms" not in _rows(tmp_path / "n")[("gpt2", "bf16-reduce-overhead")]
+
+
+def test_profile_categories_name_training_kernels():
+    from automp.bench import kernel_profile
+    from automp.bench.fp8_run import PROFILE
+    cases = {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+             "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "matmul", "sm90_xmma_gemm_e4m3bf16_e4m3f32": "matmul",
+             "triton_tem_fused_mm_3": "matmul", "aten::mm": "matmul", "aten::_scaled_mm": "matmul",
+             "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+             "triton_red_fused__log_softmax__log_softmax_backward_data_0": "other",
+             "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other"}
+    assert {name: kernel_profile.category(name, PROFILE) for name in cases} == cases

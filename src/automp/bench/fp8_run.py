@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -15,12 +16,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from automp.bench import kernel_profile
 from automp.bench.fp8_workloads import LOOPS, MODELS, automp_options
 from automp.bench.harness import free, one_line
 from automp.bench.suites.zoo_interleave import block_ms
 from automp.bench.zoo_modes import time_limit
 
 ROUNDS = 6  # even: every mode leads as often as it trails
+# --profile's kernel categories, first match wins (kernel_profile): attention (cuDNN's, flash, memory-efficient),
+# GEMMs (cuBLAS's nvjet/xmma, CUTLASS, torch._scaled_mm's FP8 GEMMs, Inductor's templates), the optimizer's
+# multi-tensor kernels; "other" is the rest: Inductor's fused pointwise and reductions (norms, rotary, the loss,
+# FP8 casts and amax), copies
+PROFILE = (("attention", re.compile(r"attention|attn|flash|fmha|sdpa", re.I)),
+           ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|scaled_mm|splitk|triton_tem|"
+                                 r"(^|[_:])(b|add)?mm(_|$)", re.I)),
+           ("optimizer", re.compile(r"multi_tensor|adam", re.I)))
 ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "peak_reserved_gib", "loss", "first_run_s",
             "second_run_s", "second_peak_gib", "second_peak_reserved_gib", "ratio_vs_bf16", "automp_paths",
             "fp8_layers", "blocks")
@@ -169,6 +179,14 @@ class Run:
             if timed:
                 self.means.append(ms)
         self.guarded(go)
+
+    def profile(self) -> None:
+        """--profile: one more step under torch.profiler, its kernel time by category (PROFILE) in the row; once per
+        mode, after its timed blocks (an automp mode inside its session, on the path it settled on)."""
+        if not self.live or "kernel_ms" in self.row:
+            return
+        self.guarded(lambda: self.row.update(kernel_profile.summed(
+            kernel_profile.profiled(self.step, self.device), PROFILE, top=8)))
 
     def note_report(self, report: dict[str, Any] | None) -> None:
         report = report or {}

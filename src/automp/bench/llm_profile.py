@@ -18,14 +18,14 @@ Rows merge by (model, case, batch) into `<out>/llm-profile-<gpu>.json` (and `.md
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from automp.bench import kernel_profile
 from automp.bench.harness import fmt, header
-from automp.bench.llm_results import one_line, sync
+from automp.bench.llm_results import one_line
 from automp.timing import time_fn
 
 CATEGORIES = ("quantized", "attention", "matmul", "other")
@@ -38,26 +38,7 @@ _PATTERNS = (  # first match wins
 
 
 def category(name: str) -> str:
-    return next((cat for cat, pattern in _PATTERNS if pattern.search(name)), "other")
-
-
-def _kernels(prof, cuda: bool) -> list[tuple[str, float]]:
-    """(name, microseconds) of every kernel the profile saw (aten ops' self time on the CPU)."""
-    from torch.autograd import DeviceType
-    if cuda:
-        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return [(e.name, e.self_cpu_time_total) for e in prof.events()
-            if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-
-
-def _profiled(fn: Callable[[], object], device: torch.device) -> list[tuple[str, float]]:
-    from torch.profiler import ProfilerActivity, profile
-    cuda = device.type == "cuda"
-    sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        fn()
-        sync(device)
-    return _kernels(prof, cuda)
+    return kernel_profile.category(name, _PATTERNS)
 
 
 @torch.no_grad()  # as generate runs it: a step under grad mode would be another compile
@@ -73,23 +54,12 @@ def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10) ->
         raise RuntimeError(f"the decoder has {dec.max_len - dec.next_pos} free cache slots, need at least 4")
     # two warm-up steps: compiled and captured already, unless this decoder is new
     wall_ms = time_fn(lambda: dec.step(tok), warmup=2, iters=replays, device=device)
-    kernels = _profiled(lambda: dec.step(tok), device)
+    found = kernel_profile.profiled(lambda: dec.step(tok), device)
     source = "graph replay" if dec.graph is not None else f"{dec.mode} step"
-    if not kernels and device.type == "cuda":
-        kernels = _profiled(lambda: dec.fn(*dec.args), device)
+    if not found and device.type == "cuda":
+        found = kernel_profile.profiled(lambda: dec.fn(*dec.args), device)
         source = f"{dec.mode} step uncaptured (the graph replay showed the profiler no kernels)"
-    by_cat: dict[str, float] = defaultdict(float)
-    by_name: dict[str, list] = {}
-    for name, us in kernels:
-        cat = category(name)
-        by_cat[cat] += us / 1e3
-        entry = by_name.setdefault(name, [name[:120], 0.0, 0, cat])
-        entry[1] += us / 1e3
-        entry[2] += 1
-    top = sorted(by_name.values(), key=lambda e: -e[1])[:12]
-    return {"step_ms": wall_ms, "kernel_ms": sum(by_cat.values()), "kernels": len(kernels),
-            **{f"{c}_ms": by_cat.get(c, 0.0) for c in CATEGORIES}, "source": source,
-            "top": [{"name": n, "ms": round(ms, 4), "count": k, "category": c} for n, ms, k, c in top]}
+    return {"step_ms": wall_ms, **kernel_profile.summed(found, _PATTERNS), "source": source}
 
 
 def profile_case(model: nn.Module, m, case: str, row: dict, profiles, expired: list,

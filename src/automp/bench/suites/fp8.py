@@ -44,6 +44,10 @@ run, so no mode is served another's graphs), and after its timed blocks each mod
 runs its first --first-steps steps once more (second_run_s, second_peak_gib); automp's modes keep their verdict
 cache, so their second run starts on the verdict and skips the trial, as `automp run` does.
 
+--profile explains a ratio: after its timed blocks each mode runs one more step under torch.profiler, and its row
+gets that step's kernel time by category (attention, matmul, optimizer, other; fp8_run.PROFILE) and its largest
+kernels. The step's wall time less its kernel time is the device waiting for the host.
+
 On a CPU the suite runs only with --quick (tiny dims, a smoke run): the full-size models take minutes per step there.
 """
 from __future__ import annotations
@@ -57,10 +61,10 @@ from typing import Any, Callable
 
 import torch
 
-from automp.bench.fp8_run import ROUNDS, ROW_KEYS, Run, cold_cache
+from automp.bench.fp8_run import PROFILE, ROUNDS, ROW_KEYS, Run, cold_cache
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS, automp_options
-from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, ratio_bars, row_notes,
-                                  usage_problem)
+from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, ratio_bars,
+                                  row_notes, usage_problem)
 from automp.files import write_json_and_markdown
 
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
@@ -140,6 +144,9 @@ def _alternate(runs: list[Run], steps: int) -> None:
     for order in block_order(runs, ROUNDS):
         for run in order:
             run.block(steps)
+    for run in runs:
+        if run.opts.profile:  # each mode once, after its blocks
+            run.profile()
 
 
 def parameters(name: str, opts: argparse.Namespace) -> int:
@@ -177,6 +184,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                          f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | "
                          f"{fmt(r.get('second_run_s'), '.1f')} | "
                          f"{row_notes(r)} |")
+    profiled = [r for r in rows if r.get("kernel_ms") is not None]
+    if profiled:
+        cats = [c for c, _ in PROFILE] + ["other"]
+        lines += ["", "## kernel time of one step by category, ms (--profile)", "",
+                  "| model | mode | step ms | kernels ms | " + " | ".join(cats) + " | largest kernel |",
+                  "|---|---|---:|---:|" + "---:|" * len(cats) + "---|"]
+        for r in profiled:
+            top = (r.get("top") or [{}])[0]
+            largest = f"{top.get('name', '')[:60]} ({fmt(top.get('ms'), '.2f')})".replace("|", "/") if top else ""
+            by_cat = " | ".join(fmt(r.get(f"{c}_ms"), ".2f") for c in cats)
+            lines.append(f"| {r['model']} | {r['mode']} | {fmt(r.get('step_ms'), '.2f')} | "
+                         f"{fmt(r['kernel_ms'], '.2f')} | {by_cat} | {largest} |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny dims of every model (a CPU smoke run)")
     p.add_argument("--out", default=None, help="writes OUT.json, .md, .png (default: benchmarks/fp8-<gpu>)")
     p.add_argument("--mode-timeout", type=float, default=300, help="seconds one mode may take; 0: no limit")
+    p.add_argument("--profile", action="store_true",
+                   help="after its timed blocks, one more step of each mode under torch.profiler: kernel time by "
+                        "category (attention, matmul, optimizer, other) in its row and a table of its own")
     p.add_argument("--second-run", action="store_true",
                    help="compile caches on (a directory per mode); each mode's first steps run again after its "
                         "blocks, from a new model, on its warm caches and (automp) its verdicts: second_run_s")
