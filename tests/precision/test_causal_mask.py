@@ -1,7 +1,8 @@
 """A causal mask built inside the graph handed to attention as is_causal (automp.precision.causal_mask): boolean and
 additive causal masks are rewritten, once per mask however many calls read it, and the output and every gradient
 match the masked graph; masks that read an input (padding), a sliding window, a lower-right mask of fewer queries
-than keys, a random mask and one attended with is_causal already are left alone; transformers' Llama and GPT-2,
+than keys, a random mask and one attended with is_causal already are left alone; a mask built under torch.vmap (as
+transformers 4.5x builds it) is evaluated with its vmap levels and rewritten too; transformers' Llama and GPT-2,
 with their mask built in the graph as Dynamo traces them on older transformers releases, train as before."""
 import copy
 
@@ -60,14 +61,23 @@ def _bool_mask(x, pad):
     return _lower(T, T, 0)[None, None].expand(B, 1, T, T)
 
 
+def _vmapped(x, pad):
+    """As transformers 4.5x builds it: a function of (batch, head, query, key) indices, vmapped over each."""
+    def attended(b, h, q, k):
+        return k <= q
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        attended = torch.vmap(attended, in_dims=dims)
+    return attended(torch.arange(B), torch.arange(1), torch.arange(T), torch.arange(T))
+
+
 def _additive(fill):
     def make(x, pad):
         return torch.zeros(T, T).masked_fill(~_lower(T, T), fill)[None, None]
     return make
 
 
-@pytest.mark.parametrize("make_mask", [_bool_mask, _additive(float("-inf")), _additive(torch.finfo(torch.float32).min)],
-                         ids=["bool", "minus-inf", "lowest"])
+@pytest.mark.parametrize("make_mask", [_bool_mask, _additive(float("-inf")), _additive(torch.finfo(torch.float32).min),
+                                       _vmapped], ids=["bool", "minus-inf", "lowest", "vmapped"])
 def test_a_causal_mask_becomes_is_causal_and_computes_the_same(make_mask):
     torch.manual_seed(0)
     model = Attention(make_mask)
@@ -83,6 +93,7 @@ def test_a_causal_mask_becomes_is_causal_and_computes_the_same(make_mask):
     assert _rel(out, ref) < 1e-5
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert _rel(p.grad, q.grad) < 1e-5, name
+    assert torch._C._functorch.maybe_current_level() is None  # every vmap level the evaluation opened is closed
 
 
 @pytest.mark.parametrize("make_mask", [

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 CAUSAL_ATTENTION = "causal-attention"  # the report's rule for a rewritten mask
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_VMAP_OPS = "torch._functorch.predispatch"  # the module of the vmap ops Dynamo records
+_LEVEL_CALLS = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")
 _SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # ops whose value differs from call to call (randomness, uninitialized memory): a mask made with one is no constant
 _NOT_CONSTANT_PREFIXES = ("rand", "empty", "new_empty", "bernoulli", "multinomial", "normal", "uniform", "exponential",
@@ -50,39 +52,73 @@ def _arguments(call: fx.Node) -> dict[str, object]:
     return {**dict(zip(_SIGNATURE, call.args)), **call.kwargs}
 
 
-def _ancestors(node: fx.Node) -> list[fx.Node] | None:
-    """`node` and the nodes it is computed from, in graph order; None when one of them is a graph input, an
-    attribute, a module call or an op with randomness: then the mask is not a constant of the graph."""
-    seen: set[fx.Node] = set()
-    todo = [node]
+def _closure(todo: list[fx.Node], seen: set[fx.Node]) -> bool:
+    """Add the nodes of `todo` and everything they are computed from to `seen`; False when one of them is a graph
+    input, an attribute, a module call or an op with randomness: then the mask is not a constant of the graph."""
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         if n.op not in ("call_function", "call_method"):
-            return None
+            return False
         name = getattr(n.target, "__name__", str(n.target)).lower()
         if name.startswith(_NOT_CONSTANT_PREFIXES) or "dropout" in name:
-            return None
+            return False
         seen.add(n)
         todo.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
+    return True
 
 
-def _evaluate(nodes: list[fx.Node]) -> torch.Tensor | None:
-    """The value of the last of `nodes` (a closed subgraph: see _ancestors), computed on real tensors outside any
-    fake-tensor mode; None if it fails or is not a tensor."""
+def _vmap_op(n: fx.Node, name: str | None = None) -> bool:
+    """One of the vmap ops Dynamo records (nesting levels, batch dims); `name`: that one."""
+    return (n.op == "call_function" and getattr(n.target, "__module__", "") == _VMAP_OPS
+            and (name is None or n.target.__name__ == name))
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node] | None:
+    """`node` and the nodes it is computed from, in graph order, ready to run on their own; None when it is not a
+    constant of the graph. A mask built under torch.vmap (transformers 4.5x builds it over batch, head, query and key
+    indices) also needs the vmap levels its ops refer to by number: the vmap calls between its first node and itself
+    and those closing the levels after it, none of which it reads; levels that do not close give None."""
+    seen: set[fx.Node] = set()
+    if not _closure([node], seen):
+        return None
+    order = list(node.graph.nodes)
+    if any(_vmap_op(n) for n in seen):
+        last = order.index(node)
+        inside = [n for n in order[min(order.index(n) for n in seen):last] if _vmap_op(n)]
+        if not _closure(inside, seen):
+            return None
+        depth = sum(_vmap_op(n, "_vmap_increment_nesting") for n in seen) - sum(
+            _vmap_op(n, "_vmap_decrement_nesting") for n in seen)
+        for n in order[last + 1:]:
+            if depth <= 0 or not _vmap_op(n, "_vmap_decrement_nesting"):
+                break
+            seen.add(n)
+            depth -= 1
+        if depth != 0:
+            return None
+    return [n for n in order if n in seen]
+
+
+def _evaluate(nodes: list[fx.Node], mask: fx.Node) -> torch.Tensor | None:
+    """The value of `mask`, computed from `nodes` (a closed subgraph: see _ancestors) on real tensors outside any
+    fake-tensor mode; None if it fails or is not a tensor. The vmap levels it opened are closed whatever happens."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[nodes[-1]])
+    graph.output(env[mask])
+    level = torch._C._functorch.maybe_current_level()
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            value = fx.GraphModule(torch.nn.Module(), graph)()
+            value = fx.GraphModule(torch.nn.Module(), graph).forward()  # forward: no traceback printed on failure
     except Exception:  # noqa: BLE001 - a subgraph that cannot run alone keeps its call, as any other doubt does
-        return None
+        value = None
+    finally:
+        while torch._C._functorch.maybe_current_level() != level:
+            torch._C._functorch._vmap_decrement_nesting()
     return value if isinstance(value, torch.Tensor) else None
 
 
@@ -114,7 +150,7 @@ def causal_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Site]]:
             continue
         if mask not in verdicts:
             nodes = _ancestors(mask)
-            value = _evaluate(nodes) if nodes else None
+            value = _evaluate(nodes, mask) if nodes else None
             verdicts[mask] = value is not None and is_causal_mask(value, q.shape[-2], k.shape[-2])
         if not verdicts[mask]:
             continue
@@ -124,9 +160,9 @@ def causal_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Site]]:
         calls[mask] = calls.get(mask, 0) + 1
     sites = [Site(mask.name, n, tuple(_value(mask).shape) if _value(mask) is not None else ())
              for mask, n in calls.items()]
-    for mask in calls:  # the mask's own nodes that nothing reads now, users first
+    for mask in calls:  # the mask's own nodes that nothing reads now, users first (vmap's level calls stay)
         for n in reversed(_ancestors(mask) or []):
-            if not n.users:
+            if not n.users and not any(_vmap_op(n, name) for name in _LEVEL_CALLS):
                 gm.graph.erase_node(n)
     if sites:
         gm.graph.lint()
