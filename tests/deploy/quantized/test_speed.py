@@ -13,15 +13,24 @@ from .helpers import DEVICE, mlp, randn, rel_err
 
 
 class FakeTimer:
-    """Returns the given ms per timed closure, in call order (quantized first, then float), and runs each once."""
+    """Runs each timed closure once and returns the ms of the model it ran, told apart by a forward hook on the
+    quantized module (`watch`); round r's float sample is scaled by drift[r] (a host that slows down)."""
 
-    def __init__(self, *ms: float):
-        self.ms, self.calls = list(ms), 0
+    def __init__(self, q_ms: float, f_ms: float, drift=None):
+        self.q_ms, self.f_ms, self.drift, self.calls, self.seen, self.order = q_ms, f_ms, drift, 0, 0, []
+
+    def watch(self, quantized):
+        quantized.register_forward_hook(lambda *_: setattr(self, "seen", self.seen + 1))
+        return self
 
     def __call__(self, fn):
+        before = self.seen
         fn()
         self.calls += 1
-        return self.ms.pop(0)
+        side = "q" if self.seen > before else "f"
+        self.order.append(side)
+        scale = self.drift[(self.calls - 1) // 2] if self.drift else 1.0
+        return self.q_ms * scale if side == "q" else self.f_ms * scale
 
 
 @pytest.mark.parametrize("q_ms,f_ms,faster,warns", [(2.0, 1.0, "float16", True), (1.0, 2.0, "quantized", False)])
@@ -37,10 +46,14 @@ def test_verdict_and_warning(q_ms, f_ms, faster, warns):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = speed.check(quantized, net, torch.float16, torch.float32, ((x,), {}), build, FakeTimer(q_ms, f_ms))
+        timer = FakeTimer(q_ms, f_ms).watch(quantized)
+        result = speed.check(quantized, net, torch.float16, torch.float32, ((x,), {}), build, timer)
     assert result.speedup == pytest.approx(f_ms / q_ms)
     d = result.to_dict()
     assert d["measured"] and d["faster"] == faster and d["quantized_ms"] == q_ms and d["float16_ms"] == f_ms
+    assert d["rounds"] == speed.ROUNDS and d["spread"] == pytest.approx([f_ms / q_ms] * 2)
+    # the models take turns, each leading as often as it trails
+    assert timer.order == ["q", "f", "f", "q"] * (speed.ROUNDS // 2)
     assert any("saves memory, not time" in str(w.message) for w in caught) == warns
     # the twin: the same module in fp16 behind the same float32 boundary, the original left untouched
     (twin,) = built
@@ -49,6 +62,18 @@ def test_verdict_and_warning(q_ms, f_ms, faster, warns):
     with torch.no_grad():
         y = twin(x)
         assert y.dtype == torch.float32 and 0 < rel_err(y, net(x)) < 5e-3
+
+
+def test_a_drifting_host_biases_neither_model():
+    """Each round's pair is timed back to back: a host slowing down by half between rounds leaves every round's
+    ratio, and so the verdict, as it is."""
+    net = mlp(64, 32)
+    x = randn(4, 64, seed=1).to(DEVICE)
+    quantized, _ = quantize_module(net, "int8-weight", [x], TorchQuantConfig(compile=False, measure=False))
+    drift = [1.0 + 0.5 * r for r in range(speed.ROUNDS)]
+    result = speed.check(quantized, net, torch.float16, torch.float32, ((x,), {}), lambda m: m,
+                         FakeTimer(1.0, 1.1, drift).watch(quantized))
+    assert result.speedup == pytest.approx(1.1) and min(result.ratios) == pytest.approx(max(result.ratios))
 
 
 def test_where_it_does_not_run():
@@ -72,5 +97,18 @@ def test_report_carries_the_check(monkeypatch):
     timer = FakeTimer(1.0, 3.0)
     monkeypatch.setattr(speed, "skipped_because", lambda device, calls, enabled: None)
     monkeypatch.setattr(speed, "default_timer", timer)
+    from automp.quant.int8 import Int8Linear
+    from automp.quant.weight_only import WeightOnlyLinear
+    # the quantized model is built inside: its layers' forward marks its samples
+    for cls in (Int8Linear, WeightOnlyLinear):
+        monkeypatch.setattr(cls, "__call__", _marking(cls.__call__, timer))
     _, rep = optimize_torch(net, "int8-weight", calib, config=TorchQuantConfig(compile=False))
-    assert timer.calls == 2 and rep["speed"]["speedup"] == pytest.approx(3.0) and rep["speed"]["faster"] == "quantized"
+    assert timer.calls == 2 * speed.ROUNDS and timer.order[:2] == ["q", "f"]
+    assert rep["speed"]["speedup"] == pytest.approx(3.0) and rep["speed"]["faster"] == "quantized"
+
+
+def _marking(call, timer):
+    def marked(self, *args, **kwargs):
+        timer.seen += 1
+        return call(self, *args, **kwargs)
+    return marked
