@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from automp.llm.arch import QuantConfig, arch_of
+from automp.quant.archs import arch_of
+from automp.quant.causal_lm import QuantConfig
 from automp.quant.weight_only import WeightOnlyLinear, project
 
 

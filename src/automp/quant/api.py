@@ -1,16 +1,20 @@
 """One verb for every quantization scheme: `quantize(model, Config(), filter_fn=None)` swaps modules in place.
 
     quantize(model, WeightOnlyConfig(bits=4, group_size=128))    # every nn.Linear -> WeightOnlyLinear (W4A16)
+    quantize(llm, WeightOnlyConfig(bits=4, awq=True, calib=ids)) # a causal LM's projections (automp.quant.causal_lm)
     quantize(model, W8A8Config())                                 # every nn.Linear -> Int8Linear (dynamic activations)
     quantize(model, QATConfig())                                  # nn.Linear / nn.Conv2d -> fake-quant QAT layers
 
 A scheme is a config dataclass and a handler registered for its type (`@register_handler(ConfigType)`): the handler
 turns one module into its quantized replacement. Adding a scheme is adding a pair, with no change to the verb or to
-its callers (automp.deploy.quantized and automp.llm build their layers through the same handlers or classes).
+its callers (automp.deploy.quantized and automp.llm build their layers through the same handlers or classes). A
+scheme that must see the whole model (a causal LM: which projections, AWQ's calibration across blocks, the
+embeddings) registers a model handler too (`register_model_handler(ConfigType, accepts)`), which takes the models
+it accepts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,10 +31,19 @@ FilterFn = Callable[[nn.Module, str], bool]
 @dataclass(frozen=True)
 class WeightOnlyConfig:
     """W8A16 / W4A16: int8 or int4 weights in groups of `group_size` along K (None: one scale per output row),
-    activations in `dtype`. A group must divide K (checked per layer)."""
+    activations in `dtype`. A group must divide K (checked per layer).
+
+    On a causal LM of automp.quant.archs (automp.quant.causal_lm): awq searches activation-aware scales on `calib`
+    (int64 token ids [B, T]); lm_head and embeddings quantize the output head and the input embedding too, at
+    `edge_bits` (None: `bits`). Elsewhere these must stay at their defaults."""
     bits: int = 4
     group_size: int | None = 128
     dtype: torch.dtype = torch.float16
+    awq: bool = False
+    calib: Any = field(default=None, compare=False)
+    lm_head: bool = False
+    embeddings: bool = False
+    edge_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -41,6 +54,13 @@ class WeightOnlyConfig:
                              f"(per-channel), got {g!r}")
         if self.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"WeightOnlyConfig: dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.edge_bits not in (None, 4, 8):
+            raise ValueError(f"WeightOnlyConfig: edge_bits must be 4, 8 or None, got {self.edge_bits!r}")
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether it asks for what only a causal LM's model handler does."""
+        return self.awq or self.calib is not None or self.lm_head or self.embeddings or self.edge_bits is not None
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +79,8 @@ class _Entry:
 
 
 _HANDLERS: dict[type, _Entry] = {}
+ModelHandler = Callable[[nn.Module, Any, "FilterFn | None"], nn.Module]
+_MODEL_HANDLERS: dict[type, list[tuple[Callable[[nn.Module], bool], ModelHandler]]] = {}
 
 
 def _is_linear(module: nn.Module, name: str) -> bool:
@@ -70,6 +92,16 @@ def register_handler(config_type: type, default_filter: FilterFn = _is_linear) -
     picks the modules `quantize` replaces when the caller gives no filter_fn."""
     def register(handler: Handler) -> Handler:
         _HANDLERS[config_type] = _Entry(handler, default_filter)
+        return handler
+    return register
+
+
+def register_model_handler(config_type: type, accepts: Callable[[nn.Module], bool]
+                           ) -> Callable[[ModelHandler], ModelHandler]:
+    """Register `handler(model, config, filter_fn) -> model` for the models `accepts(model)` takes: `quantize` hands
+    it the whole model instead of swapping modules one by one."""
+    def register(handler: ModelHandler) -> ModelHandler:
+        _MODEL_HANDLERS.setdefault(config_type, []).append((accepts, handler))
         return handler
     return register
 
@@ -89,12 +121,19 @@ def quantize_layer(module: nn.Module, config: Any, name: str = "") -> nn.Module:
 
 def quantize(model: nn.Module, config: Any, filter_fn: FilterFn | None = None) -> nn.Module:
     """Replace, in place, every module of `model` that filter_fn(module, name) selects (default: the config's, e.g.
-    every nn.Linear) by the handler's result; returns `model` (or the replacement, when `model` itself matched).
+    every nn.Linear) by the handler's result; returns `model` (or the replacement, when `model` itself matched). A
+    model a model handler accepts goes to it whole (register_model_handler).
 
     A module reachable under several names is replaced once, under all of them; the inside of a replaced module is
     not visited. Selecting nothing is an error, never a silent no-op."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"automp.quant.quantize takes an nn.Module, got {type(model).__name__}")
+    whole = next((h for accepts, h in _MODEL_HANDLERS.get(type(config), ()) if accepts(model)), None)
+    if whole is not None:
+        return whole(model, config, filter_fn)
+    if getattr(config, "whole_model", False):
+        raise ValueError(f"automp.quant.quantize: {type(config).__name__}'s awq, calib, lm_head, embeddings and "
+                         f"edge_bits apply to the causal LMs of automp.quant.archs, not to {type(model).__name__}")
     entry = _entry(config)
     keep = filter_fn or entry.default_filter
     names: dict[int, list[str]] = {}

@@ -36,10 +36,10 @@ from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
 from automp.quant.api import W8A8Config, WeightOnlyConfig, quantize_layer
 from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
 from automp.quant.int8 import GROUPS, int8_static_qparams, nbytes, smooth_factors, weight_group
+from automp.quant.names import SHORT
 from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
 
 PRECISIONS = ("int8", "int8-weight", "int4-weight")
-DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclass
@@ -79,7 +79,7 @@ class TorchQuantConfig:
             raise ValueError(f"activations must be 'auto', 'dynamic' or 'static', got {self.activations!r}")
         if not isinstance(self.observer, ObserverConfig) or self.observer.axis is not None:
             raise ValueError("observer must be an ObserverConfig with axis=None (static activations are per tensor)")
-        if self.dtype not in DTYPES:
+        if self.dtype not in SHORT:
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
         check_budget(self.budget)
         if self.sensitivity not in ("layer", "isolate", "drop"):
@@ -334,7 +334,7 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
         module.train(was_training)
 
     smoothed = precision == "int8" and any(getattr(q, "inv_smooth", None) is not None for q in qmods.values())
-    report = QuantReport(precision, config.activations if precision == "int8" else None, DTYPES[config.dtype],
+    report = QuantReport(precision, config.activations if precision == "int8" else None, SHORT[config.dtype],
                          str(device), config.budget, smooth=alpha if smoothed else None,
                          smooth_search=smooth_errors, error=errors,
                          fallback_steps=steps, sensitivity=config.sensitivity, fallback_sensitivity=model_sens,
@@ -344,7 +344,7 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     for name, (lin, rule) in decided.items():
         rule = Rule.ERROR_BUDGET if name in kept else rule
         report.layers.append(LayerDecision(
-            name, lin.in_features, lin.out_features, precision if rule is None else DTYPES[config.dtype],
+            name, lin.in_features, lin.out_features, precision if rule is None else SHORT[config.dtype],
             rule or Rule.QUANTIZED, _reason(rule, precision, config, lin, alpha if smoothed else None),
             getattr(qmods.get(name), "group", None), sens.get(name),
             next((g for g in groups if name in g), ()) if rule is None else ()))

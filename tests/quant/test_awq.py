@@ -1,11 +1,11 @@
-"""automp.llm.awq: scaling and folding change nothing by themselves, the search helps outlier channels, and an AWQ
+"""automp.quant.awq: scaling and folding change nothing by themselves, the search helps outlier channels, and an AWQ
 model computes what its dequantized weights say (bounds: test_quantize.py's docstring)."""
 import copy
 
 import pytest
 import torch
 
-from automp.llm.awq import fake_quant, scale_block, search_scale
+from automp.quant.awq import fake_quant, scale_block, search_scale
 from automp.llm.quantize import ARCHS, QuantLinear, _dense, quantize
 from automp.llm.store import build
 from tests.llm import BOUND, DEVICE, dequantized_reference, ids, logits, rel

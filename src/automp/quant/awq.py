@@ -1,4 +1,4 @@
-"""AWQ (Lin et al. 2023), optional in automp.llm.quantize: a few input channels carry much larger activations than
+"""AWQ (Lin et al. 2023), optional in weight-only quantization of a causal LM (automp.quant.causal_lm): a few input channels carry much larger activations than
 the rest, and their weights matter more. Scaling weight column k by s_k (and the activation by 1/s_k) gives those
 columns more of the int grid.
 Per group of linears that read one activation, s = mean|x|^alpha with alpha chosen on a grid in [0, 1] to minimise the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from automp.llm.arch import Arch
+from automp.quant.archs import Arch
 from automp.quant.weight_only import fake_quant
 
 AWQ_GRID = 20          # alphas 0, 0.05, ..., 0.95
