@@ -83,17 +83,19 @@ def test_sibling_layers_join_and_train_as_the_unjoined_step(monkeypatch, route):
     assert "2 sibling linear group(s) as one GEMM" in line and route.value in line
 
 
-def test_a_causal_mask_built_in_the_graph_becomes_is_causal_by_default(monkeypatch):
+@pytest.mark.parametrize("route", [Route.COMPILED_AUTOCAST, Route.COMPILED])
+def test_a_causal_mask_built_in_the_graph_becomes_is_causal_by_default(monkeypatch, route):
     import transformers.masking_utils as masking
     if not hasattr(masking, "_ignore_causal_mask_sdpa"):
         pytest.skip("this transformers release decides the SDPA mask elsewhere")
     # as older transformers releases do while Dynamo traces: the mask is built as a tensor in the graph
     monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
-    ref_losses, ref_moved, ref_report = _train(monkeypatch)
-    losses, moved, report = _train(monkeypatch, causal_attention=True)
+    ref_losses, ref_moved, ref_report = _train(monkeypatch, route=route)
+    losses, moved, report = _train(monkeypatch, route=route, causal_attention=True)
     assert ref_report["rewrites"] == []
     assert [(r["rule"], r["calls"]) for r in report["rewrites"]] == [("causal-attention", 1)]  # the one layer's
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-2
     assert (moved - ref_moved).norm() / ref_moved.norm() < 3e-2
-    assert "1 causal mask(s) as is_causal" in summary(report, AutoMPConfig())
+    assert "1 causal mask(s) as is_causal" in summary(report, AutoMPConfig()) and route.value in summary(
+        report, AutoMPConfig())
     assert AutoMPConfig().causal_attention
