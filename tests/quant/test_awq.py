@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from automp.quant.awq import fake_quant, scale_block, search_scale
-from automp.llm.quantize import ARCHS, QuantLinear, _dense, quantize
+from automp.llm.quantize import ARCHS, QuantLinear, quantize
+from automp.quant.causal_lm import _dense
 from automp.llm.store import build
 from tests.llm import BOUND, DEVICE, dequantized_reference, ids, logits, rel
 

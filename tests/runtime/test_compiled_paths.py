@@ -185,6 +185,19 @@ def test_cuda_graphs_are_left_when_a_training_call_recompiles(monkeypatch, tmp_p
     automp.disable()
 
 
+def _settle_mlp(tmp_path) -> tuple[int, dict]:
+    """An MLP trained under automp (bf16) until its trial settles: the graphs its root compiled, and the report."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(60):
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+        if automp.settled():
+            break
+    built = automp._session.roots[net].graphs
+    return built, automp.disable()
+
+
 @pytest.mark.usefixtures("eager_inductor")
 @pytest.mark.parametrize("share, tried", [(0.3, True), (0.8, False)])
 def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_their_pool(monkeypatch, tmp_path, share,
@@ -194,15 +207,7 @@ def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_the
     total = 80 * 2**30
     monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int(share * total), total))
     inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
-    for _ in range(60):
-        net(torch.randn(8, 16)).pow(2).mean().backward()
-        if automp.settled():
-            break
-    built = automp._session.roots[net].graphs
-    rep = automp.disable()
+    built, rep = _settle_mlp(tmp_path)
     assert (Route.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
     assert built == (2 if tried else 1)  # never compiled when it does not fit
 
@@ -346,15 +351,8 @@ def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_fa
     monkeypatch.setattr(paths, "sync_for", lambda device: lambda: clock.update(now=max(clock["now"], clock["done"])))
     inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"),
            clock=lambda: clock["now"])
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
-    for _ in range(60):
-        net(torch.randn(8, 16)).pow(2).mean().backward()
-        if automp.settled():
-            break
-    built = automp._session.roots[net].graphs
-    (choice,) = automp.disable()["choices"]
+    built, rep = _settle_mlp(tmp_path)
+    (choice,) = rep["choices"]
     assert (Route.GRAPHED.value in choice["timings_ms"]) == tried
     assert built == (2 if tried else 1)
     if not tried:

@@ -14,14 +14,14 @@ from automp.llm.fuse import fuse_projections
 from automp.quant.api import quantize as quantize_model
 from automp.quant.api import set_module
 from automp.quant.archs import ARCHS, Arch, arch_of
-from automp.quant.causal_lm import QuantConfig, _dense, input_embedding, target_paths
+from automp.quant.causal_lm import QuantConfig, input_embedding, target_paths
 from automp.quant.names import DTYPES, SCHEMES
 from automp.quant.weight_only import QuantEmbedding, WeightOnlyLinear
 
 QuantLinear = WeightOnlyLinear  # the name automp.llm has always exported
 __all__ = ["quantize", "QuantConfig", "QuantLinear", "QuantEmbedding", "check_backend", "input_embedding",
            "target_paths", "set_module", "is_quantized", "weight_bytes", "ARCHS", "DTYPES", "SCHEMES", "Arch",
-           "arch_of", "_dense"]
+           "arch_of"]
 
 
 def check_backend(bits: int, device: torch.device | str) -> None:

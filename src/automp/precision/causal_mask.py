@@ -140,6 +140,7 @@ def causal_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Site]]:
     """Rewrite each attention call of a Dynamo graph whose in-graph mask is causal (module docstring); the graph and
     the masks rewritten."""
     verdicts: dict[fx.Node, bool] = {}
+    subgraphs: dict[fx.Node, list[fx.Node]] = {}  # each causal mask's own nodes, erased once nothing reads them
     calls: dict[fx.Node, int] = {}
     for call in list(gm.graph.nodes):
         if call.op != "call_function" or call.target not in _SDPA:
@@ -152,6 +153,8 @@ def causal_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Site]]:
             nodes = _ancestors(mask)
             value = _evaluate(nodes, mask) if nodes else None
             verdicts[mask] = value is not None and is_causal_mask(value, q.shape[-2], k.shape[-2])
+            if verdicts[mask]:
+                subgraphs[mask] = nodes
         if not verdicts[mask]:
             continue
         args.update(attn_mask=None, is_causal=True)
@@ -161,7 +164,7 @@ def causal_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Site]]:
     sites = [Site(mask.name, n, tuple(_value(mask).shape) if _value(mask) is not None else ())
              for mask, n in calls.items()]
     for mask in calls:  # the mask's own nodes that nothing reads now, users first (vmap's level calls stay)
-        for n in reversed(_ancestors(mask) or []):
+        for n in reversed(subgraphs[mask]):
             if not n.users and not any(_vmap_op(n, name) for name in _LEVEL_CALLS):
                 gm.graph.erase_node(n)
     if sites:

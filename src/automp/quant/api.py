@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from automp.quant.int8 import Int8Linear
 from automp.quant.qat import QATConfig, to_qat
-from automp.quant.weight_only import MIN_GROUP, WeightOnlyLinear
+from automp.quant.weight_only import MIN_GROUP, WeightOnlyLinear, valid_group
 
 Handler = Callable[[nn.Module, Any, str], nn.Module]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -48,10 +48,9 @@ class WeightOnlyConfig:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"WeightOnlyConfig: bits must be 4 or 8, got {self.bits!r}")
-        g = self.group_size
-        if g is not None and (not isinstance(g, int) or g < MIN_GROUP or g & (g - 1)):
+        if not valid_group(self.group_size):
             raise ValueError(f"WeightOnlyConfig: group_size must be a power of two >= {MIN_GROUP} or None "
-                             f"(per-channel), got {g!r}")
+                             f"(per-channel), got {self.group_size!r}")
         if self.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"WeightOnlyConfig: dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
         if self.edge_bits not in (None, 4, 8):

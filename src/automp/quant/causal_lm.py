@@ -26,7 +26,7 @@ from automp.quant.api import FilterFn, WeightOnlyConfig, register_model_handler,
 from automp.quant.archs import arch_of, is_causal_lm
 from automp.quant.awq import collect_inputs, scale_block, search_scale
 from automp.quant.names import DTYPES, SCHEMES, dtype_name
-from automp.quant.weight_only import MIN_GROUP, QuantEmbedding, WeightOnlyLinear
+from automp.quant.weight_only import MIN_GROUP, QuantEmbedding, WeightOnlyLinear, valid_group
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,15 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
-            raise ValueError(f"automp.quant.quantize: scheme must be one of {sorted(SCHEMES)}, got {self.scheme!r}")
-        g = self.group_size
-        if g is not None and (not isinstance(g, int) or g < MIN_GROUP or g & (g - 1)):
-            raise ValueError(f"automp.quant.quantize: group_size must be a power of two >= {MIN_GROUP} or None "
-                             f"(per-channel), got {g!r}")
+            raise ValueError(f"automp.llm.quantize: scheme must be one of {sorted(SCHEMES)}, got {self.scheme!r}")
+        if not valid_group(self.group_size):
+            raise ValueError(f"automp.llm.quantize: group_size must be a power of two >= {MIN_GROUP} or None "
+                             f"(per-channel), got {self.group_size!r}")
         if self.edge_scheme is not None and self.edge_scheme not in SCHEMES:
-            raise ValueError(f"automp.quant.quantize: edge_scheme must be one of {sorted(SCHEMES)} or None, got "
+            raise ValueError(f"automp.llm.quantize: edge_scheme must be one of {sorted(SCHEMES)} or None, got "
                              f"{self.edge_scheme!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"automp.quant.quantize: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"automp.llm.quantize: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
     @property
     def bits(self) -> int:

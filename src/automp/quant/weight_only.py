@@ -23,6 +23,12 @@ FORCE_KERNELS = False  # True: CPU tensors go through the kernel ops too (under 
 _KERNELS = None
 
 
+def valid_group(group_size: object) -> bool:
+    """Whether `group_size` is one the layers take: None (one scale per row) or a power of two >= MIN_GROUP."""
+    g = group_size
+    return g is None or (isinstance(g, int) and g >= MIN_GROUP and not g & (g - 1))
+
+
 def kernels():
     """automp.kernels, imported on first use (see the module docstring)."""
     global _KERNELS

@@ -96,7 +96,8 @@ class Recorder:
     # "chosen": on its verdict) and by the path each call really ran (count_call); reported in its choice
     calls: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     # graph rewrites on the compiled paths, one entry per site: {"module", "rule", ...} with the site's own keys
-    # ("weights", "widths": automp.precision.siblings; "weight", "vocab": automp.precision.linear_ce)
+    # ("mask", "calls", "shape": automp.precision.causal_mask; "weights", "widths": automp.precision.siblings;
+    # "weight", "vocab": automp.precision.linear_ce)
     rewrites: list[dict[str, Any]] = field(default_factory=list)
 
     def add_plan(self, name: str, plan: Plan, casts_by_part: dict[str, dict[str, int]]) -> None:

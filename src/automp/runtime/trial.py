@@ -209,13 +209,13 @@ class Trial:
         without graphs so far was issued by the host in at most TrialConfig.graphs_host_share of its time (the rest it
         waited for the device). A script that syncs inside its step (`loss.item()`) shows the host busy to the end:
         graphs stay. The figures go into the verdict's bounds."""
-        shares = [s for p in (Route.COMPILED_AUTOCAST, Route.FP8_COMPILED) for s in self.host_shares.get(p, ())]
+        share = max((s for p in (Route.COMPILED_AUTOCAST, Route.FP8_COMPILED) for s in self.host_shares.get(p, ())),
+                    default=None)
         limit = self.config.graphs_host_share
-        if not shares or max(shares) > limit:
+        if share is None or share > limit:
             return None
-        self.bounds[Route.GRAPHED.value] = {"rule": GRAPHS_DEVICE_BOUND, "host_share": round(max(shares), 3),
-                                            "limit": limit}
-        return (f"CUDA graphs not tried: the host issued each compiled step in at most {100 * max(shares):.0f}% of its "
+        self.bounds[Route.GRAPHED.value] = {"rule": GRAPHS_DEVICE_BOUND, "host_share": round(share, 3), "limit": limit}
+        return (f"CUDA graphs not tried: the host issued each compiled step in at most {100 * share:.0f}% of its "
                 f"time and waited for the device the rest, so there is no launch work for graphs to take away")
 
     def exclude(self, paths: frozenset[Route] | set[Route], why: str) -> None:
