@@ -461,3 +461,21 @@ def test_graphs_are_judged_launch_bound_only_where_the_host_issued_every_compile
 def test_without_a_compiled_sample_graphs_are_not_judged():
     trial = Trial([Route.GRAPHED, Route.FP8_GRAPHED], TrialConfig(), lambda: 0.0, lambda: None)
     assert trial.launch_bound() is None and trial.bounds == {}
+
+
+def test_the_verdict_names_the_candidate_that_raised_the_peak_memory():
+    # a fake allocator: each path's iteration reaches its own high-water mark; the peak only ever rises
+    held = {Route.COMPILED_AUTOCAST: 5 * 2**30, Route.EAGER_LOW: 9 * 2**30, Route.FP32: 7 * 2**30}
+    cost = {Route.COMPILED_AUTOCAST: 0.010, Route.EAGER_LOW: 0.011, Route.FP32: 0.030}
+    top = [2**30]
+    clock = FakeClock(cost)
+    trial = Trial(list(cost), TrialConfig(), clock, lambda: None, peak=lambda: top[0])
+    for _ in range(100):
+        if trial.verdict is not None:
+            break
+        clock.run(trial)  # the call: the trial's bookkeeping, then the iteration on the current path,
+        top[0] = max(top[0], held[trial.current])  # which sets its mark
+    # the anchor's path ran first and raised the peak to 5 GiB; eager raised it to 9; FP32's 7 never raised it
+    assert trial.verdict.peaks_gib == {Route.COMPILED_AUTOCAST.value: 5.0, Route.EAGER_LOW.value: 9.0}
+    assert trial.verdict.as_dict()["peaks_gib"] == trial.verdict.peaks_gib
+    assert "peaks_gib" not in Verdict(Route.FP32, "", {}, rule=MEASURED).as_dict()  # off CUDA: nothing reported

@@ -191,6 +191,11 @@ class Run:
     def note_report(self, report: dict[str, Any] | None) -> None:
         report = report or {}
         self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
+        for key, field in (("trial_ms", "timings_ms"), ("trial_peaks_gib", "peaks_gib")):  # what the trial timed,
+            # and which candidate raised the device's peak memory to what
+            found = {c["module"]: c[field] for c in report.get("choices", []) if c.get(field)}
+            if found:
+                self.row[key] = found
         bounds = {c["module"]: c["bounds"] for c in report.get("choices", []) if c.get("bounds")}
         if bounds:  # whether FP32 eager was ruled out before it ran (automp.runtime.fp32_bound), and by what figures
             self.row["fp32_bounds"] = bounds

@@ -105,10 +105,11 @@ class RootPaths:
             self.cache.put({root.key: verdict})
             return
         if self.trial is None or self.trial.verdict is not None or self.trial.candidates != candidates:
-            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
-                               later=RECORD_LAST, floor=self._floor(root, candidates))
-            self.unfinished[self.trial] = []
             memory = self.memory(root.device)
+            self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
+                               later=RECORD_LAST, floor=self._floor(root, candidates),
+                               peak=memory.peak if memory is not None else None)
+            self.unfinished[self.trial] = []
             if (memory is not None and Route.COMPILED_AUTOCAST in candidates and set(EAGER_PATHS) & set(candidates)
                     and not distributed()):  # ranks must take the same turns: no rank leaves a candidate alone
                 self.budgets[self.trial] = MemoryBudget(memory)

@@ -94,7 +94,8 @@ class Trial:
     def __init__(self, candidates: list[Route], config: TrialConfig, clock: Callable[[], float],
                  sync: Callable[[], None], note: str = "", incumbent: Route | None = None,
                  warmup: Mapping[Route, int] | None = None, clock_member: int | None = None,
-                 later: Iterable[Route] = (), floor: Fp32Floor | None = None):
+                 later: Iterable[Route] = (), floor: Fp32Floor | None = None,
+                 peak: Callable[[], int] | None = None):
         if not candidates:
             raise ValueError("a trial needs at least one candidate path")
         self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
@@ -114,6 +115,9 @@ class Trial:
                                                      if c not in self._later and warmup.get(c, 1) > 0]
         self.floor = floor
         self.bounds: dict[str, dict[str, Any]] = {}  # Verdict.bounds
+        # the device's peak allocated bytes so far (None off CUDA), and by each path's value the peak it rose to in
+        # one of its intervals: which candidate set the trial's peak memory (Verdict.peaks_gib)
+        self.peak, self.peaks, self._peak_start = peak, {}, 0
         self._count: Any = None  # the GEMM count of the interval running, while it bounds FP32 eager (_begin)
         self._counted: tuple[Any, int] | None = None  # the count and its iterations, until the next one is timed
         if floor is not None:  # FP32's warm-up after low precision eager's, which bounds it: one counted iteration,
@@ -165,6 +169,8 @@ class Trial:
         issued = self.clock()
         self.sync()
         now = self.clock()
+        if self.peak is not None and (top := self.peak()) > self._peak_start:
+            self.peaks[path.value] = max(top, self.peaks.get(path.value, 0))
         if timed:
             self.samples[path].append((now - self._start) / iterations)
             if now > self._start:
@@ -190,6 +196,8 @@ class Trial:
                   and self._counted is None and Route.FP32.value not in self.bounds
                   and any(p is Route.FP32 and not timed for p, timed, _ in self._queue))
         self._count = self.floor.open() if bounds else None
+        if self.peak is not None:
+            self._peak_start = self.peak()
         self._start = self.clock()
 
     def _judge_fp32(self, seconds: float, iterations: int) -> None:
@@ -323,7 +331,8 @@ class Trial:
             rule = ONLY_LEFT
         measured = f"measured per iteration: {parts}" if parts else "the only candidate left, nothing timed"
         self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings, rule=rule,
-                               confirmed=inc is not None, bounds=dict(self.bounds))
+                               confirmed=inc is not None, bounds=dict(self.bounds),
+                               peaks_gib={k: round(v / 2**30, 3) for k, v in self.peaks.items()})
 
     def _within(self, kept: Route, winner: Route, timings: dict[str, float], margin: float) -> bool:
         """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
