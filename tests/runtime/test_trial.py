@@ -479,3 +479,13 @@ def test_the_verdict_names_the_candidate_that_raised_the_peak_memory():
     assert trial.verdict.peaks_gib == {Route.COMPILED_AUTOCAST.value: 5.0, Route.EAGER_LOW.value: 9.0}
     assert trial.verdict.as_dict()["peaks_gib"] == trial.verdict.peaks_gib
     assert "peaks_gib" not in Verdict(Route.FP32, "", {}, rule=MEASURED).as_dict()  # off CUDA: nothing reported
+
+
+def test_the_verdict_carries_each_paths_largest_host_share():
+    host = {Route.COMPILED_AUTOCAST: 0.002, Route.EAGER_LOW: 0.006}
+    device = {Route.COMPILED_AUTOCAST: 0.010, Route.EAGER_LOW: 0.008}
+    clock = Device(host, device)
+    trial = Trial(list(host), TrialConfig(), clock, clock.sync)
+    while trial.verdict is None:
+        clock.run(trial)
+    assert trial.verdict.host_shares == pytest.approx({Route.COMPILED_AUTOCAST.value: 0.2, Route.EAGER_LOW.value: 0.75})

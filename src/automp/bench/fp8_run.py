@@ -191,7 +191,8 @@ class Run:
     def note_report(self, report: dict[str, Any] | None) -> None:
         report = report or {}
         self.row["automp_paths"] = {c["module"]: c["path"] for c in report.get("choices", [])}
-        for key, field in (("trial_ms", "timings_ms"), ("trial_peaks_gib", "peaks_gib")):  # what the trial timed,
+        for key, field in (("trial_ms", "timings_ms"), ("trial_peaks_gib", "peaks_gib"),
+                           ("trial_host_shares", "host_shares")):  # what the trial timed,
             # and which candidate raised the device's peak memory to what
             found = {c["module"]: c[field] for c in report.get("choices", []) if c.get(field)}
             if found:

@@ -101,11 +101,14 @@ class Verdict:
     # on CUDA, by path value: the device's peak allocated GiB that path rose to during the trial, where it raised it
     # (Trial.peaks); reported, so a trial whose peak is above the script's own names the candidate that set it
     peaks_gib: dict[str, float] = field(default_factory=dict)
+    # by path value: the largest share of a timed sample the host took to issue it (Trial.launch_bound); reported
+    host_shares: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "rule": self.rule, "reason": self.reason, "timings_ms": self.timings_ms,
                 "cached": self.cached, "confirmed": self.confirmed, **({"bounds": self.bounds} if self.bounds else {}),
-                **({"peaks_gib": self.peaks_gib} if self.peaks_gib else {})}
+                **({"peaks_gib": self.peaks_gib} if self.peaks_gib else {}),
+                **({"host_shares": self.host_shares} if self.host_shares else {})}
 
 
 # The route each value of AutoMPConfig.path forces; None: "auto", a trial decides.
