@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from automp.precision.fp8 import choice as fc
 from automp.precision.fp8.table import Fp8Timing, GemmShape
-from tests.precision.fp8.test_layers import _cpu_scaled_mm
+from tests.precision.fp8.test_layers import cpu_scaled_mm
 
 
 def table(gains: dict[tuple[int, int], float]):
@@ -198,7 +198,7 @@ def test_auto_recipe_keeps_a_group_on_one_recipe() -> None:
     assert {n: (c.recipe, c.rule) for n, c in merged.items()} == {n: ("tensorwise", fc.FP8_GROUP) for n in shapes}
 
 
-@pytest.mark.skipif(not _cpu_scaled_mm("rowwise"), reason="no rowwise torch._scaled_mm on this CPU build")
+@pytest.mark.skipif(not cpu_scaled_mm("rowwise"), reason="no rowwise torch._scaled_mm on this CPU build")
 def test_probes_measure_every_recipe_in_one_forward() -> None:
     net = Net().train()
     x = torch.randn(48, 32)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from automp.precision.fp8 import layers as fp8
 
 
-def _cpu_scaled_mm(recipe: str = "tensorwise") -> bool:
+def cpu_scaled_mm(recipe: str = "tensorwise") -> bool:
     """Whether this torch runs the recipe's torch._scaled_mm on the CPU (torch 2.11's CPU kernel takes per-tensor
     scales only)."""
     a = torch.ones(16, 16).to(fp8.E4M3)
@@ -24,8 +24,8 @@ def _cpu_scaled_mm(recipe: str = "tensorwise") -> bool:
         return False
 
 
-needs_scaled_mm = pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch build has no CPU torch._scaled_mm")
-RECIPES = [pytest.param(r, marks=pytest.mark.skipif(not _cpu_scaled_mm(r), reason=f"no {r} torch._scaled_mm on "
+needs_scaled_mm = pytest.mark.skipif(not cpu_scaled_mm(), reason="this torch build has no CPU torch._scaled_mm")
+RECIPES = [pytest.param(r, marks=pytest.mark.skipif(not cpu_scaled_mm(r), reason=f"no {r} torch._scaled_mm on "
                                                                                    f"this CPU build"))
            for r in fp8.RECIPES]
 
