@@ -8,7 +8,7 @@ Steps, all under no_grad on the module's device:
    input, on which that Linear alone is quantized: its own relative output error, reported as its sensitivity.
 2. a deep copy goes to fp16 (LayerNorm, softmax, GELU run in fp16 as torch does them) and each Linear is swapped
    for its quantized module, built from the FP32 weight.
-3. with a budget, the model's error vs FP32 (automp.deploy.runtime.compare: relative L2, worst output) is measured;
+3. with a budget, the model's error vs FP32 (automp.quant.ptq.compare: relative L2, worst output) is measured;
    while it is over the budget the most sensitive quantized layer goes back to fp16 (rule ERROR_BUDGET). "Most
    sensitive" is by default automp.quant.fallback's: the model error with only that layer quantized. The
    per-layer error of step 1 is the cheaper option, but a poor proxy: on all-MiniLM-L6-v2 (int8, budget 0.02) it
@@ -29,7 +29,6 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from automp.deploy import runtime
 from automp.deploy.quantized import boundary, shared, speed
 from automp.deploy.quantized.compile import compile_module
 from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
@@ -38,6 +37,7 @@ from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
 from automp.quant.int8 import GROUPS, int8_static_qparams, nbytes, smooth_factors, weight_group
 from automp.quant.names import SHORT
 from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
+from automp.quant.ptq.compare import Error, compare_all
 
 PRECISIONS = ("int8", "int8-weight", "int4-weight")
 
@@ -204,7 +204,7 @@ class _Swapper:
                  calls: list[boundary.Call], ref: dict) -> None:
         self.model, self.qmods, self.aliases, self.calls, self.ref = model, qmods, aliases, calls, ref
         self.fmods = {n: model.get_submodule(_path(n)) for n in qmods}
-        self.errors: dict[frozenset, dict[str, runtime.Error]] = {}
+        self.errors: dict[frozenset, dict[str, Error]] = {}
 
     def set_layers(self, qmods: dict[str, nn.Module]) -> None:
         """Measure with these quantized modules from now on (other SmoothQuant factors, same layers)."""
@@ -219,12 +219,12 @@ class _Swapper:
                 parent, _, child = _path(alias).rpartition(".")
                 setattr(self.model.get_submodule(parent), child, mod)
 
-    def errors_of(self, quantized: set[str]) -> dict[str, runtime.Error]:
+    def errors_of(self, quantized: set[str]) -> dict[str, Error]:
         key = frozenset(quantized)
         if key not in self.errors:
             self.use(quantized)
             got = [boundary.float_outputs(self.model(*a, **k)) for a, k in self.calls]
-            self.errors[key] = runtime.compare_all(boundary.stack_outputs(got), self.ref)
+            self.errors[key] = compare_all(boundary.stack_outputs(got), self.ref)
         return self.errors[key]
 
     def error(self, quantized: set[str]) -> float:

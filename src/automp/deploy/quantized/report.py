@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from automp.deploy.runtime import Error
+from automp.quant.ptq.compare import Error
 
 
 class Rule(str, Enum):

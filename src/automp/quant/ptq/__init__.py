@@ -1,0 +1,1 @@
+"""Post-training quantization of torch modules: the error measure (compare)."""
