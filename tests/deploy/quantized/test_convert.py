@@ -14,7 +14,7 @@ from automp.deploy.quantized.convert import SMOOTH_GRID
 from automp.deploy.quantized import (Int8Linear, Rule, TorchQuantConfig, WeightOnlyLinear, optimize_torch,
                                      quantize_module)
 
-from .helpers import DEVICE, bert_batch, mlp, randn, rel_err, tiny_bert
+from tests.quant.torch_helpers import DEVICE, bert_batch, mlp, randn, rel_err, tiny_bert
 
 EAGER = TorchQuantConfig(compile=False)
 

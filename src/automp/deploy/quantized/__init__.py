@@ -28,9 +28,9 @@ import torch.nn as nn
 
 from automp.deploy.quantized.compile import compile_module, graph_breaks
 from automp.deploy.quantized.convert import PRECISIONS, TorchQuantConfig, quantize_module
-from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
 from automp.deploy.quantized import speed
 from automp.quant import Int8Linear, WeightOnlyLinear
+from automp.quant.ptq.report import LayerDecision, QuantReport, Rule
 
 
 def optimize_torch(module: nn.Module, precision: str, calib: Iterable | None = None, budget: float | None = None,

@@ -29,15 +29,16 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from automp.deploy.quantized import boundary, shared, speed
+from automp.deploy.quantized import speed
 from automp.deploy.quantized.compile import compile_module
-from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
 from automp.quant.api import W8A8Config, WeightOnlyConfig, quantize_layer
 from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
 from automp.quant.int8 import GROUPS, int8_static_qparams, nbytes, smooth_factors, weight_group
 from automp.quant.names import SHORT
 from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
+from automp.quant.ptq import boundary, shared
 from automp.quant.ptq.compare import Error, compare_all
+from automp.quant.ptq.report import LayerDecision, QuantReport, Rule
 
 PRECISIONS = ("int8", "int8-weight", "int4-weight")
 
