@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 
 from automp.deploy import onnx_io, runtime
 from automp.deploy.cli import main
+from automp.quant.ptq.compare import compare
 
 from .util import f32, rand
 
@@ -30,7 +31,7 @@ def test_optimize_writes_model_and_report(files, precision, tol, capsys):
     assert rep["error_vs_fp32"]["logits"]["rel_l2"] <= tol and rep["error_data"].startswith("calibration")
     # the report's error is real: recompute it independently in onnxruntime CPU
     x = {"image": np.load(calib)["image"]}
-    e = runtime.compare(runtime.run(after, x)["logits"], runtime.run(before, x)["logits"])
+    e = compare(runtime.run(after, x)["logits"], runtime.run(before, x)["logits"])
     assert e.rel_l2 == pytest.approx(rep["error_vs_fp32"]["logits"]["rel_l2"], rel=1e-3, abs=1e-7)
     assert "fold_bn" in capsys.readouterr().out
     if precision == "fp16":

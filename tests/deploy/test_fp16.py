@@ -5,6 +5,7 @@ from onnx import TensorProto, helper
 from automp.deploy import runtime
 from automp.deploy.fp16 import ONNX_TO_ATEN, Fp16Config, convert_fp16
 from automp.precision.lists import Category, classify_name
+from automp.quant.ptq.compare import compare_all
 
 from .util import assert_same_outputs, f32, init, model, ops, rand
 
@@ -48,7 +49,7 @@ def test_fp16_error_is_small_but_nonzero_against_fp32():
     before = _mlp()
     after, _ = convert_fp16(before)
     feeds = runtime.random_feeds(before, batch=64, seed=5)
-    errs = runtime.compare_all(runtime.run(after, feeds), runtime.run(before, feeds))
+    errs = compare_all(runtime.run(after, feeds), runtime.run(before, feeds))
     assert 0 < errs["logits"].rel_l2 < 5e-3 and errs["p"].cosine > 0.999
 
 

@@ -8,6 +8,7 @@ import torch
 
 from automp.bench.sentences import template_sentences
 from automp.deploy import onnx_io, optimize, runtime
+from automp.quant.ptq.compare import compare
 
 SEQ = 20  # the generated sentences take at most 16 tokens
 
@@ -44,11 +45,11 @@ def test_pretrained_minilm_fp16_embeddings_match_fp32():
     fp32 = onnx_io.export_torch(enc, example, ["input_ids", "attention_mask"], ["embedding"], exporter="legacy")
     head = {k: v[:32] for k, v in feeds.items()}
     got32 = runtime.run(fp32, head)["embedding"]
-    assert runtime.compare(got32, ref[:32]).rel_l2 < 1e-4  # the export is the model sentence-transformers runs
+    assert compare(got32, ref[:32]).rel_l2 < 1e-4  # the export is the model sentence-transformers runs
 
     fp16, rep = optimize(fp32, precision="fp16", calib=head)
     assert rep["fp16_nodes"] > 50 and rep["bytes"]["after"] < 0.6 * rep["bytes"]["before"]
     got16 = runtime.run(fp16, feeds)["embedding"]
     cos = (got16 * ref).sum(1) / (np.linalg.norm(got16, axis=1) * np.linalg.norm(ref, axis=1))
     assert cos.min() >= 0.99, f"worst cosine {cos.min()}"
-    assert 0 < runtime.compare(got16, ref).rel_l2 < 1e-2  # fp16 did change the numbers, by a little
+    assert 0 < compare(got16, ref).rel_l2 < 1e-2  # fp16 did change the numbers, by a little

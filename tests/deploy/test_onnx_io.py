@@ -4,6 +4,7 @@ import torch
 from onnx import TensorProto, helper
 
 from automp.deploy import onnx_io, runtime
+from automp.quant.ptq.compare import compare
 
 from .util import f32, init, model, rand
 
@@ -89,7 +90,7 @@ def test_export_torch_names_io_and_keeps_batch_dynamic(exporter):
     with torch.no_grad():
         ref = net(*x)
     for name, r in zip(["logits", "feat"], ref):
-        assert runtime.compare(outs[name], r.numpy()).rel_l2 < 1e-5
+        assert compare(outs[name], r.numpy()).rel_l2 < 1e-5
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])

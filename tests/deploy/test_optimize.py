@@ -4,6 +4,7 @@ import torch
 from onnx import TensorProto, helper
 
 from automp.deploy import check_calib, optimize, runtime
+from automp.quant.ptq.compare import compare
 
 from .util import f32, init, model, rand
 
@@ -32,7 +33,7 @@ def test_optimize_a_torch_module_to_fp16():
     x = torch.randn(6, 3, 8, 8)
     with torch.no_grad():
         ref = net(x).numpy()
-    e = runtime.compare(runtime.run(out, {"image": x.numpy()})["logits"], ref)
+    e = compare(runtime.run(out, {"image": x.numpy()})["logits"], ref)
     assert 0 < e.rel_l2 < 1e-2
     assert "Conv" in [n.op_type for n in out.graph.node] and rep["fp16_nodes"] >= 3
 

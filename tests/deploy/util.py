@@ -6,6 +6,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from automp.deploy import onnx_io, runtime
+from automp.quant.ptq.compare import compare_all
 
 OPSET = 17
 
@@ -37,7 +38,7 @@ def assert_same_outputs(before: onnx.ModelProto, after: onnx.ModelProto, tol: fl
     ref = runtime.run(before, feeds, optimize=False)
     out = runtime.run(after, feeds, optimize=False)
     assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
-    errs = runtime.compare_all(out, ref)
+    errs = compare_all(out, ref)
     for name, e in errs.items():
         assert e.nonfinite == 0 and e.rel_l2 <= tol, f"{name}: {e}"
     return errs

@@ -10,6 +10,7 @@ import pytest
 
 from automp import protect
 from automp.deploy import runtime
+from automp.quant.ptq.compare import compare
 
 from .test_obfuscate import names
 
@@ -27,7 +28,7 @@ def test_cli_writes_the_model_and_the_report(model_file, tmp_path, capsys):
     src, got = onnx.load(model_file), onnx.load(out)
     onnx.checker.check_model(got, full_check=True)
     feeds = runtime.random_feeds(src, batch=3, seed=1)
-    assert runtime.compare(runtime.run(got, feeds)["logits"], runtime.run(src, feeds)["logits"]).rel_l2 <= 1e-5
+    assert compare(runtime.run(got, feeds)["logits"], runtime.run(src, feeds)["logits"]).rel_l2 <= 1e-5
     assert names(got) & names(src) == {"image", "logits"}
     data = json.loads(rep.read_text())
     assert data["output"] == str(out) and data["bytes"]["file"] == out.stat().st_size and data["deterministic"]
@@ -40,7 +41,7 @@ def test_cli_with_a_key_writes_an_encrypted_model(model_file, tmp_path):
     src = onnx.load(model_file)
     feeds = runtime.random_feeds(src, batch=2, seed=5)
     got = protect.session(out, key).run(None, feeds)[0]
-    assert runtime.compare(got, runtime.run(src, feeds)["logits"]).rel_l2 <= 1e-5
+    assert compare(got, runtime.run(src, feeds)["logits"]).rel_l2 <= 1e-5
 
 
 @pytest.mark.parametrize("flag", ["-o", "--report"])

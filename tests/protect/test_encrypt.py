@@ -7,6 +7,7 @@ from automp.deploy import onnx_io, runtime
 from automp.protect import ObfuscateConfig, WrongKeyError, obfuscate
 from automp.protect import encrypt as encrypt_module
 from automp.protect.encrypt import META_KEY, read_key
+from automp.quant.ptq.compare import compare
 
 KEY = bytes(range(32))
 
@@ -30,7 +31,7 @@ def test_round_trip_restores_the_model_and_its_outputs(encrypted):
     feeds = runtime.random_feeds(src, batch=3, seed=4)
     got = protect.session(path, KEY).run(None, feeds)[0]
     assert np.array_equal(got, runtime.run(plain, feeds)["hidden"])
-    assert runtime.compare(got, runtime.run(src, feeds)["hidden"]).rel_l2 <= 1e-5
+    assert compare(got, runtime.run(src, feeds)["hidden"]).rel_l2 <= 1e-5
 
 
 def test_a_wrong_or_missing_key_is_a_clear_error(encrypted):

@@ -9,6 +9,7 @@ from onnx import helper, numpy_helper
 from automp.deploy import runtime
 from automp.protect import ObfuscateConfig, obfuscate
 from automp.protect.names import graphs, tensor_names
+from automp.quant.ptq.compare import compare
 
 from ..deploy.util import f32, init, model, rand
 
@@ -22,7 +23,7 @@ def rel_errors(before: onnx.ModelProto, after: onnx.ModelProto, seed: int = 7, i
     ref = runtime.run(before, feeds, optimize=False)
     got = runtime.run(after, {io_map.get(k, k): v for k, v in feeds.items()}, optimize=False)
     assert all(np.abs(v).max() > 0 for v in ref.values())  # not a test on zeros
-    return {k: runtime.compare(got[io_map.get(k, k)], r).rel_l2 for k, r in ref.items()}
+    return {k: compare(got[io_map.get(k, k)], r).rel_l2 for k, r in ref.items()}
 
 
 def names(m: onnx.ModelProto) -> set[str]:

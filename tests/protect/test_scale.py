@@ -6,6 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 from automp.deploy import runtime
 from automp.deploy.passes.graph import copy_model
 from automp.protect.scale import _reshaped, random_scales, scale_weights
+from automp.quant.ptq.compare import compare
 
 from ..deploy.util import f32, init, model, rand
 
@@ -19,7 +20,7 @@ def scaled(src: onnx.ModelProto, seed: int = 0, allow_mul: bool = True, tol: flo
     ref, got = runtime.run(src, feeds, optimize=False), runtime.run(out, feeds, optimize=False)
     for k in ref:
         assert np.abs(ref[k]).max() > 0
-        assert runtime.compare(got[k], ref[k]).rel_l2 <= tol, k
+        assert compare(got[k], ref[k]).rel_l2 <= tol, k
     return out, res
 
 

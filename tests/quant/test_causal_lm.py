@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 
 import automp.llm
-from automp.deploy.quantized import convert
 from automp.llm.store import build
 from automp.quant import QuantConfig, WeightOnlyConfig, WeightOnlyLinear, quantize
 from automp.quant.archs import ARCHS
 from automp.quant.names import DTYPES, SCHEMES, SHORT, dtype_name
+from automp.quant.ptq import pipeline
 
 pytest.importorskip("transformers")
 
@@ -72,13 +72,22 @@ def test_a_filter_narrows_the_projections_and_awq_takes_none():
 
 def test_what_only_a_causal_lm_takes_is_refused_elsewhere():
     net = nn.Sequential(nn.Linear(64, 32))
+    calib = [torch.randn(2, 64)]  # with calib the module goes to automp.quant.ptq, unless AWQ's settings are asked
     for config in (WeightOnlyConfig(awq=True), WeightOnlyConfig(lm_head=True), WeightOnlyConfig(edge_bits=8),
-                   WeightOnlyConfig(calib=torch.zeros(1, 4).long())):
-        with pytest.raises(ValueError, match="apply to the causal LMs of automp.quant.archs, not to Sequential"):
+                   WeightOnlyConfig(awq=True, calib=calib), WeightOnlyConfig(embeddings=True, calib=calib)):
+        with pytest.raises(ValueError, match="awq, lm_head, embeddings and edge_bits apply to the causal LMs of "
+                                             "automp.quant.archs, not to Sequential"):
             quantize(copy.deepcopy(net), config)
     assert isinstance(quantize(copy.deepcopy(net), WeightOnlyConfig(group_size=32))[0], WeightOnlyLinear)
     with pytest.raises(ValueError, match="edge_bits must be 4, 8 or None"):
         WeightOnlyConfig(edge_bits=2)
+
+
+def test_a_causal_lm_takes_no_error_budget():
+    """PTQ's settings are not the causal-LM handler's: given to it, they are refused rather than ignored."""
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="budget and exclude are automp.quant.ptq's"):
+        quantize(build("tiny-llama"), WeightOnlyConfig(group_size=32, calib=ids, budget=0.05))
 
 
 def test_one_table_of_names():
@@ -87,4 +96,4 @@ def test_one_table_of_names():
     assert {dtype_name(d) for d in DTYPES.values()} == set(DTYPES) and SHORT[torch.bfloat16] == "bf16"
     record = QuantConfig("int8", 64, dtype="bfloat16", quantize_embeddings=True, edge_scheme="int4")
     assert QuantConfig.of(record.weight_only()) == record
-    assert convert.SHORT is SHORT  # deploy's reports name dtypes from the same table
+    assert pipeline.SHORT is SHORT  # PTQ reports name dtypes from the same table

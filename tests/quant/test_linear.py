@@ -14,7 +14,7 @@ import torch
 from automp.quant.int8 import Int8Linear, Int8Slice, int8_static_qparams, nbytes, smooth_factors, weight_group
 from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
 from automp.quant.weight_only import WeightOnlyLinear
-from tests.deploy.quantized.helpers import DEVICE, randn, rel_err
+from tests.quant.torch_helpers import DEVICE, randn, rel_err
 
 EXACT = 2e-3
 

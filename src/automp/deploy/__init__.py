@@ -19,6 +19,7 @@ from automp.deploy.passes.fuse import FuseConfig
 from automp.deploy.passes.graph import op_counts
 from automp.deploy.passes.pipeline import default_passes, run_pipeline
 from automp.deploy.qdq.ptq import PTQConfig, quantize_onnx
+from automp.quant.ptq.compare import compare_all
 
 PRECISIONS = ("fp32", "fp16", "int8")
 ERROR_SAMPLES = 256
@@ -137,7 +138,7 @@ def optimize(model: Any, precision: str = "fp32", calib: dict[str, np.ndarray] |
     size = runtime.fixed_batch(src) or _samples(feeds)
     outs, refs = (runtime.run_batches(s, runtime.batches(feeds, size, drop_last=True))
                   for s in (opt_session, ref_session))
-    errors = runtime.compare_all(outs, refs)
+    errors = compare_all(outs, refs)
     worst = max(e.rel_l2 for e in errors.values())
     if budget is not None and precision != "int8" and not worst <= budget:
         raise RuntimeError(f"{source}: {precision} output error {worst:.3g} exceeds budget {budget}")

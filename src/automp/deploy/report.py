@@ -8,7 +8,7 @@ from typing import Any
 
 from automp.files import atomic_output
 from automp.deploy.passes.pipeline import PassRecord
-from automp.deploy.runtime import Error
+from automp.quant.ptq.compare import Error
 
 
 def build(source: str, precision: str, records: list[PassRecord], ops_before: dict[str, int],

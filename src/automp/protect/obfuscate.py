@@ -51,6 +51,7 @@ from automp.protect.rename import RenameResult, rename, strip_metadata
 from automp.protect.report import ProtectReport, op_histogram, still_visible
 from automp.protect.scale import ScaleResult, scale_weights
 from automp.protect.split import SplitResult, constants_to_initializers, split_constants
+from automp.quant.ptq.compare import compare_all
 
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
 
@@ -164,7 +165,7 @@ def _verify(src: onnx.ModelProto, out: onnx.ModelProto, io_map: dict[str, str], 
         raise RuntimeError(f"{source}: the protected model does not run in onnxruntime although the input does "
                            f"({type(e).__name__}: {e}); this is a bug in automp.protect") from None
     back = {v: k for k, v in io_map.items()}
-    errors = runtime.compare_all({back.get(k, k): v for k, v in got.items()}, ref)
+    errors = compare_all({back.get(k, k): v for k, v in got.items()}, ref)
     worst = max((e.rel_l2 for e in errors.values()), default=0.0)
     if not worst <= tolerance or any(e.nonfinite for e in errors.values()):
         raise RuntimeError(f"{source}: the protected model's outputs differ from the input's by {worst:.3g} "

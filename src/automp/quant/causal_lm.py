@@ -124,10 +124,13 @@ def target_paths(model: nn.Module, config: QuantConfig) -> list[str]:
     return paths
 
 
-@register_model_handler(WeightOnlyConfig, is_causal_lm)
+@register_model_handler(WeightOnlyConfig, lambda model, config: is_causal_lm(model))
 def quantize_causal_lm(model: nn.Module, config: WeightOnlyConfig, filter_fn: FilterFn | None = None) -> nn.Module:
     """Quantize `model` in place as the module docstring says and return it (in eval mode). filter_fn(module, path),
     given, narrows the projections (and lm_head) to those it selects; AWQ scales whole groups, so it takes none."""
+    if config.budget is not None or config.exclude:
+        raise ValueError("automp.quant.quantize: budget and exclude are automp.quant.ptq's, for modules that are not "
+                         "causal LMs; on a causal LM pick the projections with filter_fn")
     record = QuantConfig.of(config)
     arch = arch_of(model)
     chosen = set(target_paths(model, record))

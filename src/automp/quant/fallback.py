@@ -32,9 +32,9 @@ class FallbackResult:
     steps: list[list]                # [number of float layers, error] after each step, starting at 0
 
 
-def check_budget(budget: float | None) -> None:
+def check_budget(budget: float | None, owner: str) -> None:
     if budget is not None and (not isinstance(budget, (int, float)) or not budget > 0):
-        raise ValueError(f"budget must be a positive float (max relative output error), got {budget!r}")
+        raise ValueError(f"{owner}: budget must be a positive float (max relative output error), got {budget!r}")
 
 
 def sensitivities(evaluate: Callable[[set[str]], float], layers: list[str], method: str,
@@ -48,7 +48,7 @@ def sensitivities(evaluate: Callable[[set[str]], float], layers: list[str], meth
 
 def fit_budget(evaluate: Callable[[set[str]], float], layers: list[str], budget: float,
                config: FallbackConfig = FallbackConfig(), full_error: float | None = None) -> FallbackResult:
-    check_budget(budget)
+    check_budget(budget, "fit_budget")
     quantized = set(layers)
     error = evaluate(quantized) if full_error is None else full_error
     steps = [[0, error]]

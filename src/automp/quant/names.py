@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 SCHEMES = {"int8": 8, "int4": 4}  # a weight-only scheme -> its bits
+PRECISIONS = ("int8", "int8-weight", "int4-weight")  # a torch module's: W8A8, then each weight-only scheme
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # compute dtypes around the quantized weights
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # how reports name them
 

@@ -8,7 +8,7 @@ import torch
 
 from automp.deploy.quantized import TorchQuantConfig, compile_module, graph_breaks, quantize_module
 
-from .helpers import DEVICE, bert_batch, randn, rel_err, tiny_bert
+from tests.quant.torch_helpers import DEVICE, bert_batch, randn, rel_err, tiny_bert
 
 EAGER = TorchQuantConfig(compile=False)
 

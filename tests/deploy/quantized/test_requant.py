@@ -11,9 +11,9 @@ import torch.nn as nn
 
 from automp.deploy.quantized import TorchQuantConfig, quantize_module
 from automp.deploy.quantized.requant import dedupe, fuse_requant
-from automp.quant import Int8Linear
+from automp.quant import Int8Linear, Int8Slice
 
-from .helpers import DEVICE, bert_batch, randn, rel_err, tiny_bert
+from tests.quant.torch_helpers import DEVICE, bert_batch, randn, rel_err, tiny_bert
 
 REQUANT, GEMM = "automp.int8_gemm_requant.default", "automp.int8_gemm.default"
 
@@ -98,6 +98,28 @@ def test_static_bert_fuses_each_mlp_and_keeps_its_output():
         out = fused(**batch).last_hidden_state
     assert graphs[-1].count(REQUANT) == 2 and graphs[-1].count(GEMM) == 2 * 6 - 2  # one per layer's MLP
     assert rel_err(out, eager) < 2e-2
+
+
+def test_static_bert_shares_qkv_and_runs_one_gemm_per_input():
+    bert = tiny_bert(layers=2, pooler=False)
+    calib = [bert_batch(4, 9, seed=s) for s in (1, 2)]
+    batch = bert_batch(2, 9, seed=5)
+    config = TorchQuantConfig(activations="static", measure=False)  # compile=True: eager on the CPU, grouped
+    model, rep = quantize_module(bert, "int8", calib, config)
+    separate, _ = quantize_module(bert, "int8", calib, TorchQuantConfig(activations="static", compile=False))
+    shares = {d.name: d.shares for d in rep.layers if d.shares}
+    assert len(shares) == 6 and all(len(g) == 3 and n in g for n, g in shares.items())
+    assert sum(isinstance(m, Int8Slice) for m in model.modules()) == 6
+    with torch.no_grad():
+        ref = bert(**batch).last_hidden_state
+        eager = model(**batch).last_hidden_state
+        fused, graphs = _compiled(model, fuse=True)
+        out = fused(**batch).last_hidden_state
+        apart = separate(**batch).last_hidden_state
+    # per layer: QKV once, attention output, MLP in (fused into the requant GEMM), MLP out
+    assert graphs[-1].count(GEMM) == 2 * 3 and graphs[-1].count(REQUANT) == 2
+    assert rel_err(out, eager) < 2e-2
+    assert rel_err(eager, ref) < 1.5 * rel_err(apart, ref) + 1e-3  # joint smoothing as accurate as separate
 
 
 def test_dedupe_runs_a_shared_layer_once_per_input():

@@ -9,7 +9,7 @@ import torch
 
 from automp.deploy.quantized import TorchQuantConfig, optimize_torch, quantize_module, speed
 
-from .helpers import DEVICE, mlp, randn, rel_err
+from tests.quant.torch_helpers import DEVICE, mlp, randn, rel_err
 
 
 class FakeTimer:

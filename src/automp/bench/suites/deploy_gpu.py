@@ -10,7 +10,7 @@ random token ids; both mean-pooled into one embedding per sequence. Cases, all i
 - int8-static:  W8A8 with one calibrated scale per activation tensor: the quantization of an input becomes
                 elementwise, so Inductor fuses it into the kernel that produces the input, and an MLP's first GEMM
                 writes the second's int8 input from its epilogue, GELU included (deploy.quantized.requant),
-                and query, key and value are one GEMM (deploy.quantized.shared);
+                and query, key and value are one GEMM (quant.ptq.shared);
                 dynamic scales need a row reduction first, which no producer can do for a 3072-wide row
                 (both int8 modes: SmoothQuant alpha chosen from 0.5-0.9 by the calibration error, smooth="auto")
 - int8-weight:  W8A16 (groups of 128)

@@ -144,7 +144,7 @@ def quantize_onnx(model: onnx.ModelProto, calib: dict[str, np.ndarray], config: 
     until it holds. progress(done, total) is called after each calibration batch."""
     if not isinstance(config, PTQConfig):
         raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
-    check_budget(budget)
+    check_budget(budget, "quantize_onnx")
     model = check_model(model)
     calib = calibrate.check_calib(model, calib)
     layers, floats = _candidates(find_layers(model, config.op_types), config)

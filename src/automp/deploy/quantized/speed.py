@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from automp.deploy.quantized import boundary
+from automp.quant.ptq import boundary
 
 Timer = Callable[[Callable[[], Any]], float]  # ms per call of the closure
 ROUNDS = 6  # even: each model leads as often as it trails

@@ -9,6 +9,7 @@ positional arguments, or a dict of keyword arguments (a tokenizer's output).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -70,18 +71,24 @@ def _signature(call: Call) -> tuple:
                             for t in leaves)
 
 
-def calib_calls(calib: Iterable | None, device: torch.device, limit: int) -> list[Call]:
-    """Up to `limit` batches as (args, kwargs) on the model's device; batches that disagree in structure or rank
-    with the first are an error naming both (a model would fail on them, or worse, broadcast)."""
+def first_batches(calib: Iterable | None, limit: int) -> list | None:
+    """Up to `limit` batches of `calib` as a list (None stays None): an iterator is read once, here."""
     if calib is None:
-        return []
+        return None
     if isinstance(calib, (torch.Tensor, Mapping)):
         raise TypeError("calib must be an iterable of batches (e.g. a list of tensors or of dicts), not a single "
                         f"{type(calib).__name__}; wrap one batch as [batch]")
+    return list(itertools.islice(calib, limit))
+
+
+def calib_calls(calib: Iterable | None, device: torch.device, limit: int) -> list[Call]:
+    """Up to `limit` batches as (args, kwargs) on the model's device; batches that disagree in structure or rank
+    with the first are an error naming both (a model would fail on them, or worse, broadcast)."""
+    batches = first_batches(calib, limit)
+    if batches is None:
+        return []
     calls: list[Call] = []
-    for i, batch in enumerate(calib):
-        if i == limit:
-            break
+    for i, batch in enumerate(batches):
         call = as_call(batch, i)
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(call)):
             raise ValueError(f"calibration batch {i} holds no tensor: {describe(call)}")

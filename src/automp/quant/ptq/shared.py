@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from automp.deploy.quantized import boundary
+from automp.quant.ptq import boundary
 from automp.quant.int8 import Int8Linear, Int8Slice
 
 

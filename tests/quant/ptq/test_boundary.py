@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from automp.deploy.quantized.boundary import (QuantizedModel, calib_calls, describe, float_outputs, run_checked,
-                                              stack_outputs)
+from automp.quant.ptq.boundary import (QuantizedModel, calib_calls, describe, float_outputs, run_checked,
+                                      stack_outputs)
 
-from .helpers import randn
+from tests.quant.torch_helpers import randn
 
 
 class Probe(nn.Module):

@@ -1,4 +1,4 @@
-"""What the torch quantizer decided per layer, and how far the result is from the FP32 model.
+"""What the PTQ pipeline decided per layer, and how far the result is from the FP32 model.
 
 Every layer gets one `LayerDecision` whose `rule` says why it ended where it did; tests and tools key on the rule,
 the `reason` string is for people. The report is a plain dict once `to_dict()`-ed (JSON-serialisable).
@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from automp.deploy.runtime import Error
+from automp.quant.ptq.compare import Error
 
 
 class Rule(str, Enum):
     QUANTIZED = "quantized"                          # runs on the int8/int4 kernels
     ERROR_BUDGET = "error_budget"                    # kept fp16: among the most sensitive while over the budget
     NO_INT4_GROUP = "no_int4_group"                  # kept fp16: K is not a multiple of 32 (no int4 group fits)
-    EXCLUDED = "excluded"                            # kept fp16: matched TorchQuantConfig.exclude
+    EXCLUDED = "excluded"                            # kept fp16: matched the config's exclude patterns
     WEIGHT_READ_BY_PARENT = "weight_read_by_parent"  # kept fp16: the parent reads .weight itself (MultiheadAttention)
 
 
@@ -50,10 +50,10 @@ class QuantReport:
     error: dict[str, Error] = field(default_factory=dict)  # per model output, vs the FP32 module
     error_data: str = "no calibration data: error not measured"
     fallback_steps: list[list] = field(default_factory=list)  # [layers back in fp16, max rel error] per step
-    sensitivity: str = "isolate"      # how the budget search ranked layers (TorchQuantConfig.sensitivity)
+    sensitivity: str = "isolate"      # how the budget search ranked layers (the config's)
     fallback_sensitivity: dict[str, float] = field(default_factory=dict)  # model-level, for "isolate" / "drop"
     bytes: dict[str, int] = field(default_factory=dict)
-    speed: dict = field(default_factory=dict)  # quantized vs float timing on the GPU (deploy.quantized.speed)
+    speed: dict = field(default_factory=dict)  # quantized vs float timing on the GPU: automp.deploy.quantized's
 
     @property
     def max_rel_error(self) -> float | None:

@@ -1,4 +1,5 @@
-"""quantize_module end to end: whole-model error vs FP32, float32 I/O, the budget fallback and its rules, errors.
+"""The PTQ pipeline end to end (automp.quant.quantize with calib, ptq.convert without): whole-model error vs FP32,
+float32 I/O, the budget fallback and its rules, errors.
 
 Model-level bounds (relative L2 of each output vs the FP32 module on its calibration batches):
   tiny BertModel, int8 W8A8 + fp16 elsewhere: ~1e-2 measured (1.5 layers of ~8e-3 per-layer error), bound 3e-2
@@ -10,13 +11,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from automp.deploy.quantized.convert import SMOOTH_GRID
-from automp.deploy.quantized import (Int8Linear, Rule, TorchQuantConfig, WeightOnlyLinear, optimize_torch,
-                                     quantize_module)
+from automp.quant import Int8Linear, W8A8Config, WeightOnlyConfig, WeightOnlyLinear, quantize
+from automp.quant.ptq import SMOOTH_GRID, Rule, convert
 
-from .helpers import DEVICE, bert_batch, mlp, randn, rel_err, tiny_bert
+from tests.quant.torch_helpers import DEVICE, bert_batch, mlp, randn, rel_err, tiny_bert
 
-EAGER = TorchQuantConfig(compile=False)
+WEIGHT_ONLY = {"int8-weight": 8, "int4-weight": 4}
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -27,7 +27,8 @@ def test_tiny_bert_int8_close_to_fp32_with_float32_io():
     bert = tiny_bert(layers=1)
     before = copy.deepcopy(bert.state_dict())
     calib = [bert_batch(2, 6, seed=0)]
-    model, rep = quantize_module(bert, "int8", calib, EAGER)
+    model = quantize(bert, W8A8Config(calib=calib))
+    rep = model.quant_report
     out, ref = model(**calib[0]), bert(**calib[0])
     assert type(out) is type(ref)
     for name in ("last_hidden_state", "pooler_output"):
@@ -49,7 +50,8 @@ def test_tiny_bert_int8_close_to_fp32_with_float32_io():
 def test_weight_only_mlp(precision, tol):
     net = mlp(64, 96, 32)
     calib = [randn(5, 64, seed=1).to(DEVICE)]
-    model, rep = quantize_module(net, precision, calib, EAGER)
+    model = quantize(net, WeightOnlyConfig(WEIGHT_ONLY[precision], calib=calib))
+    rep = model.quant_report
     x = randn(3, 64, seed=2).to(DEVICE)
     y = model(x)
     assert y.dtype == torch.float32
@@ -60,12 +62,12 @@ def test_weight_only_mlp(precision, tol):
 
 def test_int4_keeps_layers_without_a_group_in_fp16():
     net = mlp(64, 100, 32)  # the second Linear has K=100: no group of 128/64/32 divides it
-    model, rep = quantize_module(net, "int4-weight", None, EAGER)
-    first, second = rep.layers
+    model = convert(net, WeightOnlyConfig(4))
+    first, second = model.quant_report.layers
     assert first.rule is Rule.QUANTIZED and first.precision == "int4-weight"
     assert second.rule is Rule.NO_INT4_GROUP and second.precision == "fp16" and "K=100" in second.reason
     assert isinstance(_inner(model)[2], nn.Linear) and _inner(model)[2].weight.dtype == torch.float16
-    assert rep.error == {} and rep.max_rel_error is None  # no calib: nothing measured
+    assert model.quant_report.error == {} and model.quant_report.max_rel_error is None  # no calib: nothing measured
     assert model(randn(2, 64, seed=3).to(DEVICE)).dtype == torch.float32
 
 
@@ -84,12 +86,12 @@ def _outlier_mlp() -> nn.Sequential:
 def test_budget_puts_the_outlier_layer_back_in_fp16(sensitivity):
     net = _outlier_mlp()
     calib = [randn(8, 48, seed=4).to(DEVICE), randn(8, 48, seed=5).to(DEVICE)]
-    free, rep0 = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, smooth=None))
+    rep0 = quantize(net, W8A8Config(calib=calib, smooth_alpha=None)).quant_report
     worst = max(rep0.layers, key=lambda d: d.sensitivity)
     assert worst.name == "2" and rep0.max_rel_error > 0.02
     budget = 0.01
-    model, rep = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, smooth=None, budget=budget,
-                                                                      sensitivity=sensitivity))
+    model = quantize(net, W8A8Config(calib=calib, smooth_alpha=None, budget=budget, sensitivity=sensitivity))
+    rep = model.quant_report
     rules = {d.name: d.rule for d in rep.layers}
     assert rules == {"0": Rule.QUANTIZED, "2": Rule.ERROR_BUDGET, "4": Rule.QUANTIZED}
     assert rep.layers[1].precision == "fp16" and "budget" in rep.layers[1].reason
@@ -104,11 +106,11 @@ def test_budget_puts_the_outlier_layer_back_in_fp16(sensitivity):
 def test_smoothing_fixes_the_outlier_layer_without_fallback():
     net = _outlier_mlp()
     calib = [randn(8, 48, seed=4).to(DEVICE)]
-    _, plain = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, smooth=None))
-    _, half = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, smooth=0.5))
+    plain = quantize(net, W8A8Config(calib=calib, smooth_alpha=None)).quant_report
+    half = quantize(net, W8A8Config(calib=calib, smooth_alpha=0.5)).quant_report
     assert half.smooth == 0.5 and "SmoothQuant alpha 0.5" in half.layers[0].reason and not half.smooth_search
     assert half.max_rel_error < plain.max_rel_error / 3
-    _, auto = quantize_module(net, "int8", calib, EAGER)  # smooth="auto": every alpha of the grid measured
+    auto = quantize(net, W8A8Config(calib=calib)).quant_report  # smooth_alpha="auto": every alpha of the grid
     assert set(auto.smooth_search) == set(SMOOTH_GRID)
     assert auto.smooth == min(auto.smooth_search, key=auto.smooth_search.get)
     assert auto.max_rel_error == pytest.approx(auto.smooth_search[auto.smooth])
@@ -119,7 +121,8 @@ def test_smoothing_fixes_the_outlier_layer_without_fallback():
 def test_static_int8_activations():
     net = mlp(40, 56, 24)
     calib = [randn(16, 40, seed=k).to(DEVICE) for k in range(2)]
-    model, rep = quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, activations="static"))
+    model = quantize(net, W8A8Config(calib=calib, activations="static"))
+    rep = model.quant_report
     assert rep.activations == "static" and all(m.mode == "static" for m in model.modules()
                                                if isinstance(m, Int8Linear))
     assert 0 < rep.max_rel_error < 3e-2
@@ -128,8 +131,8 @@ def test_static_int8_activations():
 def test_activations_auto_are_static_with_calibration_data_and_dynamic_without():
     net = mlp(40, 56, 24)
     calib = [randn(16, 40, seed=k).to(DEVICE) for k in range(2)]
-    with_data, rep = quantize_module(net, "int8", calib, EAGER)
-    without, rep0 = quantize_module(net, "int8", None, EAGER)
+    with_data, without = quantize(net, W8A8Config(calib=calib)), convert(net, W8A8Config())
+    rep, rep0 = with_data.quant_report, without.quant_report
     assert rep.activations == "static" and rep0.activations == "dynamic"
     assert {m.mode for m in with_data.modules() if isinstance(m, Int8Linear)} == {"static"}
     assert {m.mode for m in without.modules() if isinstance(m, Int8Linear)} == {"dynamic"}
@@ -139,9 +142,9 @@ def test_static_int8_scales_round_trip_through_save_and_load(tmp_path):
     """A model quantized with static activation scales, saved and loaded into one quantized from other calibration
     data: the loaded model carries the saved scales and computes what the saved one did."""
     net = mlp(40, 56, 24)
-    config = TorchQuantConfig(compile=False, activations="static", smooth=None)
-    saved, _ = quantize_module(net, "int8", [randn(16, 40, seed=k).to(DEVICE) for k in range(2)], config)
-    other, _ = quantize_module(net, "int8", [3.0 * randn(16, 40, seed=k).to(DEVICE) for k in (5, 6)], config)
+    saved = quantize(net, W8A8Config(calib=[randn(16, 40, seed=k).to(DEVICE) for k in range(2)], smooth_alpha=None))
+    other = quantize(net, W8A8Config(calib=[3.0 * randn(16, 40, seed=k).to(DEVICE) for k in (5, 6)],
+                                     smooth_alpha=None))
     scales = {n: m.act_scale.clone() for n, m in saved.named_modules() if isinstance(m, Int8Linear)}
     assert scales and all(not torch.equal(scales[n], m.act_scale) for n, m in other.named_modules()
                           if isinstance(m, Int8Linear))  # the calibrations differ: loading must change them
@@ -171,66 +174,39 @@ def test_shared_layer_and_multihead_attention():
     torch.manual_seed(0)
     net = Net().eval().to(DEVICE)
     x = randn(2, 5, 32, seed=6).to(DEVICE)
-    model, rep = quantize_module(net, "int8", [x], TorchQuantConfig(compile=False, exclude=("head",)))
-    rules = {d.name: d.rule for d in rep.layers}
+    model = quantize(net, W8A8Config(calib=[x], exclude=("head",)))
+    rules = {d.name: d.rule for d in model.quant_report.layers}
     assert rules == {"proj": Rule.QUANTIZED, "attn.out_proj": Rule.WEIGHT_READ_BY_PARENT, "head": Rule.EXCLUDED}
     assert model.inner.proj is model.inner.again and isinstance(model.inner.again, Int8Linear)
     assert rel_err(model(x), net(x)) < 3e-2
 
 
-def test_optimize_torch_returns_a_json_report():
-    import json
-    net = mlp(32, 32)
-    model, rep = optimize_torch(net, "int8", [randn(4, 32, seed=7).to(DEVICE)], budget=0.5,
-                                config=EAGER)
-    assert rep["budget"] == 0.5 and rep["layers"][0]["rule"] == "quantized" and rep["rules"] == {"quantized": 1}
-    json.dumps(rep)
-
-
 # ----------------------------------------------------------------------------------------------- errors
-def test_bad_arguments():
-    net = mlp(16, 8)
-    with pytest.raises(ValueError, match="precision must be one of"):
-        quantize_module(net, "int3", None, EAGER)
-    with pytest.raises(TypeError, match="nn.Module"):
-        quantize_module(lambda x: x, "int8")
-    with pytest.raises(TypeError, match="TorchQuantConfig"):
-        quantize_module(net, "int8", None, {"budget": 0.1})
-    with pytest.raises(ValueError, match="budget needs calibration data"):
-        quantize_module(net, "int8", None, TorchQuantConfig(budget=0.1))
-    with pytest.raises(ValueError, match="static int8 activations need calibration data"):
-        quantize_module(net, "int8", None, TorchQuantConfig(activations="static"))
-    with pytest.raises(ValueError, match="no nn.Linear"):
-        quantize_module(nn.Sequential(nn.LayerNorm(4)), "int8")
-    for bad in ({"activations": "per-channel"}, {"smooth": 2.0}, {"smooth": "best"}, {"budget": -1.0},
-                {"sensitivity": "random"}, {"dtype": torch.float32}):
-        with pytest.raises(ValueError):
-            TorchQuantConfig(**bad)
-
-
 def test_unsupported_device_is_named():
     net = nn.Linear(64, 32, device="meta")
     with pytest.raises(ValueError, match="is on meta"):
-        quantize_module(net, "int4-weight")
+        convert(net, WeightOnlyConfig(4))
 
 
 def test_calibration_batches_that_do_not_fit():
     net = mlp(16, 8)
     with pytest.raises(ValueError, match=r"calibration batch 1 \(3x17 float32\) does not fit the model"):
-        quantize_module(net, "int8", [randn(3, 16, seed=0).to(DEVICE), randn(3, 17, seed=1).to(DEVICE)], EAGER)
+        quantize(net, W8A8Config(calib=[randn(3, 16, seed=0).to(DEVICE), randn(3, 17, seed=1).to(DEVICE)]))
     with pytest.raises(ValueError, match="calibration batch 1 .* does not match batch 0"):
-        quantize_module(net, "int8", [randn(3, 16, seed=0), randn(2, 3, 16, seed=1)], EAGER)
+        quantize(net, W8A8Config(calib=[randn(3, 16, seed=0), randn(2, 3, 16, seed=1)]))
     with pytest.raises(ValueError, match="calib is empty"):
-        quantize_module(net, "int8", [], EAGER)
+        quantize(net, W8A8Config(calib=[]))
     with pytest.raises(TypeError, match="iterable of batches"):
-        quantize_module(net, "int8", randn(3, 16, seed=0), EAGER)
+        quantize(net, W8A8Config(calib=randn(3, 16, seed=0)))
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        quantize(nn.Sequential(nn.LayerNorm(4)), W8A8Config(calib=[randn(3, 4, seed=0).to(DEVICE)]))
 
 
 def test_budget_below_the_float_model_error():
     net = mlp(16, 16)
     calib = [randn(4, 16, seed=0).to(DEVICE)]
     with pytest.raises(ValueError, match="below the error of the model with every Linear in float"):
-        quantize_module(net, "int8", calib, TorchQuantConfig(compile=False, budget=1e-9))
+        quantize(net, W8A8Config(calib=calib, budget=1e-9))
 
 
 def test_cpu_without_interpreter_runs_the_torch_reference(monkeypatch):
@@ -239,7 +215,7 @@ def test_cpu_without_interpreter_runs_the_torch_reference(monkeypatch):
     from automp.kernels import ops
     net = mlp(64, 32).cpu()
     x = randn(3, 64, seed=1)
-    model, _ = quantize_module(net, "int4-weight", None, EAGER)
+    model = convert(net, WeightOnlyConfig(4))
     triton_out = model(x)
     monkeypatch.setattr(ops, "INTERPRET", False)
     assert not ops.use_triton(x)

@@ -1,98 +1,54 @@
-"""Convert a torch module for GPU inference: every nn.Linear on the int8/int4 kernels, the rest in fp16.
+"""Post-training quantization of a torch module: every nn.Linear on the int8/int4 kernels, the rest in fp16/bf16.
 
-    model, report = quantize_module(model, "int8", calib=[batch, ...], config=TorchQuantConfig(budget=0.02))
+    model = automp.quant.quantize(module, W8A8Config(calib=[batch, ...], budget=0.02))   # what runs this
+    model.quant_report                                                                # per-layer decisions, error
 
 Steps, all under no_grad on the module's device:
 1. calibration batches run through the FP32 module: reference outputs (the error metric's baseline), per-channel
    activation maxima for SmoothQuant, ranges for static int8 (automp.quant.observers), and each Linear's
    input, on which that Linear alone is quantized: its own relative output error, reported as its sensitivity.
 2. a deep copy goes to fp16 (LayerNorm, softmax, GELU run in fp16 as torch does them) and each Linear is swapped
-   for its quantized module, built from the FP32 weight.
-3. with a budget, the model's error vs FP32 (automp.deploy.runtime.compare: relative L2, worst output) is measured;
+   for its quantized module, built from the FP32 weight by automp.quant's handlers.
+3. with a budget, the model's error vs FP32 (automp.quant.ptq.compare: relative L2, worst output) is measured;
    while it is over the budget the most sensitive quantized layer goes back to fp16 (rule ERROR_BUDGET). "Most
    sensitive" is by default automp.quant.fallback's: the model error with only that layer quantized. The
    per-layer error of step 1 is the cheaper option, but a poor proxy: on all-MiniLM-L6-v2 (int8, budget 0.02) it
    needed 21 of 37 layers back in fp16 where the model-level ranking needed 8, because a layer's own error says
    little about how much the output depends on it.
-4. the result sits behind QuantizedModel (float32 in, float32 out) and, on CUDA, is compiled with CUDA graphs.
+4. the result sits behind QuantizedModel (float32 in, float32 out), with its QuantReport as `quant_report`; it is
+   not compiled (automp.deploy.quantized compiles it with CUDA graphs and times it).
 
-The FP32 module is not modified (its train/eval mode is restored).
+The FP32 module is not modified (its train/eval mode is restored): it stays the reference the result was measured
+against. Without calibration data (`convert` called directly, as automp.deploy.quantized does) the same layers are
+chosen and built, with dynamic int8 activations, and no error is measured.
 """
 from __future__ import annotations
 
 import copy
 import fnmatch
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from automp.deploy import runtime
-from automp.deploy.quantized import boundary, shared, speed
-from automp.deploy.quantized.compile import compile_module
-from automp.deploy.quantized.report import LayerDecision, QuantReport, Rule
-from automp.quant.api import W8A8Config, WeightOnlyConfig, quantize_layer
-from automp.quant.fallback import FallbackConfig, check_budget, fit_budget
-from automp.quant.int8 import GROUPS, int8_static_qparams, nbytes, smooth_factors, weight_group
+from automp.quant.api import FilterFn, W8A8Config, WeightOnlyConfig, check_ptq, quantize_layer, register_model_handler
+from automp.quant.archs import is_causal_lm
+from automp.quant.fallback import FallbackConfig, fit_budget
+from automp.quant.int8 import int8_static_qparams, nbytes, smooth_factors, weight_group
 from automp.quant.names import SHORT
-from automp.quant.observers import ObserverConfig, activation_qparams, make_observer
+from automp.quant.observers import activation_qparams, make_observer
+from automp.quant.ptq import boundary, shared
+from automp.quant.ptq.compare import Error, compare_all
+from automp.quant.ptq.report import LayerDecision, QuantReport, Rule
 
-PRECISIONS = ("int8", "int8-weight", "int4-weight")
+PTQConfig = W8A8Config | WeightOnlyConfig
 
 
-@dataclass
-class TorchQuantConfig:
-    """activations: int8 only - "static" (one scale per tensor from `observer` over the calibration data: the fast
-    form, see automp.deploy.quantized.requant), "dynamic" (per-row scales taken in the forward: no calibration
-    needed, a little more accurate, but the per-row scales cost a row reduction in every forward, which can make it
-    slower than fp16) or "auto" (static with calibration data, else dynamic).
-    dtype: compute dtype of everything not quantized. budget: max relative output error vs the FP32 module on the
-    calibration data (None: no fallback). exclude: fnmatch patterns of module names kept in float.
-    smooth: int8 only, with calib - SmoothQuant migration strength alpha in [0, 1], "auto" (each of SMOOTH_GRID
-    tried, the one with the smallest error vs FP32 on the calibration data kept; static per-tensor scales need
-    more migration than per-row ones: MiniLM's cosine to FP32 is 0.946 at 0.5 and 0.996 at 0.8) or None (off);
-    see Int8Linear.
-    group_size: weight-only - the largest group along K tried (128, 64 or 32; smaller is more accurate, more scales).
-    sensitivity: how the budget search ranks layers - automp.quant.fallback's "isolate" / "drop" (model output
-    error, one model run per layer over the calibration data) or "layer" (each layer's own output error, no extra
-    run; see the module docstring for why it is not the default).
-    max_calib_batches: calibration batches used (the rest of the iterable is not read). compile: torch.compile the
-    result with `compile_mode` on CUDA (eager on CPU). measure: on CUDA with calib, time the result against the
-    same module in `dtype`, built the same way, and report which is faster (see speed)."""
-    activations: str = "auto"
-    smooth: float | str | None = "auto"
-    sensitivity: str = "isolate"
-    group_size: int = 128
-    observer: ObserverConfig = field(default_factory=ObserverConfig)
-    dtype: torch.dtype = torch.float16
-    budget: float | None = None
-    exclude: tuple[str, ...] = ()
-    max_calib_batches: int = 8
-    compile: bool = True
-    compile_mode: str = "reduce-overhead"
-    measure: bool = True
-
-    def __post_init__(self) -> None:
-        if self.activations not in ("auto", "dynamic", "static"):
-            raise ValueError(f"activations must be 'auto', 'dynamic' or 'static', got {self.activations!r}")
-        if not isinstance(self.observer, ObserverConfig) or self.observer.axis is not None:
-            raise ValueError("observer must be an ObserverConfig with axis=None (static activations are per tensor)")
-        if self.dtype not in SHORT:
-            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
-        check_budget(self.budget)
-        if self.sensitivity not in ("layer", "isolate", "drop"):
-            raise ValueError(f"sensitivity must be 'layer', 'isolate' or 'drop', got {self.sensitivity!r}")
-        if self.group_size not in GROUPS:
-            raise ValueError(f"group_size must be one of {GROUPS}, got {self.group_size!r}")
-        if self.smooth is not None and self.smooth != "auto" and (
-                isinstance(self.smooth, str) or not 0.0 <= self.smooth <= 1.0):
-            raise ValueError(f"smooth (SmoothQuant alpha) must be in [0, 1], 'auto' or None, got {self.smooth!r}")
-        if self.max_calib_batches < 1:
-            raise ValueError(f"max_calib_batches must be >= 1, got {self.max_calib_batches}")
-        if isinstance(self.exclude, str):
-            raise TypeError("exclude must be a tuple of name patterns, not a string")
+def precision_of(config: PTQConfig) -> str:
+    """The report's name of what `config` builds: "int8" (W8A8), "int8-weight" or "int4-weight"."""
+    return "int8" if isinstance(config, W8A8Config) else f"int{config.bits}-weight"
 
 
 def _device(module: nn.Module) -> torch.device:
@@ -108,7 +64,7 @@ def _device(module: nn.Module) -> torch.device:
     return dev
 
 
-def _decide(module: nn.Module, precision: str, config: TorchQuantConfig) -> dict[str, tuple[nn.Linear, Rule | None]]:
+def _decide(module: nn.Module, precision: str, config: PTQConfig) -> dict[str, tuple[nn.Linear, Rule | None]]:
     """Every Linear (first name of each instance) and the rule keeping it in float, None if it can be quantized."""
     parents = dict(module.named_modules())
     out = {}
@@ -130,19 +86,18 @@ def _decide(module: nn.Module, precision: str, config: TorchQuantConfig) -> dict
     return out
 
 
-def _quantized_linear(linear: nn.Linear, precision: str, config: TorchQuantConfig,
+def _quantized_linear(linear: nn.Linear, precision: str, config: PTQConfig,
                       act: tuple[float, int] | None, smooth: torch.Tensor | None) -> nn.Module:
     """The layer automp.quant's handler builds for `precision` (int8 groups: the largest of 128/64/32 dividing K,
     else per channel)."""
     if precision == "int8":
         scheme = W8A8Config(static=None if act is None else {"": act}, smooth=None if smooth is None else {"": smooth})
     else:
-        scheme = WeightOnlyConfig(8 if precision == "int8-weight" else 4,
-                                  weight_group(linear.in_features, config.group_size), config.dtype)
+        scheme = WeightOnlyConfig(config.bits, weight_group(linear.in_features, config.group_size), config.dtype)
     return quantize_layer(linear, scheme)
 
 
-SMOOTH_GRID = (0.5, 0.65, 0.8, 0.9)  # SmoothQuant alphas smooth="auto" measures
+SMOOTH_GRID = (0.5, 0.65, 0.8, 0.9)  # SmoothQuant alphas smooth_alpha="auto" measures
 
 
 def _reference(module: nn.Module, calls: list[boundary.Call]) -> list[dict[str, torch.Tensor]]:
@@ -166,7 +121,7 @@ def _input_absmax(module: nn.Module, names: list[str], calls: list[boundary.Call
     return absmax
 
 
-def _static_ranges(module: nn.Module, names: list[str], calls: list[boundary.Call], config: TorchQuantConfig,
+def _static_ranges(module: nn.Module, names: list[str], calls: list[boundary.Call], config: W8A8Config,
                    smooth: dict[str, torch.Tensor]) -> dict[str, tuple[float, int]]:
     """Per-tensor int8 ranges by config.observer, on the activations as the layer quantizes them (smoothed)."""
     observers = {n: make_observer(copy.deepcopy(config.observer)) for n in names}
@@ -204,7 +159,7 @@ class _Swapper:
                  calls: list[boundary.Call], ref: dict) -> None:
         self.model, self.qmods, self.aliases, self.calls, self.ref = model, qmods, aliases, calls, ref
         self.fmods = {n: model.get_submodule(_path(n)) for n in qmods}
-        self.errors: dict[frozenset, dict[str, runtime.Error]] = {}
+        self.errors: dict[frozenset, dict[str, Error]] = {}
 
     def set_layers(self, qmods: dict[str, nn.Module]) -> None:
         """Measure with these quantized modules from now on (other SmoothQuant factors, same layers)."""
@@ -219,12 +174,12 @@ class _Swapper:
                 parent, _, child = _path(alias).rpartition(".")
                 setattr(self.model.get_submodule(parent), child, mod)
 
-    def errors_of(self, quantized: set[str]) -> dict[str, runtime.Error]:
+    def errors_of(self, quantized: set[str]) -> dict[str, Error]:
         key = frozenset(quantized)
         if key not in self.errors:
             self.use(quantized)
             got = [boundary.float_outputs(self.model(*a, **k)) for a, k in self.calls]
-            self.errors[key] = runtime.compare_all(boundary.stack_outputs(got), self.ref)
+            self.errors[key] = compare_all(boundary.stack_outputs(got), self.ref)
         return self.errors[key]
 
     def error(self, quantized: set[str]) -> float:
@@ -242,7 +197,7 @@ def _aliases(module: nn.Module) -> dict[int, list[str]]:
     return out
 
 
-def _fit_budget(swap: _Swapper, quantized: set[str], sens: dict[str, float], config: TorchQuantConfig,
+def _fit_budget(swap: _Swapper, quantized: set[str], sens: dict[str, float], config: PTQConfig,
                 steps: list[list]) -> tuple[list[str], dict[str, float]]:
     """Put layers back in float, most sensitive first, until the budget holds; returns them (in that order) and the
     model-level sensitivities when config.sensitivity asked automp.quant.fallback to measure them.
@@ -271,31 +226,42 @@ def _fit_budget(swap: _Swapper, quantized: set[str], sens: dict[str, float], con
     return kept, {}
 
 
-def _check_args(module: Any, precision: Any, config: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"quantize_module takes an nn.Module, got {type(module).__name__}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if not isinstance(config, TorchQuantConfig):
-        raise TypeError(f"config must be a TorchQuantConfig, got {type(config).__name__}")
+def takes(model: nn.Module, config: PTQConfig) -> bool:
+    """Whether automp.quant.quantize hands `model` to this pipeline: a config with calib, on any module but a causal
+    LM for a WeightOnlyConfig (automp.quant.causal_lm takes those, and AWQ's settings are only theirs)."""
+    if config.calib is None:
+        return False
+    return isinstance(config, W8A8Config) or not (config.whole_model or is_causal_lm(model))
 
 
-def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = None,
-                    config: TorchQuantConfig | None = None) -> tuple[nn.Module, QuantReport]:
-    """The converted module (float32 I/O, compiled on CUDA when config.compile) and its report.
+@register_model_handler(W8A8Config, takes)
+@register_model_handler(WeightOnlyConfig, takes)
+def quantize_ptq(model: nn.Module, config: PTQConfig, filter_fn: FilterFn | None = None) -> nn.Module:
+    """automp.quant.quantize's model handler for a config with calib: `convert`. The layers kept in float are named
+    by the config's exclude patterns (the report gives each its rule), not by a filter_fn."""
+    if filter_fn is not None:
+        raise ValueError(f"automp.quant.quantize: with calib, {type(config).__name__} names the layers kept in "
+                         "float by its exclude patterns; it takes no filter_fn")
+    return convert(model, config)
 
-    calib: batches, each what one call of `module` takes (tensor / tuple of args / dict of kwargs). Needed for
-    static int8 and for a budget; otherwise optional (then the error vs FP32 is not measured)."""
-    config = config if config is not None else TorchQuantConfig()
-    _check_args(module, precision, config)
+
+def convert(module: nn.Module, config: PTQConfig) -> boundary.QuantizedModel:
+    """A new model: `module` quantized as the module docstring says, float32 in and out, its QuantReport attached as
+    `quant_report`.
+
+    config.calib: batches, each what one call of `module` takes (tensor / tuple of args / dict of kwargs). Needed for
+    static int8 and for a budget; without it the error vs FP32 is not measured."""
+    precision = precision_of(config)
+    int8 = precision == "int8"
+    if int8 and (config.static is not None or config.smooth is not None):
+        raise ValueError("W8A8Config: static and smooth are per-layer values for quantize's layer swap; the PTQ "
+                         "pipeline calibrates its own")
+    if not int8:
+        check_ptq("WeightOnlyConfig", group_size=config.group_size)
     device = _device(module)
-    calls = boundary.calib_calls(calib, device, config.max_calib_batches)
-    if config.activations == "auto":
+    calls = boundary.calib_calls(config.calib, device, config.max_calib_batches)
+    if int8 and config.activations == "auto":
         config = replace(config, activations="static" if calls else "dynamic")
-    if precision == "int8" and config.activations == "static" and not calls:
-        raise ValueError("static int8 activations need calibration data (calib=[batch, ...])")
-    if config.budget is not None and not calls:
-        raise ValueError("an error budget needs calibration data to measure the error on (calib=[batch, ...])")
     decided = _decide(module, precision, config)
     names = [n for n, (_, rule) in decided.items() if rule is None]
     was_training = module.training
@@ -304,11 +270,11 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
         with torch.no_grad():
             # one GEMM for the layers that read one input: it pays once compiled (requant.dedupe merges the calls)
             groups = shared.input_groups(module, names, calls[0]) if (
-                precision == "int8" and config.compile and calls) else []
+                int8 and config.shared_gemm and calls) else []
             ref_outs = _reference(module, calls)
             absmax = _input_absmax(module, names, calls) if (
-                precision == "int8" and config.smooth is not None and calls) else {}
-            alphas = (SMOOTH_GRID if config.smooth == "auto" else (config.smooth,)) if absmax else (None,)
+                int8 and config.smooth_alpha is not None and calls) else {}
+            alphas = (SMOOTH_GRID if config.smooth_alpha == "auto" else (config.smooth_alpha,)) if absmax else (None,)
             qmods = _layers(module, names, decided, calls, precision, config, alphas[0], absmax, groups)
             io_dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             # inference only: the custom ops have no backward, and no_grad need not be the caller's job
@@ -333,8 +299,8 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     finally:
         module.train(was_training)
 
-    smoothed = precision == "int8" and any(getattr(q, "inv_smooth", None) is not None for q in qmods.values())
-    report = QuantReport(precision, config.activations if precision == "int8" else None, SHORT[config.dtype],
+    smoothed = int8 and any(getattr(q, "inv_smooth", None) is not None for q in qmods.values())
+    report = QuantReport(precision, config.activations if int8 else None, SHORT[config.dtype],
                          str(device), config.budget, smooth=alpha if smoothed else None,
                          smooth_search=smooth_errors, error=errors,
                          fallback_steps=steps, sensitivity=config.sensitivity, fallback_sensitivity=model_sens,
@@ -348,18 +314,12 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
             rule or Rule.QUANTIZED, _reason(rule, precision, config, lin, alpha if smoothed else None),
             getattr(qmods.get(name), "group", None), sens.get(name),
             next((g for g in groups if name in g), ()) if rule is None else ()))
-    def build(m: nn.Module) -> nn.Module:
-        return compile_module(m, config.compile_mode) if config.compile else m
-
-    out = build(model)
-    why = speed.skipped_because(device, calls, config.measure)
-    report.speed = (speed.SpeedCheck(skipped=why) if why else
-                    speed.check(out, module, config.dtype, io_dtype, calls[0], build)).to_dict()
-    return out, report
+    model.quant_report = report
+    return model
 
 
 def _layers(module: nn.Module, names: list[str], decided: dict, calls: list[boundary.Call], precision: str,
-            config: TorchQuantConfig, alpha: float | None, absmax: dict[str, torch.Tensor],
+            config: PTQConfig, alpha: float | None, absmax: dict[str, torch.Tensor],
             groups: list[tuple[str, ...]]) -> dict[str, nn.Module]:
     """The quantized module of every candidate layer, smoothed with `alpha` (None: not smoothed); the layers of a
     group are slices of one shared layer, with factors over their concatenated weights (see shared)."""
@@ -394,7 +354,7 @@ def _choose_smoothing(swap: _Swapper, alphas: tuple, build: Callable[[float], di
     return best[0], errors, best[1]
 
 
-def _reason(rule: Rule | None, precision: str, config: TorchQuantConfig, lin: nn.Linear,
+def _reason(rule: Rule | None, precision: str, config: PTQConfig, lin: nn.Linear,
             alpha: float | None) -> str:
     if rule is None:
         if precision == "int8":

@@ -1,4 +1,5 @@
-"""Shared by the tests of automp.deploy.quantized (a plain module: conftest files are not meant to be imported)."""
+"""Seeded torch models and inputs shared by the tests of automp.quant's torch layers, of its PTQ pipeline and of
+automp.deploy.quantized (a plain module: conftest files are not meant to be imported)."""
 from __future__ import annotations
 
 import torch
