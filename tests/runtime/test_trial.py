@@ -481,11 +481,15 @@ def test_the_verdict_names_the_candidate_that_raised_the_peak_memory():
     assert "peaks_gib" not in Verdict(Route.FP32, "", {}, rule=MEASURED).as_dict()  # off CUDA: nothing reported
 
 
-def test_the_verdict_carries_each_paths_largest_host_share():
+def test_the_verdict_carries_each_paths_host_share_per_sample():
     host = {Route.COMPILED_AUTOCAST: 0.002, Route.EAGER_LOW: 0.006}
     device = {Route.COMPILED_AUTOCAST: 0.010, Route.EAGER_LOW: 0.008}
     clock = Device(host, device)
     trial = Trial(list(host), TrialConfig(), clock, clock.sync)
     while trial.verdict is None:
         clock.run(trial)
-    assert trial.verdict.host_shares == pytest.approx({Route.COMPILED_AUTOCAST.value: 0.2, Route.EAGER_LOW.value: 0.75})
+    shares = trial.verdict.host_shares
+    assert set(shares) == {Route.COMPILED_AUTOCAST.value, Route.EAGER_LOW.value}
+    assert len(shares[Route.COMPILED_AUTOCAST.value]) == len(trial.samples[Route.COMPILED_AUTOCAST])
+    assert shares[Route.COMPILED_AUTOCAST.value] == pytest.approx([0.2] * len(shares[Route.COMPILED_AUTOCAST.value]))
+    assert shares[Route.EAGER_LOW.value] == pytest.approx([0.75] * len(shares[Route.EAGER_LOW.value]))

@@ -101,8 +101,9 @@ class Verdict:
     # on CUDA, by path value: the device's peak allocated GiB that path rose to during the trial, where it raised it
     # (Trial.peaks); reported, so a trial whose peak is above the script's own names the candidate that set it
     peaks_gib: dict[str, float] = field(default_factory=dict)
-    # by path value: the largest share of a timed sample the host took to issue it (Trial.launch_bound); reported
-    host_shares: dict[str, float] = field(default_factory=dict)
+    # by path value, per timed sample in order: the share of it the host took to issue it (Trial.launch_bound judges
+    # by the largest); reported, so a rule that did not fire shows which samples kept it from firing
+    host_shares: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path.value, "rule": self.rule, "reason": self.reason, "timings_ms": self.timings_ms,

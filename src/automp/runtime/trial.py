@@ -333,7 +333,7 @@ class Trial:
         self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings, rule=rule,
                                confirmed=inc is not None, bounds=dict(self.bounds),
                                peaks_gib={k: round(v / 2**30, 3) for k, v in self.peaks.items()},
-                               host_shares={p.value: round(max(v), 3) for p, v in self.host_shares.items() if v})
+                               host_shares={p.value: [round(x, 3) for x in v] for p, v in self.host_shares.items()})
 
     def _within(self, kept: Route, winner: Route, timings: dict[str, float], margin: float) -> bool:
         """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""

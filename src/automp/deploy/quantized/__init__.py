@@ -30,11 +30,11 @@ import torch.nn as nn
 
 from automp.deploy.quantized import speed
 from automp.deploy.quantized.compile import compile_module, graph_breaks
-from automp.quant import Int8Linear, W8A8Config, WeightOnlyConfig, WeightOnlyLinear, ptq, quantize
+from automp.quant import W8A8Config, WeightOnlyConfig, ptq, quantize
 from automp.quant.api import check_ptq
 from automp.quant.names import PRECISIONS, SCHEMES
 from automp.quant.observers import ObserverConfig
-from automp.quant.ptq import LayerDecision, QuantReport, Rule, boundary
+from automp.quant.ptq import QuantReport, boundary
 
 
 @dataclass
@@ -137,5 +137,4 @@ def optimize_torch(module: nn.Module, precision: str, calib: Iterable | None = N
     return model, report.to_dict()
 
 
-__all__ = ["quantize_module", "optimize_torch", "TorchQuantConfig", "PRECISIONS", "QuantReport", "LayerDecision",
-           "Rule", "Int8Linear", "WeightOnlyLinear", "compile_module", "graph_breaks", "speed"]
+__all__ = ["quantize_module", "optimize_torch", "TorchQuantConfig", "compile_module", "graph_breaks", "speed"]
