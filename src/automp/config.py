@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path as FsPath
 from typing import Any, Mapping
 
-VERSION = "0.3.7"  # the package's version (automp.__version__), here so that any layer can key a cache by it
+VERSION = "0.3.8"  # the package's version (automp.__version__), here so that any layer can key a cache by it
 
 DTYPES = {"auto": "auto", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
           "fp8": "fp8", "float8": "fp8"}

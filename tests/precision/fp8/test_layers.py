@@ -188,3 +188,28 @@ def test_fp8_weight_is_cast_as_is_and_reads_dequantized_elsewhere() -> None:
                                                                                      w8.view(torch.uint8))
     with pytest.raises(RuntimeError, match="all-gathers in FP8"):
         fw.add_(1)
+
+
+@needs_scaled_mm
+def test_only_the_forward_gemm_accumulates_fast(monkeypatch) -> None:
+    """torchao's and Transformer Engine's split: the forward GEMM in the tensor cores' fast accumulation, the two
+    backward GEMMs in full precision; and the device table times the GEMMs as the layers run them (a table timed
+    otherwise predicts another gain than the step gets). Recorded at torch._scaled_mm: on the CPU both modes give
+    the same numbers, so only the flags can tell."""
+    from automp.precision.fp8 import table as fp8_table
+    seen: list[bool] = []
+    real = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    fp8.fp8_linear(x, w, None, "tensorwise").backward(torch.randn(32, 48))
+    assert seen == [True, False, False]  # forward, then grad_input and grad_weight
+    seen.clear()
+    shape = fp8_table.GemmShape(32, 48, 64)
+    fp8_table.run_fp8(fp8_table.fp8_operands(shape, "tensorwise", "cpu"))
+    assert seen == [True, False, False]

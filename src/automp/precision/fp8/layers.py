@@ -150,16 +150,23 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+# The forward GEMM accumulates in the tensor cores' fast mode, the two backward GEMMs in full precision: torchao's
+# float8 training (its default for every recipe) and Transformer Engine do the same. The forward's error is that of
+# the FP8 operands, which a few low bits of the sum do not change; the weight gradient sums over every token of the
+# batch, where they would. Without it the forward GEMMs were the part of the FP8 step still slower than torchao's.
+FORWARD_FAST_ACCUM = True
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-        out_dtype: torch.dtype) -> torch.Tensor:
+        out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """a @ b on FP8 operands, dequantized by the inverse scales into `out_dtype`. Per-row scales (2-D) produce bf16,
-    the one output cuBLAS gives row-wise scaling on Hopper, converted after.
+    the one output cuBLAS gives row-wise scaling on Hopper, converted after. fast_accum: FORWARD_FAST_ACCUM says when.
 
     b is always laid out column-major by an explicit copy (a no-op on one that already is), never by testing its
     strides first: under torch.compile such a test is decided on the traced tensor, whose layout Inductor may change."""
     rowwise = scale_a.dim() == 2
     y = torch._scaled_mm(a.contiguous(), col_major(b), scale_a=scale_a, scale_b=scale_b.contiguous(),
-                         out_dtype=torch.bfloat16 if rowwise else out_dtype)
+                         out_dtype=torch.bfloat16 if rowwise else out_dtype, use_fast_accum=fast_accum)
     # no `.to()` to the dtype it already has: that returns y itself, and a Function output aliasing its own
     # intermediate was given all-zero gradients by torch 2.11's compiled backward (eager and 2.13 were right)
     return y if y.dtype == out_dtype else y.to(out_dtype)
@@ -176,11 +183,11 @@ class _Fp8Matmul(torch.autograd.Function):
             x8, sx = cast(x, E4M3)
             w8, sw = cast(w, E4M3)
             ctx.save_for_backward(x8, sx, w8, sw)
-            return _mm(x8, w8.t(), sx, sw, out_dtype)
+            return _mm(x8, w8.t(), sx, sw, out_dtype, FORWARD_FAST_ACCUM)
         x8, sx = cast(x, E4M3, dim=1)  # per row of x: (m, 1)
         w8, sw = cast(w, E4M3, dim=1)  # per output channel: (n, 1)
         ctx.save_for_backward(x, w)
-        return _mm(x8, w8.t(), sx, sw.t(), out_dtype)
+        return _mm(x8, w8.t(), sx, sw.t(), out_dtype, FORWARD_FAST_ACCUM)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
