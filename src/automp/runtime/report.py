@@ -269,8 +269,9 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
         console.print(f"[cyan]{e(s['setting'])}[/cyan] = {e(s['value'])}: {e(s['reason'])}")
     for module, u in report.get("unread_outputs", {}).items():
         if u.get("detached"):
+            how = " (guessed before any call was seen: a language model given labels)" if u.get("guessed") else ""
             console.print(f"[cyan]{e(module)}[/cyan]: output fields the script does not read are detached in its "
-                          f"compiled graphs (no zero gradient of their size): {e(', '.join(u['detached']))}")
+                          f"compiled graphs (no zero gradient of their size){how}: {e(', '.join(u['detached']))}")
         if u.get("reattached"):
             console.print(f"[cyan]{e(module)}[/cyan]: {e(u['reattached'])}")
     for module, fp8 in (report.get("fp8") or {}).items():

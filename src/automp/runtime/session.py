@@ -48,7 +48,7 @@ from automp.runtime.tuning.conv_tuning import ConvTuning
 from automp.runtime.tuning.fused_optimizers import OptimizerFuser
 from automp.runtime.tuning.weight_casts import SharedCasts
 from automp.runtime.guards.memory_budget import DeviceMemory, cuda_memory
-from automp.runtime.guards.unread_outputs import FieldWatch
+from automp.runtime.guards.unread_outputs import FieldWatch, guess_unread
 from automp.runtime.verdicts import VerdictCache, module_key
 from automp.scaling import Scaling
 from automp.world import distributed
@@ -275,7 +275,7 @@ class Session:
                 return self._deliver(root, root.trial.counted(module, forward) if root.trial else forward(), None)
             compiled = built(root, path)
             if compiled is None:
-                self._before_compile(root)
+                self._before_compile(root, module, kwargs)
                 compiled = (self._compile(module, root) if path is Route.COMPILED else
                             compiled_paths.stock(module, root, graphs=path in GRAPHED_PATHS, fp8=path in FP8_PATHS,
                                                  rewrite=compiled_paths.rewrites(self.config, self.recorder, root.label)))
@@ -410,11 +410,12 @@ class Session:
         n = self.labels[name] = self.labels.get(name, 0) + 1
         return name if n == 1 else f"{name}#{n}"
 
-    def _before_compile(self, root: Root) -> None:
+    def _before_compile(self, root: Root, module: nn.Module, kwargs: dict) -> None:
         """At the first compilation, not at install: transformers adds its log-once methods when the script imports
-        it, after automp was enabled. The fields to detach are fixed here, from the calls seen so far."""
-        if root.fields.decide():
-            self.recorder.unread_outputs[root.label] = {"detached": list(root.fields.detach)}
+        it, after automp was enabled. The fields to detach are fixed here (automp.runtime.guards.unread_outputs)."""
+        if root.fields.decide(guess_unread(module, kwargs)):
+            self.recorder.unread_outputs[root.label] = {"detached": list(root.fields.detach),
+                                                        **({"guessed": True} if root.fields.guessed else {})}
         if not self._logging_undo:
             self._undo.append(ignore_once_logging())
             self._logging_undo = True

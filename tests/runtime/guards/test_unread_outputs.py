@@ -204,3 +204,68 @@ def test_a_later_run_detaches_from_its_first_call_what_the_measured_run_learned(
     second = automp.disable()
     assert second["choices"][0]["cached"] and seen[0] is True
     assert second["unread_outputs"] == {"TinyLM": {"detached": ["logits"]}}
+
+
+class HeadLM(TinyLM):
+    """TinyLM as transformers' language models present themselves: an output layer, labels by keyword."""
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids, labels=None):
+        return super().forward(ids, labels)
+
+
+class Classifier(HeadLM):
+    def get_output_embeddings(self):  # transformers' sequence classifiers have none
+        return None
+
+
+def test_a_language_model_given_labels_has_its_logits_guessed_unread():
+    from automp.runtime.guards.unread_outputs import guess_unread
+    ids, labels = _batch(0)
+    assert guess_unread(HeadLM(), {"labels": labels}) == ("logits",)
+    assert guess_unread(HeadLM(), {}) == () and guess_unread(HeadLM(), {"labels": None}) == ()
+    assert guess_unread(Classifier(), {"labels": labels}) == () and guess_unread(TinyLM(), {"labels": labels}) == ()
+    fields = FieldReads()
+    assert fields.decide(("logits",)) == ("logits",) and fields.guessed
+    seen = FieldReads(seen={"loss", "logits"}, read={"loss", "logits"})
+    assert seen.decide(("logits",)) == () and not seen.guessed  # what calls showed wins over the guess
+
+
+def _train_kw(model, steps, read_logits_at=None):
+    """_train with labels by keyword, reading the logits into the loss (before backward) at one step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for step in range(steps):
+        ids, labels = _batch(step)
+        opt.zero_grad()
+        out = model(ids, labels=labels)
+        loss = out.loss if step != read_logits_at else out.loss + 0.1 * out.logits.float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        if step == read_logits_at:
+            grads = _grads(model).clone()
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("read_at", [None, 0])
+def test_a_compiled_first_call_detaches_the_guessed_logits_and_a_read_brings_them_back(monkeypatch, read_at):
+    """The GPU trial's order (the compiled path first, no call seen before it compiles), on automp's pass run op by
+    op: the first compiled call already detaches the logits; a script whose loss reads them gets their gradient."""
+    torch.manual_seed(0)
+    model, ref_model = HeadLM(), HeadLM()
+    ref_model.load_state_dict(model.state_dict())
+    ref_losses, ref_grads = _train_kw(ref_model, 3, read_logits_at=read_at)
+    automp.enable(dtype="bf16", inner="eager", spec="h100", path="compile")
+    seen = _spy_detaching(monkeypatch)
+    losses, grads = _train_kw(model, 3, read_logits_at=read_at)
+    rep = automp.disable()
+    assert seen[0] is True
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 2e-2  # bf16 matmuls
+    if read_at is None:
+        assert seen == [True] * 3 and rep["unread_outputs"]["HeadLM"] == {"detached": ["logits"], "guessed": True}
+    else:  # the read re-ran call 0 attached; from then on nothing is detached
+        assert seen[1:] == [False] * 3 and (grads - ref_grads).norm() / ref_grads.norm() < 3e-2
+        assert rep["unread_outputs"]["HeadLM"]["detached"] == []

@@ -10,8 +10,10 @@ Which fields: the tensors that required grad in the module's outputs and were no
 (automp.runtime.outputs sees every read of a ModelOutput field: attribute, key, to_tuple, values, ...) in the calls
 before the module's first compilation, i.e. the trial's eager steps. Decided once per module, at its first compilation,
 and cached with the trial's verdict, so a later run of the same script detaches the same fields from its first call.
-With a forced path and no cached verdict, nothing has been seen and nothing is detached (a second compilation to detach
-later would cost more than it saves in a short run).
+Where the first compilation comes before any call was seen (a GPU trial starts on the compiled path the hand-written
+loop runs; a forced path), a language model given `labels` has its `logits` detached on a guess (`guess_unread`): the
+loss is its output, and its logits are the largest tensor of the step. Guessed wrong, the read below brings them back.
+Otherwise nothing is detached (a second compilation to detach later would cost more than it saves in a short run).
 
 Never a missing gradient: a detached field read before the backward of its call has run may feed a loss. Such a
 read re-runs the call with every field attached (the compiled function is guarded on the detached names, so it
@@ -37,17 +39,20 @@ class FieldReads:
     read: set[str] = field(default_factory=set)
     detach: tuple[str, ...] = ()
     decided: bool = False
+    guessed: bool = False  # detach came from guess_unread, before any call was seen
     reattached: str | None = None  # why detaching stopped, for the report
     on_reattach: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, out: Any) -> None:
         self.seen.update(k for k, v in dict.items(out) if isinstance(v, torch.Tensor) and v.requires_grad)
 
-    def decide(self) -> tuple[str, ...]:
-        """The fields to detach, fixed at the first call (the module's first compilation)."""
+    def decide(self, guess: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The fields to detach, fixed at the module's first compilation: the unread ones among those seen, or
+        `guess` where no call was seen yet."""
         if not self.decided:
             self.decided = True
-            self.detach = tuple(sorted(self.seen - self.read))
+            self.guessed = not self.seen and bool(guess)
+            self.detach = tuple(sorted(self.seen - self.read)) if self.seen else tuple(guess)
         return self.detach
 
     def reattach(self, name: str) -> None:
@@ -56,6 +61,19 @@ class FieldReads:
                            f"its backward: that call ran again with every field attached, and does from now on")
         if self.on_reattach is not None:
             self.on_reattach(self.reattached)
+
+
+def guess_unread(module: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """The fields a first call's outputs are guessed not to be read by: ("logits",) for a transformers model with an
+    output layer (get_output_embeddings: causal and masked LMs) called with tensor `labels`, so that it computes its
+    loss itself; else none. A classifier's logits are small and often read for metrics: not guessed."""
+    head = getattr(module, "get_output_embeddings", None)
+    if not isinstance(kwargs.get("labels"), torch.Tensor) or not callable(head):
+        return ()
+    try:
+        return ("logits",) if isinstance(head(), torch.nn.Module) else ()
+    except (AttributeError, NotImplementedError, TypeError):
+        return ()
 
 
 def detach_unread(out: Any, fields: FieldReads | None) -> Any:
