@@ -86,12 +86,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from automp.runtime.report import NotAReport, print_saved_report
+    from automp.runtime.report import NotAReport, load_saved_report, print_report
     try:
-        print_saved_report(args.path, show_nodes=args.nodes)
+        report = load_saved_report(args.path)
     except NotAReport as e:  # the file named on the command line is the problem: a usage error
         print(f"automp report: {e}", file=sys.stderr)
         return 2
+    if args.plot is not None:  # an output it cannot write is said before the report is printed, in one line
+        from automp.files import check_outputs
+        try:
+            check_outputs({"--plot": args.plot}, {"the report": args.path})
+        except (OSError, ValueError) as e:
+            print(f"automp report: {e}", file=sys.stderr)
+            return 2
+    print_report(report, show_nodes=args.nodes)
+    if args.plot is not None:
+        from automp.runtime.report_plot import pixel_size, save_plot
+        try:
+            save_plot(report, args.plot)
+        except OSError as e:  # the disk filled or the folder went away since the check: nothing was moved in place
+            print(f"automp report: cannot write --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        width, height = pixel_size(report)
+        print(f"automp report: wrote {args.plot} ({width} x {height} pixels)")
     return 0
 
 
@@ -158,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="print a saved precision report")
     p.add_argument("path", help="the report JSON written by `automp run --report` or `automp demo`")
     p.add_argument("--nodes", action="store_true", help="list every node, not only the summary")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="also draw the decisions as a PNG here: each module's candidate step times and, under FP8, "
+                        "every layer's predicted gain against its measured error with the thresholds")
     p.set_defaults(func=_cmd_report)
 
     suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "fp8", "fp8_parity",
