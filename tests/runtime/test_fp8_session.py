@@ -72,6 +72,8 @@ def test_forced_fp8_path_runs_the_chosen_layers_in_fp8_and_reports_each(fp8_devi
     assert {n: c["rule"] for n, c in layers.items()} == {"0": fp8_choice.NO_GAIN, "2": fp8_choice.FP8,
                                                          "4": fp8_choice.FP8}
     assert layers["2"]["shape"] == [48, 64, 128] and 0 < layers["2"]["measured_error"] < fp8_choice.MAX_ERROR
+    entry = report["fp8"]["Sequential"]  # the lines each layer was judged against, for `automp report --plot`
+    assert (entry["min_gain"], entry["max_error"]) == (fp8_choice.MIN_GAIN, fp8_choice.MAX_ERROR)
     assert report["choices"][0]["path"] == Route.FP8_COMPILED.value
     assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Linear", "GELU", "Linear"]
     assert sorted(model.state_dict()) == keys

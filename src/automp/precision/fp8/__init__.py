@@ -44,7 +44,9 @@ class Conversion:
         """The report's FP8 entry for this module."""
         out: dict[str, Any] = {"recipe": self.recipe, "fp8_layers": len(self.installed),
                                "layers_seen": len(self.choices), "rules": choice.summary(self.choices),
-                               "layers": {n: c.as_dict() for n, c in self.choices.items()}}
+                               "layers": {n: c.as_dict() for n, c in self.choices.items()},
+                               # the lines each layer was judged against (automp report --plot draws them)
+                               "min_gain": choice.MIN_GAIN, "max_error": choice.MAX_ERROR}
         if self.all_gather is not None:
             out["all_gather"] = {"rules": self.all_gather.summary(), "why": dict(self.all_gather.why)}
         return out
