@@ -1,0 +1,74 @@
+"""automp inside a Lightning Trainer: one precision plugin instead of `precision="bf16-mixed"`.
+
+    trainer = lightning.pytorch.Trainer(plugins=[automp.integrations.lightning.AutoMP(dtype="fp8")])
+    trainer.fit(model)   # the report lands in trainer.log_dir; the summary line goes to Lightning's log
+
+Why a precision plugin: Lightning users choose precision there, and the plugin owns the hooks that bracket the
+training steps. Lightning's own precision stays "32-true" underneath (the plugin is one, so Lightning itself refuses
+`precision=...` beside it in one line). automp is enabled when the first training step begins, so the sanity check's
+validation steps before it run as written, and disabled at the plugin's teardown, at the end of `fit`, which writes
+the report and undoes every patch. A LightningModule's `training_step` calls its networks itself: each network
+called from it is one of automp's root modules, timed and chosen as in a plain loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import weakref
+from typing import Any, Iterator
+
+import torch.nn as nn
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+import automp
+from automp.config import AutoMPConfig
+
+REPORT_NAME = "automp-report.json"
+
+
+class AutoMP(Precision):
+    """automp for the training steps of one `fit`. `config` and keyword `overrides` as for automp.enable (e.g.
+    `AutoMP(dtype="fp8")`); the report goes to `config.report`, else the Trainer's log_dir."""
+
+    precision = "32-true"  # what Lightning runs underneath, and shows
+
+    def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
+        super().__init__()
+        self.config = automp._config(config, overrides)  # a bad field fails here, where the user wrote it
+        self.report: dict[str, Any] | None = None  # the last fit's report, once it has ended
+        self._trainer: Any = None  # weakly: the plugin must not keep a finished Trainer alive
+        self._on = False
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        trainer = getattr(module, "_trainer", None)  # set once the Trainer holds the LightningModule
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
+        return module
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Iterator[None]:
+        if not self._on:
+            self._enable()
+        yield
+
+    def _enable(self) -> None:
+        if automp.is_enabled():
+            raise RuntimeError("automp.integrations.lightning.AutoMP: automp is already enabled (`automp run`, or "
+                               "enable() in the script); use one of them, not both")
+        config = self.config
+        if config.report is None:
+            trainer = self._trainer() if self._trainer is not None else None
+            where = (getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", None)
+                     or os.getcwd()) if trainer is not None else os.getcwd()
+            config = dataclasses.replace(config, report=os.path.join(where, REPORT_NAME))
+        automp.enable(config)
+        self._on = True
+
+    def teardown(self) -> None:
+        if self._on:
+            from automp.launcher import summary
+            self._on = False
+            self.report = automp.disable()  # writes the report
+            rank_zero_info(summary(self.report, self.config))
+        super().teardown()

@@ -1,0 +1,91 @@
+"""The AutoMP precision plugin in a Lightning Trainer: the same losses as the same script under `automp run`, the
+report in the Trainer's log_dir, every patch undone after fit(), and Lightning's own precision beside it refused."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.nn as nn
+
+pytest.importorskip("lightning")
+
+import automp  # noqa: E402
+from automp.integrations.lightning import REPORT_NAME, AutoMP  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The script both runs share: an MLP regression in a LightningModule, 8 steps, the per-step losses printed as JSON.
+# Low precision eager is forced on both sides (the CPU trial would pick a path by timing).
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    import torch.nn as nn
+    import lightning.pytorch as pl
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+            self.losses = []
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(float(loss.detach()))
+            return loss
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def fit(root, plugins=(), **trainer_args):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 16, generator=g)
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+        model = Regression()
+        trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, default_root_dir=root, logger=True,
+                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                             plugins=list(plugins), **trainer_args)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+        return model.losses, trainer
+
+    if __name__ == "__main__":
+        print("LOSSES " + json.dumps(fit(sys.argv[1])[0]))
+''')
+
+
+def _script(tmp_path):
+    import importlib
+    path = tmp_path / "fit_tiny.py"
+    path.write_text(SCRIPT)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return path, importlib.import_module("fit_tiny")
+    finally:
+        sys.path.pop(0)
+
+
+def test_the_plugin_trains_as_automp_run_does_and_undoes_every_patch(tmp_path):
+    path, tiny = _script(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-m", "automp", "run", "--dtype", "bf16", "--path", "eager", str(path),
+                          str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    want = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("LOSSES "))[7:])
+
+    call = nn.Module.__call__
+    plugin = AutoMP(dtype="bf16", path="eager")
+    got, trainer = tiny.fit(str(tmp_path / "plugin"), plugins=[plugin])
+    assert len(got) == len(want) == 8
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-3  # the same ops in the same order
+    assert not automp.is_enabled() and nn.Module.__call__ is call  # every patch undone after fit()
+    saved = json.loads(open(os.path.join(trainer.log_dir, REPORT_NAME)).read())
+    assert [c["module"] for c in saved["choices"]] == ["Sequential"] and saved["dtype"] == "bfloat16"
+    assert plugin.report["choices"][0]["path"] == "low-precision-eager"
+
+
+def test_lightnings_own_precision_beside_the_plugin_is_refused(tmp_path):
+    _, tiny = _script(tmp_path)
+    with pytest.raises(ValueError, match="precision=bf16-mixed"):
+        tiny.fit(str(tmp_path / "x"), plugins=[AutoMP()], precision="bf16-mixed")
+    assert not automp.is_enabled()
