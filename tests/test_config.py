@@ -191,3 +191,12 @@ def test_causal_attention_is_on_unless_switched_off_on_the_command_line():
     assert AutoMPConfig.from_cli(parse(["run", "--no-causal-attention", "s.py"]), {}).causal_attention is False
     with pytest.raises(ValueError, match="causal_attention must be True or False"):
         AutoMPConfig(causal_attention="yes")
+
+
+def test_quiet_is_off_unless_asked_for_on_the_command_line():
+    from automp.cli import build_parser
+    assert AutoMPConfig().quiet is False
+    assert AutoMPConfig.from_cli(build_parser().parse_args(["run", "--quiet", "s.py"]), {}).quiet is True
+    assert AutoMPConfig.from_cli(build_parser().parse_args(["run", "s.py"]), {}).quiet is False
+    with pytest.raises(TypeError, match="quiet must be"):
+        AutoMPConfig(quiet="yes")

@@ -30,7 +30,7 @@ ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR
                "AUTOMP_FUSE_SIBLINGS": "fuse_siblings", "AUTOMP_FUSE_LINEAR_CE": "fuse_linear_ce", "RANK": "rank",
                "WORLD_SIZE": "world_size"}
 _FLAGS = ("fp8_output", "fp8_all_gather", "fuse_siblings", "fuse_linear_ce", "causal_attention", "fuse_optimizers",
-          "tune_cudnn", "tune_layout", "cuda_graphs", "debug")
+          "tune_cudnn", "tune_layout", "cuda_graphs", "quiet", "debug")
 
 
 class FieldError(ValueError, TypeError):
@@ -88,6 +88,8 @@ class AutoMPConfig:
     the script's layout, and keep the faster (automp.runtime.tuning.conv_layout); parameters keep their layout.
     cuda_graphs: on CUDA, let the trial time autocast-compiled's graphs replayed as CUDA graphs (Route.GRAPHED); off
     for a script that needs the memory their pool takes.
+    quiet: no live status line on the terminal while a trial runs (automp.runtime.progress); the summary at exit
+    and the notices stay. Without a terminal on stderr there is none anyway.
     debug: print the tracebacks of graphs that fell back to FP32 (they are always listed in the report).
     rank, world_size: this process's place under torchrun (RANK, WORLD_SIZE), for per-rank report files."""
 
@@ -109,6 +111,7 @@ class AutoMPConfig:
     tune_cudnn: bool = True
     tune_layout: bool = True
     cuda_graphs: bool = True
+    quiet: bool = False
     debug: bool = False
     rank: int = 0
     world_size: int = 1

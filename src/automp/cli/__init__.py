@@ -64,6 +64,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="never replay the compiled graphs as CUDA graphs (default: time them in the trial, for a "
                         "single module on CUDA; they take a memory pool of their own)")
+    p.add_argument("--quiet", dest="quiet", action="store_true", default=None,
+                   help="no live status line on the terminal while the first iterations time the candidate paths "
+                        "(the summary at exit stays)")
 
 
 _positive_int = int_at_least(1)  # a bad count is a usage error, not a traceback from the training loop

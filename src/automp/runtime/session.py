@@ -34,6 +34,7 @@ from automp.runtime.guards.oom import oom_cause
 from automp.runtime.fp8_layers import Fp8Layers
 from automp.runtime.guards.graph_breaks import graph_breaks, report_graph_breaks
 from automp.runtime.guards.once_logging import ignore_once_logging
+from automp.runtime.progress import trial_status
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.runtime.paths import BUILT, CalibratedCandidates, Candidates, Root, RootPaths, as_written, built
 from automp.runtime.report import Recorder, dtype_name
@@ -77,7 +78,7 @@ class Session:
         # dtype="fp8": the FP8 layers of each root and the loss watch (injectable: a CPU test emulates the device)
         self.fp8 = (fp8 or Fp8Layers(config, self.recorder)) if config.dtype == "fp8" else None
         self.roots: weakref.WeakKeyDictionary[nn.Module, Root] = weakref.WeakKeyDictionary()
-        self.scaling = Scaling(config, self._record_scaling)
+        self.scaling = Scaling(config, lambda summary: setattr(self.recorder, "loss_scale", summary))
         self.paths = RootPaths(self.roots, self.cache, self.recorder, self.trial_config, clock, config, self.scaling,
                                forget=self._forget_layout,
                                # injected candidates without a rate (a test's): no bound
@@ -90,6 +91,7 @@ class Session:
         self._undo: list[Callable[[], None]] = []
         self._scaling_undo = self._logging_undo = False
         self._in_transform: set[str] = set()  # roots whose calls ran inside a torch.func transform (_ran)
+        self.status = trial_status(config)  # the live line on a terminal while a trial runs (runtime.progress)
 
     # -- install / uninstall --------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -97,7 +99,7 @@ class Session:
             self.fp8.require()  # before anything is changed: a machine without FP8 fails in one line
             self._undo.append(self.fp8.uninstall)
         self.allocator.turn_on(self.recorder.add_setting)  # first: before anything allocates device memory
-        self._undo.append(self.allocator.restore)
+        self._undo.extend((self.allocator.restore, self.status.stop))
         if self.config.fuse_optimizers:  # before loss scaling's step hook, which asks whether a step is fused
             fuser = OptimizerFuser(self._fused, lambda: self.scaling.on)
             fuser.install()
@@ -146,9 +148,6 @@ class Session:
     def _forget_layout(self, module: nn.Module) -> None:
         if self.layout is not None:
             self.layout.forget(module)
-
-    def _record_scaling(self, summary: dict[str, Any]) -> None:
-        self.recorder.loss_scale = summary
 
     def uninstall(self) -> dict[str, Any]:
         self.paths.retry_release(last=True)  # nothing replays automp's CUDA graphs any more
@@ -234,6 +233,7 @@ class Session:
             root.confirm.tick(id(module), torch.is_grad_enabled())
             if root.confirm.verdict is not None:
                 self.paths.confirmed(root.confirm)
+        self.status.tick(root.label, root.trial if root.path is None else root.confirm)
         if root.path is None:
             return self.paths.trial_call(root, lambda path: self._run(module, root, path, args, kwargs), module)
         path = root.confirm.current if root.confirm else root.path

@@ -138,6 +138,12 @@ class Trial:
     def current(self) -> Route:
         return self.verdict.path if self.verdict else self._queue[0][0]
 
+    def progress(self) -> tuple[Route, int | None]:
+        """The path running now and the round its timed sample belongs to (of config.measure), None in a warm-up:
+        what the status line on a terminal shows (automp.runtime.progress)."""
+        timed = bool(self._queue) and self._queue[0][1] and self.verdict is None
+        return self.current, min(self._rounds, self.config.measure) if timed else None
+
     def tick(self, member: int, training: bool = True) -> None:
         """A call of `member`. training: the call records a graph for a backward (grad mode on). Once the trial has
         seen one, calls without grad (an evaluation inside the training loop, generate()'s decoding steps) are not
