@@ -89,3 +89,7 @@ def test_lightnings_own_precision_beside_the_plugin_is_refused(tmp_path):
     with pytest.raises(ValueError, match="precision=bf16-mixed"):
         tiny.fit(str(tmp_path / "x"), plugins=[AutoMP()], precision="bf16-mixed")
     assert not automp.is_enabled()
+
+
+def test_the_status_line_is_off_unless_asked_for():
+    assert AutoMP().config.quiet and not AutoMP(quiet=False).config.quiet

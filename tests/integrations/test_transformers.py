@@ -116,3 +116,8 @@ def test_the_example_trains_with_the_callback(tmp_path):
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((tmp_path / REPORT_NAME).read_text())["choices"][0]["module"] == "GPT2LMHeadModel"
+
+
+def test_the_status_line_is_off_unless_asked_for():
+    """The Trainer draws its own progress bar: no second live line beside it, unless the user asks."""
+    assert AutoMPCallback().config.quiet and not AutoMPCallback(quiet=False).config.quiet

@@ -30,12 +30,15 @@ REPORT_NAME = "automp-report.json"
 
 class AutoMP(Precision):
     """automp for the training steps of one `fit`. `config` and keyword `overrides` as for automp.enable (e.g.
-    `AutoMP(dtype="fp8")`); the report goes to `config.report`, else the Trainer's log_dir."""
+    `AutoMP(dtype="fp8")`); the report goes to `config.report`, else the Trainer's log_dir. The trial's status
+    line is off (`quiet`) unless asked for: Lightning draws its own progress bar."""
 
     precision = "32-true"  # what Lightning runs underneath, and shows
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
         super().__init__()
+        if config is None:  # the framework draws its own progress bar: no second live line beside it
+            overrides.setdefault("quiet", True)
         self.config = automp._config(config, overrides)  # a bad field fails here, where the user wrote it
         self.report: dict[str, Any] | None = None  # the last fit's report, once it has ended
         self._trainer: Any = None  # weakly: the plugin must not keep a finished Trainer alive

@@ -32,9 +32,12 @@ _logger = logging.get_logger("automp")
 
 class AutoMPCallback(TrainerCallback):
     """automp for the length of `trainer.train()`. `config` and keyword `overrides` as for automp.enable (e.g.
-    `AutoMPCallback(dtype="fp8")`); the report goes to `config.report`, else `TrainingArguments.output_dir`."""
+    `AutoMPCallback(dtype="fp8")`); the report goes to `config.report`, else `TrainingArguments.output_dir`. The
+    trial's status line is off (`quiet`) unless asked for: the Trainer draws its own progress bar."""
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
+        if config is None:  # the framework draws its own progress bar: no second live line beside it
+            overrides.setdefault("quiet", True)
         self.config = automp._config(config, overrides)  # a bad field fails here, where the user wrote it
         self.report: dict[str, Any] | None = None  # the last run's report, once train() has ended
         self._on = False
