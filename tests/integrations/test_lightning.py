@@ -93,3 +93,59 @@ def test_lightnings_own_precision_beside_the_plugin_is_refused(tmp_path):
 
 def test_the_status_line_is_off_unless_asked_for():
     assert AutoMP().config.quiet and not AutoMP(quiet=False).config.quiet
+
+
+FABRIC_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    import torch.nn as nn
+    from lightning.fabric import Fabric
+
+    def train(plugins=(), **fabric_args):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 16, generator=g)
+        y = x.sum(1, keepdim=True).sin()
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=list(plugins), **fabric_args)
+        net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+        net, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+        losses = []
+        for step in range(8):
+            xb, yb = x[8 * step:8 * step + 8], y[8 * step:8 * step + 8]
+            loss = nn.functional.mse_loss(net(xb), yb)
+            opt.zero_grad()
+            fabric.backward(loss)
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    if __name__ == "__main__":
+        print("LOSSES " + json.dumps(train()))
+''')
+
+
+def test_the_fabric_plugin_trains_as_automp_run_does_and_ends_at_teardown(tmp_path, monkeypatch):
+    import importlib
+    from automp.integrations.lightning import AutoMPFabric
+    path = tmp_path / "fabric_tiny.py"
+    path.write_text(FABRIC_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-m", "automp", "run", "--dtype", "bf16", "--path", "eager", str(path)],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    want = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("LOSSES "))[7:])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tiny = importlib.import_module("fabric_tiny")
+    call = nn.Module.__call__
+    plugin = AutoMPFabric(dtype="bf16", path="eager")
+    got = tiny.train(plugins=[plugin])
+    assert automp.is_enabled()  # Fabric has no end of training: automp runs until teardown or exit
+    plugin.teardown()
+    assert not automp.is_enabled() and nn.Module.__call__ is call
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-3 and len(got) == 8
+    saved = json.loads((tmp_path / REPORT_NAME).read_text())
+    assert saved["choices"][0]["path"] == plugin.report["choices"][0]["path"] == "low-precision-eager"
+    with pytest.raises(ValueError, match="precision"):
+        tiny.train(plugins=[AutoMPFabric()], precision="bf16-mixed")
+    assert not automp.is_enabled()

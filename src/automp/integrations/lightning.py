@@ -1,7 +1,10 @@
-"""automp inside a Lightning Trainer: one precision plugin instead of `precision="bf16-mixed"`.
+"""automp inside Lightning: one precision plugin instead of `precision="bf16-mixed"`.
 
     trainer = lightning.pytorch.Trainer(plugins=[automp.integrations.lightning.AutoMP(dtype="fp8")])
     trainer.fit(model)   # the report lands in trainer.log_dir; the summary line goes to Lightning's log
+
+    fabric = lightning.fabric.Fabric(plugins=[automp.integrations.lightning.AutoMPFabric(dtype="fp8")])
+    model, optimizer = fabric.setup(model, optimizer)   # automp from here to teardown() or the process's end
 
 Why a precision plugin: Lightning users choose precision there, and the plugin owns the hooks that bracket the
 training steps. Lightning's own precision stays "32-true" underneath (the plugin is one, so Lightning itself refuses
@@ -9,9 +12,14 @@ training steps. Lightning's own precision stays "32-true" underneath (the plugin
 validation steps before it run as written, and disabled at the plugin's teardown, at the end of `fit`, which writes
 the report and undoes every patch. A LightningModule's `training_step` calls its networks itself: each network
 called from it is one of automp's root modules, timed and chosen as in a plain loop.
+
+Fabric has no end of training to hook: AutoMPFabric enables automp when `fabric.setup` hands it the model, and
+disables it (writing the report, default `automp-report.json` in the working directory, and printing the summary
+line) at its `teardown()`, which Fabric's strategy teardown calls, or else when the process ends.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -19,6 +27,7 @@ import weakref
 from typing import Any, Iterator
 
 import torch.nn as nn
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -72,6 +81,44 @@ class AutoMP(Precision):
         if self._on:
             from automp.launcher import summary
             self._on = False
+            self.report = automp.disable()  # writes the report
+            rank_zero_info(summary(self.report, self.config))
+        super().teardown()
+
+
+class AutoMPFabric(FabricPrecision):
+    """automp under Lightning Fabric, from `fabric.setup(model)` to `teardown()` or the end of the process. `config`
+    and keyword `overrides` as for automp.enable; the report goes to `config.report`, else `automp-report.json` in
+    the working directory."""
+
+    precision = "32-true"  # what Fabric runs underneath
+
+    def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
+        super().__init__()
+        if config is None:  # Fabric scripts often draw their own progress bar: no second live line beside it
+            overrides.setdefault("quiet", True)
+        self.config = automp._config(config, overrides)
+        self.report: dict[str, Any] | None = None
+        self._on = False
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if not self._on:
+            if automp.is_enabled():
+                raise RuntimeError("automp.integrations.lightning.AutoMPFabric: automp is already enabled (`automp "
+                                   "run`, or enable() in the script); use one of them, not both")
+            config = self.config
+            if config.report is None:
+                config = dataclasses.replace(config, report=os.path.join(os.getcwd(), REPORT_NAME))
+            automp.enable(config)
+            self._on = True
+            atexit.register(self.teardown)  # before automp's own exit handler runs (atexit is last in, first out)
+        return module
+
+    def teardown(self) -> None:
+        if self._on:
+            from automp.launcher import summary
+            self._on = False
+            atexit.unregister(self.teardown)
             self.report = automp.disable()  # writes the report
             rank_zero_info(summary(self.report, self.config))
         super().teardown()
