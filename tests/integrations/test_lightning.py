@@ -149,3 +149,12 @@ def test_the_fabric_plugin_trains_as_automp_run_does_and_ends_at_teardown(tmp_pa
     with pytest.raises(ValueError, match="precision"):
         tiny.train(plugins=[AutoMPFabric()], precision="bf16-mixed")
     assert not automp.is_enabled()
+
+
+def test_the_example_fits_with_the_plugin(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_lightning.py"), "--steps", "4",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = next(line for line in run.stdout.splitlines() if line.startswith("report: "))[8:]
+    assert json.loads(open(report).read())["choices"][0]["module"] == "Sequential"
