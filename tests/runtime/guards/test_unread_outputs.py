@@ -269,3 +269,28 @@ def test_a_compiled_first_call_detaches_the_guessed_logits_and_a_read_brings_the
     else:  # the read re-ran call 0 attached; from then on nothing is detached
         assert seen[1:] == [False] * 3 and (grads - ref_grads).norm() / ref_grads.norm() < 3e-2
         assert rep["unread_outputs"]["HeadLM"]["detached"] == []
+
+
+def test_a_guessed_field_read_after_backward_is_copied_and_attached_from_the_next_call(monkeypatch):
+    """Logits kept for metrics after the step: the guess was wrong, so the kept value is a copy (a CUDA graph's next
+    replay would overwrite the detached one) and the later calls return them attached, as without the guess."""
+    torch.manual_seed(0)
+    model = HeadLM()
+    automp.enable(dtype="bf16", inner="eager", spec="h100", path="compile")
+    seen = _spy_detaching(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = []
+    for step in range(3):
+        ids, labels = _batch(step)
+        opt.zero_grad()
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        opt.step()
+        raw = dict.__getitem__(out, "logits")
+        kept.append((out.logits, raw))
+    rep = automp.disable()
+    assert seen == [True, False, False]
+    first, raw = kept[0]
+    assert first.data_ptr() != raw.data_ptr() and torch.equal(first, raw)  # a copy of the detached value
+    assert rep["unread_outputs"]["HeadLM"]["detached"] == []
+    assert "after its backward" in rep["unread_outputs"]["HeadLM"]["reattached"]

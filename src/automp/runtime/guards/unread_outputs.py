@@ -19,7 +19,9 @@ Never a missing gradient: a detached field read before the backward of its call 
 read re-runs the call with every field attached (the compiled function is guarded on the detached names, so it
 recompiles once), the output object takes the new values of all its fields, and from then on nothing of that module
 is detached; the report says which field and why. A field read after its call's backward (metrics, logging after
-the step) has the same value either way and is returned as it is. Not covered: a second backward through the same
+the step) has the same value either way and is returned as it is; where it was detached on a guess, the read
+disproves the guess: that value is copied (a CUDA graph's next replay would overwrite it) and nothing is detached
+from the next call on. Not covered: a second backward through the same
 graph (retain_graph=True) that starts from a field read after the first backward.
 """
 from __future__ import annotations
@@ -55,10 +57,14 @@ class FieldReads:
             self.detach = tuple(sorted(self.seen - self.read)) if self.seen else tuple(guess)
         return self.detach
 
-    def reattach(self, name: str) -> None:
+    def reattach(self, name: str, before_backward: bool = True) -> None:
         self.detach = ()
-        self.reattached = (f"output field {name!r} was detached (unread in the first calls) and then read before "
-                           f"its backward: that call ran again with every field attached, and does from now on")
+        why = "detached on a guess (a language model given labels)" if self.guessed else (
+            "detached (unread in the first calls)")
+        self.reattached = (f"output field {name!r} was {why} and then read before its backward: that call ran again "
+                           f"with every field attached, and does from now on" if before_backward else
+                           f"output field {name!r} was {why} and then read after its backward: every field is "
+                           f"attached from the next call on")
         if self.on_reattach is not None:
             self.on_reattach(self.reattached)
 
@@ -109,7 +115,16 @@ class FieldWatch:
 
     def on_read(self, out: Any, name: str) -> None:
         self.fields.read.add(name)
-        if name not in self.detached or self.backward_done:
+        if name not in self.detached:
+            return
+        if self.backward_done:
+            if self.fields.guessed and self.fields.detach:
+                # a guess the reads disprove: a field read after its backward (metrics kept across steps) must not
+                # stay detached, whose value a CUDA graph's next replay would overwrite (outputs.out_of_pool copies
+                # only what is attached); this one is copied now, and the next call compiles with every field attached
+                out[name] = dict.__getitem__(out, name).clone()
+                self.fields.reattach(name, before_backward=False)
+                self.detached = ()
             return
         self.fields.reattach(name)
         self.detached = ()
