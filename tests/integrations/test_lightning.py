@@ -2,7 +2,6 @@
 report in the Trainer's log_dir, every patch undone after fit(), and Lightning's own precision beside it refused."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -12,12 +11,10 @@ import torch.nn as nn
 pytest.importorskip("lightning")
 
 import automp  # noqa: E402
-from automp.integrations.lightning import REPORT_NAME, AutoMP  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from automp.integrations.lightning import REPORT_NAME, AutoMP, AutoMPFabric  # noqa: E402
+from tests.integrations.scripts import AUTOMP_RUN, ROOT, close, losses, run, write_and_import  # noqa: E402
 
 # The script both runs share: an MLP regression in a LightningModule, 8 steps, the per-step losses printed as JSON.
-# Low precision eager is forced on both sides (the CPU trial would pick a path by timing).
 SCRIPT = textwrap.dedent('''
     import json, sys
     import torch
@@ -55,29 +52,16 @@ SCRIPT = textwrap.dedent('''
 
 
 def _script(tmp_path):
-    import importlib
-    path = tmp_path / "fit_tiny.py"
-    path.write_text(SCRIPT)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        return path, importlib.import_module("fit_tiny")
-    finally:
-        sys.path.pop(0)
+    return write_and_import(tmp_path, "fit_tiny", SCRIPT)
 
 
 def test_the_plugin_trains_as_automp_run_does_and_undoes_every_patch(tmp_path):
     path, tiny = _script(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, "-m", "automp", "run", "--dtype", "bf16", "--path", "eager", str(path),
-                          str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    want = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("LOSSES "))[7:])
-
+    want = losses([sys.executable, *AUTOMP_RUN, str(path), str(tmp_path / "run")], tmp_path)
     call = nn.Module.__call__
     plugin = AutoMP(dtype="bf16", path="eager")
     got, trainer = tiny.fit(str(tmp_path / "plugin"), plugins=[plugin])
-    assert len(got) == len(want) == 8
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-3  # the same ops in the same order
+    assert close(got, want, 8)
     assert not automp.is_enabled() and nn.Module.__call__ is call  # every patch undone after fit()
     saved = json.loads(open(os.path.join(trainer.log_dir, REPORT_NAME)).read())
     assert [c["module"] for c in saved["choices"]] == ["Sequential"] and saved["dtype"] == "bfloat16"
@@ -125,25 +109,16 @@ FABRIC_SCRIPT = textwrap.dedent('''
 
 
 def test_the_fabric_plugin_trains_as_automp_run_does_and_ends_at_teardown(tmp_path, monkeypatch):
-    import importlib
-    from automp.integrations.lightning import AutoMPFabric
-    path = tmp_path / "fabric_tiny.py"
-    path.write_text(FABRIC_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, "-m", "automp", "run", "--dtype", "bf16", "--path", "eager", str(path)],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    want = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("LOSSES "))[7:])
+    path, tiny = write_and_import(tmp_path, "fabric_tiny", FABRIC_SCRIPT)
+    want = losses([sys.executable, *AUTOMP_RUN, str(path)], tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    tiny = importlib.import_module("fabric_tiny")
     call = nn.Module.__call__
     plugin = AutoMPFabric(dtype="bf16", path="eager")
     got = tiny.train(plugins=[plugin])
     assert automp.is_enabled()  # Fabric has no end of training: automp runs until teardown or exit
     plugin.teardown()
     assert not automp.is_enabled() and nn.Module.__call__ is call
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-3 and len(got) == 8
+    assert close(got, want, 8)
     saved = json.loads((tmp_path / REPORT_NAME).read_text())
     assert saved["choices"][0]["path"] == plugin.report["choices"][0]["path"] == "low-precision-eager"
     with pytest.raises(ValueError, match="precision"):
@@ -152,9 +127,7 @@ def test_the_fabric_plugin_trains_as_automp_run_does_and_ends_at_teardown(tmp_pa
 
 
 def test_the_example_fits_with_the_plugin(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_lightning.py"), "--steps", "4",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = next(line for line in run.stdout.splitlines() if line.startswith("report: "))[8:]
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_lightning.py"), "--steps", "4", "--out",
+               str(tmp_path)], tmp_path).stdout
+    report = next(line for line in out.splitlines() if line.startswith("report: "))[8:]
     assert json.loads(open(report).read())["choices"][0]["module"] == "Sequential"

@@ -2,7 +2,6 @@
 output_dir, every patch undone after train(), and the Trainer's own autocast or compile refused with one line."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -14,12 +13,10 @@ pytest.importorskip("accelerate")
 
 import automp  # noqa: E402
 from automp.integrations.transformers import REPORT_NAME, AutoMPCallback  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.integrations.scripts import AUTOMP_RUN, ROOT, close, losses, run, write_and_import  # noqa: E402
 
 # The script both runs share: a tiny GPT-2 on a fixed token stream, 6 steps, the losses printed as JSON. With
-# CALLBACK set it adds the callback itself; else it is run under `automp run`. Low precision eager is forced on
-# both sides: the CPU trial would otherwise pick a path by timing, and the two runs could differ in precision.
+# callbacks it is trained in-process; else it is run under `automp run` (low precision eager forced on both sides).
 SCRIPT = textwrap.dedent('''
     import json, os, sys
     import torch
@@ -52,35 +49,17 @@ SCRIPT = textwrap.dedent('''
 
 
 def _script(tmp_path):
-    path = tmp_path / "train_tiny.py"
-    path.write_text(SCRIPT)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import importlib
-        return path, importlib.import_module("train_tiny")
-    finally:
-        sys.path.pop(0)
-
-
-def _losses(command, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(next(line for line in run.stdout.splitlines() if line.startswith("LOSSES "))[7:])
-
-
-AUTOMP_RUN = ["-m", "automp", "run", "--dtype", "bf16", "--path", "eager"]
+    return write_and_import(tmp_path, "train_tiny", SCRIPT)
 
 
 def test_the_callback_trains_as_automp_run_does_and_undoes_every_patch(tmp_path):
     path, tiny = _script(tmp_path)
-    want = _losses([sys.executable, *AUTOMP_RUN, str(path), str(tmp_path / "run")], tmp_path)
+    want = losses([sys.executable, *AUTOMP_RUN, str(path), str(tmp_path / "run")], tmp_path)
 
     call = nn.Module.__call__
     callback = AutoMPCallback(dtype="bf16", path="eager")
     got = tiny.train(str(tmp_path / "cb"), callbacks=[callback])
-    assert len(got) == len(want) == 6
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-3  # the same ops in the same order
+    assert close(got, want, 6)
     assert not automp.is_enabled() and nn.Module.__call__ is call  # every patch undone after train()
     saved = json.loads((tmp_path / "cb" / REPORT_NAME).read_text())
     assert [c["module"] for c in saved["choices"]] == ["GPT2LMHeadModel"] and saved["dtype"] == "bfloat16"
@@ -103,18 +82,15 @@ def test_a_bad_setting_fails_where_the_callback_is_made():
 def test_accelerate_launch_runs_automp_run_as_the_shell_does(tmp_path):
     """`accelerate launch -m automp run train.py`, the documented form: one CPU process, the same losses."""
     path, _ = _script(tmp_path)
-    want = _losses([sys.executable, *AUTOMP_RUN, str(path), str(tmp_path / "run")], tmp_path)
+    want = losses([sys.executable, *AUTOMP_RUN, str(path), str(tmp_path / "run")], tmp_path)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines",
               "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    got = _losses([*launch, *AUTOMP_RUN, str(path), str(tmp_path / "launched")], tmp_path)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-3 and len(got) == 6
+    assert close(losses([*launch, *AUTOMP_RUN, str(path), str(tmp_path / "launched")], tmp_path), want, 6)
 
 
 def test_the_example_trains_with_the_callback(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_hf_trainer.py"), "--steps", "3",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run([sys.executable, os.path.join(ROOT, "examples", "train_hf_trainer.py"), "--steps", "3", "--out",
+         str(tmp_path)], tmp_path)
     assert json.loads((tmp_path / REPORT_NAME).read_text())["choices"][0]["module"] == "GPT2LMHeadModel"
 
 
