@@ -97,3 +97,15 @@ def test_the_example_trains_with_the_callback(tmp_path):
 def test_the_status_line_is_off_unless_asked_for():
     """The Trainer draws its own progress bar: no second live line beside it, unless the user asks."""
     assert AutoMPCallback().config.quiet and not AutoMPCallback(quiet=False).config.quiet
+
+
+def test_the_callback_inside_automp_run_is_refused(tmp_path):
+    """Its enable() would replace the session `automp run` (or the script) opened: one of them, not both."""
+    _, tiny = _script(tmp_path)
+    automp.enable(dtype="bf16", path="eager")
+    try:
+        with pytest.raises(RuntimeError, match="already enabled"):
+            tiny.train(str(tmp_path / "x"), callbacks=[AutoMPCallback()])
+        assert automp.is_enabled()  # the session that was there is left as it was
+    finally:
+        automp.disable()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 import weakref
 from typing import Any, Iterator
@@ -31,10 +30,10 @@ from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-import automp
 from automp.config import AutoMPConfig
+from automp.integrations.bracket import REPORT_NAME, config_of, finish, start
 
-REPORT_NAME = "automp-report.json"
+__all__ = ["AutoMP", "AutoMPFabric", "REPORT_NAME"]
 
 
 class AutoMP(Precision):
@@ -46,9 +45,7 @@ class AutoMP(Precision):
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        if config is None:  # the framework draws its own progress bar: no second live line beside it
-            overrides.setdefault("quiet", True)
-        self.config = automp._config(config, overrides)  # a bad field fails here, where the user wrote it
+        self.config = config_of(config, overrides)
         self.report: dict[str, Any] | None = None  # the last fit's report, once it has ended
         self._trainer: Any = None  # weakly: the plugin must not keep a finished Trainer alive
         self._on = False
@@ -65,24 +62,16 @@ class AutoMP(Precision):
         yield
 
     def _enable(self) -> None:
-        if automp.is_enabled():
-            raise RuntimeError("automp.integrations.lightning.AutoMP: automp is already enabled (`automp run`, or "
-                               "enable() in the script); use one of them, not both")
-        config = self.config
-        if config.report is None:
-            trainer = self._trainer() if self._trainer is not None else None
-            where = (getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", None)
-                     or os.getcwd()) if trainer is not None else os.getcwd()
-            config = dataclasses.replace(config, report=os.path.join(where, REPORT_NAME))
-        automp.enable(config)
+        trainer = self._trainer() if self._trainer is not None else None
+        folder = (getattr(trainer, "log_dir", None) or getattr(trainer, "default_root_dir", None)) if trainer else None
+        start(self.config, folder or os.getcwd(), "automp.integrations.lightning.AutoMP")
         self._on = True
 
     def teardown(self) -> None:
         if self._on:
-            from automp.launcher import summary
             self._on = False
-            self.report = automp.disable()  # writes the report
-            rank_zero_info(summary(self.report, self.config))
+            self.report, line = finish(self.config)
+            rank_zero_info(line)
         super().teardown()
 
 
@@ -95,30 +84,21 @@ class AutoMPFabric(FabricPrecision):
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        if config is None:  # Fabric scripts often draw their own progress bar: no second live line beside it
-            overrides.setdefault("quiet", True)
-        self.config = automp._config(config, overrides)
+        self.config = config_of(config, overrides)
         self.report: dict[str, Any] | None = None
         self._on = False
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if not self._on:
-            if automp.is_enabled():
-                raise RuntimeError("automp.integrations.lightning.AutoMPFabric: automp is already enabled (`automp "
-                                   "run`, or enable() in the script); use one of them, not both")
-            config = self.config
-            if config.report is None:
-                config = dataclasses.replace(config, report=os.path.join(os.getcwd(), REPORT_NAME))
-            automp.enable(config)
+            start(self.config, os.getcwd(), "automp.integrations.lightning.AutoMPFabric")
             self._on = True
             atexit.register(self.teardown)  # before automp's own exit handler runs (atexit is last in, first out)
         return module
 
     def teardown(self) -> None:
         if self._on:
-            from automp.launcher import summary
             self._on = False
             atexit.unregister(self.teardown)
-            self.report = automp.disable()  # writes the report
-            rank_zero_info(summary(self.report, self.config))
+            self.report, line = finish(self.config)
+            rank_zero_info(line)
         super().teardown()

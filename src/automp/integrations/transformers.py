@@ -16,17 +16,15 @@ The Trainer's own autocast (`bf16=True`, `fp16=True`) would run under automp's c
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-import automp
 from automp.config import AutoMPConfig
+from automp.integrations.bracket import REPORT_NAME, config_of, finish, start
 
-REPORT_NAME = "automp-report.json"
+__all__ = ["AutoMPCallback", "REPORT_NAME"]
 _logger = logging.get_logger("automp")
 
 
@@ -36,9 +34,7 @@ class AutoMPCallback(TrainerCallback):
     trial's status line is off (`quiet`) unless asked for: the Trainer draws its own progress bar."""
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
-        if config is None:  # the framework draws its own progress bar: no second live line beside it
-            overrides.setdefault("quiet", True)
-        self.config = automp._config(config, overrides)  # a bad field fails here, where the user wrote it
+        self.config = config_of(config, overrides)
         self.report: dict[str, Any] | None = None  # the last run's report, once train() has ended
         self._on = False
 
@@ -48,19 +44,12 @@ class AutoMPCallback(TrainerCallback):
             raise ValueError(f"AutoMPCallback: TrainingArguments({', '.join(f'{n}=True' for n in clash)}) would run "
                              f"the Trainer's own {'autocast' if clash != ['torch_compile'] else 'compile'} on top of "
                              f"automp's choice; leave {' and '.join(clash)} False")
-        if automp.is_enabled():
-            raise RuntimeError("AutoMPCallback: automp is already enabled (`automp run`, or enable() in the script); "
-                               "use one of them, not both")
-        config = self.config
-        if config.report is None:
-            config = dataclasses.replace(config, report=os.path.join(args.output_dir, REPORT_NAME))
-        automp.enable(config)
+        start(self.config, args.output_dir, "AutoMPCallback")
         self._on = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._on:
             return
-        from automp.launcher import summary
         self._on = False
-        self.report = automp.disable()  # writes the report
-        _logger.warning(summary(self.report, self.config))
+        self.report, line = finish(self.config)
+        _logger.warning(line)
