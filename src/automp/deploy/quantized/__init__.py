@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from automp.deploy.quantized import speed
 from automp.deploy.quantized.compile import compile_module, graph_breaks
-from automp.quant import W8A8Config, WeightOnlyConfig, ptq, quantize
+from automp.quant import W8A8Config, WeightOnlyConfig, ptq
 from automp.quant.api import check_ptq
 from automp.quant.names import PRECISIONS, SCHEMES
 from automp.quant.observers import ObserverConfig
@@ -110,9 +110,10 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     # read once here: the conversion and the speed check both use the batches, and calib may be an iterator
     batches = boundary.first_batches(calib, config.max_calib_batches)
     scheme = config.scheme(precision, batches)
-    # automp.quant's PTQ route, entered directly where the verb takes another (without calib it swaps layers in place;
-    # a causal LM goes to its own handler): every module gets the float32 boundary and the report
-    model = quantize(module, scheme) if ptq.takes(module, scheme) else ptq.convert(module, scheme)
+    # automp.quant.quantize's PTQ route (its model handler calls ptq.convert), entered directly: the verb would swap
+    # layers in place without calib and hand a causal LM to its own handler, and here every module gets the float32
+    # boundary and the report
+    model = ptq.convert(module, scheme)
     report = model.quant_report
 
     def build(m: nn.Module) -> nn.Module:
