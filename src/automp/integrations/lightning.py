@@ -36,7 +36,23 @@ from automp.integrations.bracket import REPORT_NAME, config_of, finish, start
 __all__ = ["AutoMP", "AutoMPFabric", "REPORT_NAME"]
 
 
-class AutoMP(Precision):
+class _Session:
+    """What both plugins keep: the config (checked where the plugin is made), the last report, and whether automp is
+    on; `_end()` turns it off and logs the summary line on rank 0."""
+
+    def _open(self, config: AutoMPConfig | None, overrides: dict[str, Any]) -> None:
+        self.config = config_of(config, overrides)
+        self.report: dict[str, Any] | None = None  # the last run's report, once it has ended
+        self._on = False
+
+    def _end(self) -> None:
+        if self._on:
+            self._on = False
+            self.report, line = finish(self.config)
+            rank_zero_info(line)
+
+
+class AutoMP(_Session, Precision):
     """automp for the training steps of one `fit`. `config` and keyword `overrides` as for automp.enable (e.g.
     `AutoMP(dtype="fp8")`); the report goes to `config.report`, else the Trainer's log_dir. The trial's status
     line is off (`quiet`) unless asked for: Lightning draws its own progress bar."""
@@ -45,10 +61,8 @@ class AutoMP(Precision):
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        self.config = config_of(config, overrides)
-        self.report: dict[str, Any] | None = None  # the last fit's report, once it has ended
+        self._open(config, overrides)
         self._trainer: Any = None  # weakly: the plugin must not keep a finished Trainer alive
-        self._on = False
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         trainer = getattr(module, "_trainer", None)  # set once the Trainer holds the LightningModule
@@ -68,14 +82,11 @@ class AutoMP(Precision):
         self._on = True
 
     def teardown(self) -> None:
-        if self._on:
-            self._on = False
-            self.report, line = finish(self.config)
-            rank_zero_info(line)
+        self._end()
         super().teardown()
 
 
-class AutoMPFabric(FabricPrecision):
+class AutoMPFabric(_Session, FabricPrecision):
     """automp under Lightning Fabric, from `fabric.setup(model)` to `teardown()` or the end of the process. `config`
     and keyword `overrides` as for automp.enable; the report goes to `config.report`, else `automp-report.json` in
     the working directory."""
@@ -84,9 +95,7 @@ class AutoMPFabric(FabricPrecision):
 
     def __init__(self, config: AutoMPConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        self.config = config_of(config, overrides)
-        self.report: dict[str, Any] | None = None
-        self._on = False
+        self._open(config, overrides)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if not self._on:
@@ -97,8 +106,6 @@ class AutoMPFabric(FabricPrecision):
 
     def teardown(self) -> None:
         if self._on:
-            self._on = False
             atexit.unregister(self.teardown)
-            self.report, line = finish(self.config)
-            rank_zero_info(line)
+        self._end()
         super().teardown()
