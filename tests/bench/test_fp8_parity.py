@@ -35,6 +35,16 @@ def test_an_active_vocabulary_keeps_the_stream_to_its_first_ids():
     assert par.TokenStream(1000, 2, 8, "cpu", steps=1, active=5000).vocab == 1000  # never past the model's
 
 
+def test_successors_sets_how_many_ids_can_follow_each_and_rows_of_another_k_are_not_compared():
+    ids = par.TokenStream(1000, 2, 400, "cpu", steps=2, successors=2)[0]["input_ids"]
+    assert len(torch.unique((ids[:, 1:] - ids[:, :-1] - par.STRIDE) % 1000)) == 2
+    rows = [{"model": "m", "mode": par.ANCHOR, "loss_at": {"500": 5.0}, "active_vocab": 64, "successors": 4},
+            {"model": "m", "mode": "automp-fp8", "loss_at": {"500": 5.5}, "active_vocab": 64, "successors": 4},
+            {"model": "m", "mode": "automp-fp8", "loss_at": {"500": 4.0}, "active_vocab": 64}]  # drew 16
+    par.gaps(rows)
+    assert rows[1]["gap_vs_bf16"] == {"500": pytest.approx(0.1)} and rows[2]["gap_vs_bf16"] == {}
+
+
 def test_gaps_are_relative_to_the_anchor_at_shared_checkpoints():
     rows = [{"model": "m", "mode": "automp-fp8", "loss_at": {"500": 5.05, "2000": 3.0}, "active_vocab": 64},
             {"model": "m", "mode": par.ANCHOR, "loss_at": {"500": 5.0}, "active_vocab": 64},
@@ -63,6 +73,8 @@ def test_usage_errors_name_the_problem(tmp_path, capsys):
     assert par.main(["--at", "five", "--out", str(tmp_path / "x")]) == 2
     assert par.main(["--lr", "0", "--out", str(tmp_path / "x")]) == 2
     assert "--lr must be at least" in capsys.readouterr().err
+    assert par.main(["--successors", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--successors" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")

@@ -18,7 +18,7 @@ def test_autocast_compiled_path_enters_autocast_outside_the_graph(monkeypatch):
     import torch._inductor.compile_fx as compile_fx
     graphs = []
 
-    def capture(gm, example_inputs):
+    def capture(gm, example_inputs, config_patches=None):
         graphs.append(gm)
         return gm.forward
 
@@ -41,7 +41,7 @@ def test_the_compile_cache_key_names_the_ambient_autocast_dtype(monkeypatch):
     import torch._inductor.compile_fx as compile_fx
     tags = []
 
-    def capture(gm, example_inputs):
+    def capture(gm, example_inputs, config_patches=None):
         tags.append(torch.compiler.config.cache_key_tag)
         return gm.forward
 
@@ -358,3 +358,36 @@ def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_fa
     if not tried:
         assert choice["path"] == Route.COMPILED_AUTOCAST.value
         assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.08, "limit": 0.1}
+
+
+def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_policies(monkeypatch, tmp_path):
+    """A trial compiles the same graphs for the compiled and the graphed path. Keyed alike (CUDA graphs on for both,
+    the plain path's policy wrapping none), the second compile is loaded from Inductor's and AOTAutograd's caches,
+    and it computes what the eager model does; where torch has no policy, or off CUDA, the plain path compiles as
+    torch.compile does."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    from automp.runtime import compiled_paths as cp
+    assert cp.compile_patches(False, "cpu") == {} and cp.compile_patches(True, "cpu") == cp.GRAPH_PATCHES
+    if cp._unwrapped_policy() is None:
+        pytest.skip("torch without cudagraph_policy (before 2.13)")
+    plain, graphed = cp.compile_patches(False, "cuda"), cp.compile_patches(True, "cuda")
+    assert plain["cudagraph_policy"].should_wrap(None) is False and "cudagraph_policy" not in graphed
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 24)).double(), torch.randn(10, 48).double()
+    net(x).square().sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    counters.clear()
+    for patches in (plain, graphed):
+        torch._dynamo.reset()
+        net.zero_grad(set_to_none=True)
+        compiled = torch.compile(net, backend=lambda gm, ex, patches=patches: compile_fx(gm, ex, config_patches=patches))
+        compiled(x).square().sum().backward()
+        for p, r in zip(net.parameters(), ref):
+            assert (p.grad - r).norm() / r.norm() < 1e-10
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2
+    monkeypatch.setattr(cp, "_unwrapped_policy", lambda: None)
+    assert cp.compile_patches(False, "cuda") == {}

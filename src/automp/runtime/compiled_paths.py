@@ -6,6 +6,7 @@ each module a code object of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import types
 import weakref
@@ -34,6 +35,36 @@ def automp(module: nn.Module, root: Any, backend: Callable[..., Any]) -> Callabl
 # it took for dynamic, one of which was recorded again at every step, making the step several times slower than
 # without it. A graph whose shapes do vary is left by the session instead (Session._leave_graphs).
 GRAPH_PATCHES = {"triton.cudagraphs": True}
+
+
+def compile_patches(graphs: bool, device_type: str) -> dict[str, Any]:
+    """Inductor's config for a stock path's graphs. A trial compiles the same graphs twice, once replayed as CUDA
+    graphs and once not, and Inductor's and AOTAutograd's caches key on `triton.cudagraphs`: two full compiles, the
+    larger part of the first run's lead over a hand-written loop, which compiles once. On CUDA, where torch has
+    `cudagraph_policy` (2.13: not in the cache key, applied after the compile or a cache load), both paths compile with
+    CUDA graphs on and the plain one with a policy that wraps none: the second compile is a cache hit. Elsewhere, or
+    on a torch without the policy, the plain path compiles without CUDA graphs, as `torch.compile` does."""
+    if graphs:
+        return dict(GRAPH_PATCHES)
+    policy = _unwrapped_policy() if device_type == "cuda" else None
+    return {} if policy is None else {**GRAPH_PATCHES, "cudagraph_policy": policy}
+
+
+@functools.cache
+def _unwrapped_policy() -> Any:
+    """A CUDAGraphPolicy that wraps no graph, or None where torch has no policies (torch before 2.13)."""
+    import torch._inductor.config as inductor_config
+    try:
+        from torch._inductor.cudagraph_utils import CUDAGraphPolicy
+    except ImportError:
+        return None
+    if not hasattr(inductor_config, "cudagraph_policy") or not hasattr(CUDAGraphPolicy, "should_wrap"):
+        return None
+
+    class Unwrapped(CUDAGraphPolicy):
+        def should_wrap(self, compiled_graph: Any) -> bool:
+            return False
+    return Unwrapped()
 
 
 # CUDA graphs keep a memory pool of their own: the Llama-style step peaked noticeably higher with them than the same
@@ -101,9 +132,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
         if rewrite is not None:
             gm = rewrite(gm, example_inputs)
         with keyed_by_autocast():
-            if graphs:
-                return compile_fx(gm, example_inputs, config_patches=GRAPH_PATCHES)
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device))
 
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
     if not graphs:

@@ -6,18 +6,19 @@ a loss near zero says nothing about FP8's error. Here every step gets a fresh ba
 floor: each token is the previous one plus a fixed stride plus a uniform draw from 0..K-1, modulo an active
 vocabulary of the first --active-vocab ids, so the model must learn, for each of those ids, the K that can follow
 it. The loss falls from ln(vocab) to about ln(active) as the model learns which ids occur, then towards ln(K) as it
-learns the table. Over the whole 128256-id vocabulary (--active-vocab 0) a 1.2B Llama at lr 1e-4 sat near ln(vocab)
-for 1,400-1,900 steps and then dropped sharply, at a step that differed from run to run, so its loss at 2,000 steps
-compared the timing of that drop more than two precisions; 4096 active ids (each seen ~4,000 times in 2,000 steps of
-8,192 tokens) give a table the model learns gradually. The stream is drawn on the device from a generator seeded by
-the step's index: every mode, in any process, sees the same batches.
+learns the table. The defaults (512 ids, K = 4: 2,048 pairs, each seen ~4 times per batch of 8,192 tokens) are a
+table a model learns within a few hundred steps: a 4-layer d256 Llama at lr 1e-4 left ln(512) = 6.24 at step ~175
+and read 3.6 at step 300. Larger tables learned too late to compare two precisions: at 4,096 ids and K = 16 a 1.2B
+Llama stayed at ln(4096) for 2,000 steps; over the whole 128,256-id vocabulary it sat at ln(vocab) for 1,400-1,900
+steps and then dropped at a step that differed from run to run. The stream is drawn on the device from a generator
+seeded by the step's index: every mode, in any process, sees the same batches.
 
 Each mode runs alone (one mode per process suits one GPU each: `--modes automp-fp8` on one card while
 `--modes bf16-reduce-overhead` runs on another), from the same seed, with the loops of `automp bench fp8`. --seeds
 runs each mode once per seed, the seed drawing both the model's initial weights and the stream, so a difference
 between modes can be read against the spread between seeds of one mode (the markdown's "between seeds" table). The loss
 at a checkpoint is the mean over the WINDOW steps that end there (one batch's loss is noisy). Rows
-`{"model", "mode", "seed", "steps", "active_vocab", "loss_at": {step: mean loss}, "window", "seconds",
+`{"model", "mode", "seed", "steps", "active_vocab", "successors", "loss_at": {step: mean loss}, "window", "seconds",
 "fp8_fallback"}` go to `<out>.json` (rows merged by model, stream, seed and mode with those already there) and `.md`,
 with each checkpoint's relative gap to bf16-reduce-overhead on the same stream and seed where the file holds both.
 fp8_fallback: whether automp's loss guard moved the run back to bf16 (then the later losses are partly bf16's).
@@ -41,8 +42,8 @@ from automp.files import write_json_and_markdown
 
 LM_MODELS = ("llama-d2048", "llama-d4096", "gpt2")  # the stream is tokens: the language models only
 WINDOW = 50
-ACTIVE = 4096  # ids in the stream: a successor table learned gradually (the module docstring says why)
-K = 16  # successors per token: the loss floor is ln(K) = 2.77 nats
+ACTIVE = 512  # ids in the stream: a successor table learned within a few hundred steps (the module docstring)
+K = 4  # successors per token: the loss floor is ln(K) = 1.39 nats
 STRIDE = 7919  # a prime, so the successor sets are spread over the vocabulary
 
 
@@ -51,8 +52,9 @@ class TokenStream:
     like the fp8 workloads' batch pools, with `len` the number of steps, so their loops run on it unchanged."""
 
     def __init__(self, vocab: int, batch: int, seq: int, device: str, steps: int, seed: int = 1234,
-                 active: int = 0):
+                 active: int = 0, successors: int = K):
         self.vocab = min(active, vocab) if active > 0 else vocab  # the ids that occur
+        self.successors = successors
         self.shape, self.device, self.steps, self.seed = (batch, seq), device, steps, seed
 
     def __len__(self) -> int:
@@ -61,7 +63,7 @@ class TokenStream:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + i)
         start = torch.randint(0, self.vocab, (self.shape[0], 1), generator=gen, device=self.device)
-        draws = torch.randint(0, K, self.shape, generator=gen, device=self.device)
+        draws = torch.randint(0, self.successors, self.shape, generator=gen, device=self.device)
         draws[:, 0] = 0
         ids = (start + torch.cumsum(draws + STRIDE, dim=1) - STRIDE) % self.vocab
         return {"input_ids": ids, "labels": ids}
@@ -74,14 +76,15 @@ def run_mode(model: str, mode: str, opts: argparse.Namespace,
     original ones)."""
     import automp
     row: dict[str, Any] = {"model": model, "mode": mode, "seed": seed, "steps": opts.steps, "window": opts.window,
-                           "active_vocab": opts.active_vocab, "lr": opts.lr,
+                           "active_vocab": opts.active_vocab, "successors": opts.successors, "lr": opts.lr,
                            "loss_at": {}, "seconds": None, "fp8_fallback": None}
     torch.manual_seed(seed)
     work = MODELS[model][0](opts.quick, opts.device, opts.layers)
     work.lr = opts.lr
     first = work.batches[0]["input_ids"]
     work.batches = TokenStream(work.model.config.vocab_size, first.shape[0], first.shape[1], opts.device,
-                               opts.steps, seed=1234 + seed, active=opts.active_vocab)
+                               opts.steps, seed=1234 + seed, active=opts.active_vocab,
+                               successors=opts.successors)
     losses = torch.full((opts.steps,), math.nan, device=opts.device)
     enabled = False
     t0 = time.perf_counter()
@@ -127,10 +130,10 @@ def gaps(rows: list[dict[str, Any]]) -> None:
                             if at in ref and ref[at]}
 
 
-def _stream(row: dict[str, Any]) -> tuple[str, int, float, int]:
-    """What makes two rows comparable: the model, the stream, the learning rate (rows without one ran at LR) and
-    the seed (rows without one ran seed 0)."""
-    return row["model"], row.get("active_vocab", 0), row.get("lr", LR), row.get("seed", 0)
+def _stream(row: dict[str, Any]) -> tuple[str, int, int, float, int]:
+    """What makes two rows comparable: the model, the stream (rows without `successors` drew 16), the learning rate
+    (rows without one ran at LR) and the seed (rows without one ran seed 0)."""
+    return row["model"], row.get("active_vocab", 0), row.get("successors", 16), row.get("lr", LR), row.get("seed", 0)
 
 
 def between_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,17 +142,17 @@ def between_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     anchor's own spread (a difference inside that spread is not one between the modes)."""
     groups: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
-        key = (*_stream(r)[:3], r["mode"])
+        key = (*_stream(r)[:4], r["mode"])
         for at, loss in r["loss_at"].items():
             groups.setdefault(key, {}).setdefault(at, []).append(loss)
     table = []
-    for (model, active, lr, mode), by_at in groups.items():
+    for (model, active, successors, lr, mode), by_at in groups.items():
         for at, losses in by_at.items():
             if len(losses) < 2:
                 continue
-            ref = groups.get((model, active, lr, ANCHOR), {}).get(at, [])
+            ref = groups.get((model, active, successors, lr, ANCHOR), {}).get(at, [])
             mean = sum(losses) / len(losses)
-            table.append({"model": model, "active_vocab": active, "lr": lr, "mode": mode, "at": at,
+            table.append({"model": model, "active_vocab": active, "successors": successors, "lr": lr, "mode": mode, "at": at,
                           "seeds": len(losses), "mean": round(mean, 5), "spread": round(max(losses) - min(losses), 5),
                           "diff_vs_anchor": round(mean - sum(ref) / len(ref), 5) if len(ref) >= 2 else None,
                           "anchor_spread": round(max(ref) - min(ref), 5) if len(ref) >= 2 else None})
@@ -159,9 +162,9 @@ def between_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], device: str) -> str:
     lines = [f"# automp bench fp8_parity · {device} · torch {torch.__version__}", "",
              f"loss: mean over the {rows[0]['window'] if rows else WINDOW} steps ending at the checkpoint, fresh "
-             f"batches of a stream with floor ln({K}) = {math.log(K):.2f}; gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
-             "| model | active ids | lr | mode | seed | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
-             "|---|---:|---:|---|---:|---:|---|---|---:|---|"]
+             f"batches of a stream with floor ln(K); gap: (loss - {ANCHOR}'s) / {ANCHOR}'s", "",
+             "| model | active ids | K | lr | mode | seed | steps | loss at checkpoints | gap vs bf16 | seconds | notes |",
+             "|---|---:|---:|---:|---|---:|---:|---|---|---:|---|"]
     for r in rows:
         at = ", ".join(f"{k}: {v:.4f}" for k, v in r["loss_at"].items())
         gap = ", ".join(f"{k}: {100 * v:+.2f}%" for k, v in r.get("gap_vs_bf16", {}).items())
@@ -169,7 +172,7 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
                                       if r.get("fp8_fallback") else None,
                                       f"{r['fp8_layers']} FP8 layers" if r.get("fp8_layers") is not None else None)
                           if x)
-        lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {r.get('lr', LR):g} | {r['mode']} | "
+        lines.append(f"| {r['model']} | {r.get('active_vocab', 0) or 'all'} | {_stream(r)[2]} | {r.get('lr', LR):g} | {r['mode']} | "
                      f"{r.get('seed', 0)} | {r['steps']} | {at} | "
                      f"{gap} | {fmt(r['seconds'], '.0f')} | {notes} |")
     seeds = between_seeds(rows)
@@ -177,10 +180,10 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
         lines += ["", "## Between seeds", "",
                   f"mean and spread (highest - lowest) of the windowed loss over the seeds; difference: mean - "
                   f"{ANCHOR}'s mean, beside {ANCHOR}'s own spread", "",
-                  "| model | active ids | lr | mode | checkpoint | seeds | mean | spread | difference "
-                  "| anchor spread |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+                  "| model | active ids | K | lr | mode | checkpoint | seeds | mean | spread | difference "
+                  "| anchor spread |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for s in seeds:
-            lines.append(f"| {s['model']} | {s['active_vocab'] or 'all'} | {s['lr']:g} | {s['mode']} | {s['at']} | "
+            lines.append(f"| {s['model']} | {s['active_vocab'] or 'all'} | {s['successors']} | {s['lr']:g} | {s['mode']} | {s['at']} | "
                          f"{s['seeds']} | {s['mean']:.4f} | {s['spread']:.4f} | {fmt(s['diff_vs_anchor'], '+.4f')} | "
                          f"{fmt(s['anchor_spread'], '.4f')} |")
     return "\n".join(lines) + "\n"
@@ -207,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=WINDOW, help="steps averaged at each checkpoint")
     p.add_argument("--active-vocab", type=int, default=ACTIVE,
                    help="ids the stream draws from (0: the whole vocabulary)")
+    p.add_argument("--successors", type=int, default=K, help=f"K: the ids that can follow each id (default {K}; "
+                                                                "the loss floor is ln K)")
     p.add_argument("--lr", type=float, default=LR, help=f"AdamW's learning rate in every mode (default {LR:g})")
     p.add_argument("--layers", type=int, default=4, help="llama-d4096's layers")
     p.add_argument("--seeds", default="0", help="comma-separated seeds: each mode runs once per seed (initial "
@@ -233,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     error = usage_problem([("--models", args.models, LM_MODELS), ("--modes", args.modes, MODES)],
                           [("--steps", args.steps, 1), ("--window", args.window, 1),
                            ("--layers", args.layers, 1), ("--active-vocab", args.active_vocab, 0),
+                           ("--successors", args.successors, 1),
                            ("--lr", args.lr, 1e-12)]
                           + [("--at", a, 1) for a in args.at] + [("--seeds", s, 0) for s in args.seeds], args.out)
     if not error and args.at[-1] > args.steps:
