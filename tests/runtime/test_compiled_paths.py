@@ -329,7 +329,7 @@ def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeyp
 
 
 @pytest.mark.usefixtures("eager_inductor")
-@pytest.mark.parametrize("host_ms, tried", [(8.0, False), (30.0, True)])
+@pytest.mark.parametrize("host_ms, tried", [(60.0, False), (80.0, True)])
 def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_far_ahead_of_the_device(
         monkeypatch, tmp_path, host_ms, tried):
     """A device-bound step (the host done issuing it long before the device is done running it) leaves CUDA graphs
@@ -357,7 +357,7 @@ def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_fa
     assert built == (2 if tried else 1)
     if not tried:
         assert choice["path"] == Route.COMPILED_AUTOCAST.value
-        assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.08, "limit": 0.1}
+        assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.6, "limit": 0.7}
 
 
 def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_policies(monkeypatch, tmp_path):
