@@ -51,9 +51,10 @@ class TrialConfig:
     this share of the sample's time, waiting for the device the rest, the device never waited for it and graphs have
     little to hide, so they are not recorded (`launch_bound`): their compile and memory pool cost the trial time and
     memory for next to nothing. A host ahead of the device keeps its queue full, so the gaps between kernels that graphs
-    also shorten stay small. Measured on an H200: Llama-3.2-1B dims issued its compiled samples in 0.58-0.66 of their
-    time and its graphs were 0.8% faster (inside anchor_margin, so not chosen, while their pool lifted the trial's peak);
-    GPT-2 issued them in 0.84-0.94 and its graphs were 12% faster."""
+    also shorten stay small. The share is set between two measured models (BENCHMARKS.md, "Against the strongest
+    loop"): Llama-3.2-1B dims issued its compiled samples in about 0.6 of their time and its graphs gained less than
+    anchor_margin while their pool lifted the trial's memory; GPT-2 issued them in 0.8-0.9 and its graphs gained
+    several times anchor_margin."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,

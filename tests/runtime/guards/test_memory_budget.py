@@ -165,3 +165,40 @@ def test_buffers_are_put_back_only_when_the_budget_aborts_the_call():
 def test_a_gpu_trial_runs_the_anchor_first_and_not_automps_own_pass():
     paths, _ = candidate_paths("cuda", 10.0, "bf16")
     assert paths == list(GPU_CANDIDATES) and paths[0] is Route.COMPILED_AUTOCAST and Route.COMPILED not in paths
+
+
+def test_the_aborted_calls_tensors_are_freed_before_the_call_runs_again(monkeypatch):
+    """An eager candidate stopped inside its forward leaves its activations in the frames of the error's traceback,
+    and in the reference cycles around it. The call runs again on the next candidate only once they are gone:
+    otherwise the re-run holds both, and a step that fits as written could run out of memory."""
+    import weakref
+    temps, alive_at_rerun = [], []
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(16, 32)
+
+        def forward(self, x):
+            temp = torch.randn(64, 64)  # a local of this frame when the budget stops the forward inside `inner`
+            temps.append(weakref.ref(temp))
+            return self.inner(x) + 0 * temp[0, :32]
+
+    def stock(module, root, **kwargs):
+        def call(*args, **kw):
+            alive_at_rerun.append(sum(r() is not None for r in temps))
+            with torch.autocast("cpu", dtype=root.low):
+                return compiled_paths.ORIG_CALL(module, *args, **kw)
+        return call
+    monkeypatch.setattr(compiled_paths, "stock", stock)
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW], "test"),
+           memory=lambda d: _memory(1000),
+           trial_config=TrialConfig(warmup={Route.COMPILED_AUTOCAST: 1, Route.EAGER_LOW: 1}))
+    automp.enable(dtype="bf16")
+    torch.manual_seed(0)
+    net = nn.Sequential(Holder(), nn.GELU(), nn.Linear(32, 4))
+    _train(net, 4)
+    report = automp.disable()
+    assert [f["rule"] for f in report["fallbacks"]].count(TRIAL_OVER_MEMORY) == 1
+    assert len(temps) >= 2 and len(alive_at_rerun) >= 2
+    assert alive_at_rerun[1] == 0  # the re-run after the abort: nothing of the aborted forward left
