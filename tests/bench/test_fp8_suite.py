@@ -255,6 +255,30 @@ def test_a_modes_peak_is_its_own_growth_allocated_and_reserved(monkeypatch):
     assert cpu == {}
 
 
+def test_each_steps_peak_is_its_own_and_the_modes_peak_keeps_the_highest(monkeypatch):
+    """Peak.step reads the peak since the last step and resets torch's: the mode's peak must still be the highest
+    of all steps, not the last one's."""
+    from automp.bench import fp8_run
+    now = {"allocated": 1 * 2**30, "reserved": 2 * 2**30}
+    peak = dict(now)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: peak.update(now))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: now["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peak["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: peak["reserved"])
+    mark = fp8_run.Peak("cuda")
+    steps = []
+    for high in (3, 9, 4):  # GiB allocated at each step's high-water mark
+        peak.update(allocated=high * 2**30, reserved=(high + 2) * 2**30)
+        steps.append(mark.step())
+    assert steps == [2.0, 8.0, 3.0]
+    row = {}
+    mark.into(row, "")
+    assert row == {"peak_gib": 8.0, "peak_reserved_gib": 9.0}
+    assert fp8_run.Peak("cpu").step() is None
+
+
 def test_profile_adds_each_modes_kernel_time_by_category(tmp_path, cache, fake_models, monkeypatch):
     def matmuls(work, device):
         w = torch.randn(64, 64)

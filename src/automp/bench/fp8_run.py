@@ -43,17 +43,31 @@ class Peak:
 
     def __init__(self, device: str) -> None:
         self.cuda = device == "cuda"
+        self.top = self.top_reserved = 0  # the peaks before the last `step` reset torch's
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.allocated, self.reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
+    def step(self) -> float | None:
+        """The peak allocated since the last call (or the start), above the start, in GiB; None on a CPU. Which
+        step of a trial raised the mode's peak is what says which candidate did: the trial's own figures
+        (`trial_peaks_gib`) cover only its timed and warm-up intervals, not the calls it aborted or ran again."""
+        if not self.cuda:
+            return None
+        top = torch.cuda.max_memory_allocated()
+        self.top, self.top_reserved = max(self.top, top), max(self.top_reserved, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+        return round((top - self.allocated) / 2**30, 3)
+
     def into(self, row: dict[str, Any], prefix: str) -> None:
         """Write `<prefix>peak_gib` and `<prefix>peak_reserved_gib` (a CPU: nothing)."""
         if self.cuda:
             torch.cuda.synchronize()
-            row[f"{prefix}peak_gib"] = round((torch.cuda.max_memory_allocated() - self.allocated) / 2**30, 3)
-            row[f"{prefix}peak_reserved_gib"] = round((torch.cuda.max_memory_reserved() - self.reserved) / 2**30, 3)
+            top = max(self.top, torch.cuda.max_memory_allocated())
+            reserved = max(self.top_reserved, torch.cuda.max_memory_reserved())
+            row[f"{prefix}peak_gib"] = round((top - self.allocated) / 2**30, 3)
+            row[f"{prefix}peak_reserved_gib"] = round((reserved - self.reserved) / 2**30, 3)
 
 
 class Run:
@@ -130,9 +144,12 @@ class Run:
             torch.manual_seed(0)
             self.step_fn = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
             target = max(self.opts.warmup, self.opts.first_steps)
+            steps = self.row["warmup_peaks_gib"] = [] if self.device == "cuda" else None
             while self.n < target or (self.mode.startswith("automp") and not automp.settled()
                                       and self.n < self.opts.max_warmup):
                 self.step()
+                if steps is not None:
+                    steps.append(peak.step())
                 if self.n == self.opts.first_steps:
                     if self.device == "cuda":  # the steps' kernels done, not only queued
                         torch.cuda.synchronize()
