@@ -42,6 +42,9 @@ def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, 
         assert row["loss"] is not None and row["first_run_s"] > 0 and row["blocks"] == "alternating"
         assert row["peak_gib"] is None and row["ratio_vs_bf16"] is None  # CPU; no anchor in this run
         assert isinstance(row["automp_paths"], dict) and row["automp_paths"]
+        ran = row["warmup_paths"]  # each warm-up step's path(s), from the session's own call counts
+        assert ran and all(ran) and set(row["automp_paths"].values()) <= set(ran[-1].split("+"))
+        assert row["warmup_peaks_gib"] is None  # a CPU has no allocator peaks
         assert rows[(model, "automp-fp8")]["skipped"]  # no FP8 here: enable raises, the row says why
     md = (tmp_path / "fp8-cpu.md").read_text()
     assert "## gpt2" in md and "## llama-d2048" in md and "| automp-bf16 |" in md and "skipped:" in md

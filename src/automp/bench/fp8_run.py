@@ -36,6 +36,18 @@ ROW_KEYS = ("model", "mode", "step_ms", "spread", "peak_gib", "peak_reserved_gib
             "fp8_layers", "blocks")
 
 
+def _calls() -> Counter:
+    """The root calls automp's session has counted so far, by the path they ran (all modules and phases): the
+    difference over one step says which path, or paths, that step ran (`warmup_paths`)."""
+    import automp
+    recorder = automp.recorder()
+    counts: Counter = Counter()
+    for phases in getattr(recorder, "calls", {}).values():
+        for by_path in phases.values():
+            counts.update(by_path)
+    return counts
+
+
 class Peak:
     """A mode's own peak memory from now on: torch.cuda's allocated and reserved peaks above what was there when it
     started (the other resident modes). Reserved counts CUDA graphs' pools whole; allocated does not count the
@@ -145,11 +157,17 @@ class Run:
             self.step_fn = LOOPS[self.mode](MODELS[self.row["model"]][0](quick, self.device, layers), self.device)
             target = max(self.opts.warmup, self.opts.first_steps)
             steps = self.row["warmup_peaks_gib"] = [] if self.device == "cuda" else None
+            paths = self.row["warmup_paths"] = [] if self.mode.startswith("automp") else None
+            seen = _calls()
             while self.n < target or (self.mode.startswith("automp") and not automp.settled()
                                       and self.n < self.opts.max_warmup):
                 self.step()
                 if steps is not None:
                     steps.append(peak.step())
+                if paths is not None:
+                    now = _calls()
+                    paths.append("+".join(sorted(now - seen)))
+                    seen = now
                 if self.n == self.opts.first_steps:
                     if self.device == "cuda":  # the steps' kernels done, not only queued
                         torch.cuda.synchronize()

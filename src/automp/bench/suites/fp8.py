@@ -38,7 +38,8 @@ modes), from its build to the end of its warm-up (compilation and automp's trial
 blocks alone would say nothing: CUDA graph replays allocate nothing. The steady state's peak, without automp's trial,
 is its second run's (--second-run: second_peak_gib, second_peak_reserved_gib), which starts on the verdict.
 warmup_peaks_gib (CUDA): each warm-up step's own peak allocated above the same start, so the step that set
-peak_gib, and with it the trial's candidate or aborted call, can be named.
+peak_gib, and with it the trial's candidate or aborted call, can be named; warmup_paths (automp modes): the path or
+paths each warm-up step ran, joined by '+'.
 Inductor's and AOTAutograd's caches are off and automp's verdicts start empty: every mode compiles cold and automp
 runs its trial, so first_run_s compares like with like. --second-run measures what a user's next run of the same
 script pays instead: the caches are on, each mode with an Inductor cache directory of its own (empty at its first
