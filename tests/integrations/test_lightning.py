@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent('''
         x = torch.randn(64, 16, generator=g)
         data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
         model = Regression()
-        trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, default_root_dir=root, logger=True,
+        trainer_args = {"logger": True, **trainer_args}
+        trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, default_root_dir=root,
                              enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                              plugins=list(plugins), **trainer_args)
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
@@ -66,6 +67,15 @@ def test_the_plugin_trains_as_automp_run_does_and_undoes_every_patch(tmp_path):
     saved = json.loads(open(os.path.join(trainer.log_dir, REPORT_NAME)).read())
     assert [c["module"] for c in saved["choices"]] == ["Sequential"] and saved["dtype"] == "bfloat16"
     assert plugin.report["choices"][0]["path"] == "low-precision-eager"
+
+
+def test_without_a_logger_the_report_lands_in_a_root_dir_lightning_never_made(tmp_path):
+    """logger=False: Lightning writes nothing and makes no folder, so the report's folder is made by the plugin (the
+    report is written after the last step: a missing folder must not fail the run there)."""
+    _, tiny = _script(tmp_path)
+    root = tmp_path / "not-yet" / "made"
+    _, trainer = tiny.fit(str(root), plugins=[AutoMP(dtype="bf16", path="eager")], logger=False)
+    assert json.loads((root / REPORT_NAME).read_text())["dtype"] == "bfloat16"
 
 
 def test_lightnings_own_precision_beside_the_plugin_is_refused(tmp_path):

@@ -22,11 +22,14 @@ def config_of(config: AutoMPConfig | None, overrides: dict[str, Any]) -> AutoMPC
 
 def start(config: AutoMPConfig, folder: str, owner: str) -> None:
     """automp on, its report in `folder` unless the config names a path; refused inside `automp run` or a script's
-    own enable(), whose session would be replaced."""
+    own enable(), whose session would be replaced. `folder` is made now if it is missing: a framework may create its
+    output folder only when it first saves (Lightning without a logger never does), and the report is written at the
+    end of training, where a missing folder would fail the run after all its steps."""
     if automp.is_enabled():
         raise RuntimeError(f"{owner}: automp is already enabled (`automp run`, or enable() in the script); use one of "
                            f"them, not both")
     if config.report is None:
+        os.makedirs(folder, exist_ok=True)
         config = dataclasses.replace(config, report=os.path.join(folder, REPORT_NAME))
     automp.enable(config)
 
