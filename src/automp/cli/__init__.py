@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_report)
 
     suites = ["kernels", "train", "convergence", "deploy", "deploy_gpu", "sparsity", "distill", "zoo", "fp8", "fp8_parity",
-              "dist", "linear_ce", "llm"]
+              "dist", "linear_ce", "integrations", "llm"]
     p = sub.add_parser("bench", help="benchmarks: " + " | ".join(suites) + " (llm = `automp llm bench`)")
     p.add_argument("suite", choices=suites, help="the benchmark suite to run")
     _rest(p, "the suite's own arguments (`automp bench SUITE --help` lists them)")

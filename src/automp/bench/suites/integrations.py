@@ -1,0 +1,147 @@
+"""`automp bench integrations`: automp as one argument of a framework against `automp run` of the same script.
+
+A user of transformers' Trainer adds `AutoMPCallback()`, a Lightning user the `AutoMP()` plugin; either should train
+as fast as the plain loop does under `automp run`, and make the same choice. Each mode is GPT-2 (124M, B8 T1024;
+--quick: tiny) written one way (automp.bench.integrations_worker: the plain loop, the Trainer, Lightning), each run
+in a process of its own so that every run is a first run: automp's verdict cache and Inductor's cache start empty
+in each. A framework's process cannot hold another's session, so the modes cannot alternate in one process: they take
+turns across processes instead, in alternating order (loop trainer lightning, then lightning trainer loop, ...), so
+a host that drifts over the run biases none, and each mode's figure is the median over --repeats processes with
+their spread.
+
+Rows, one per process: {"mode", "repeat", "steps", "step_ms" (the steps of the last third, between two device
+synchronizations), "first_run_s" (from the worker's start, torch imported, to the end of step --first: the model's build, the
+framework's set-up, compilation and automp's trial),
+"loss", "peak_gib" (allocated, CUDA), "paths" (automp's choice per module), "device", "torch", "date", "commit"}, or
+with "error" where the process failed. The markdown's summary gives each mode's median, spread and ratio against
+the loop's median (> 1: faster than `automp run`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from automp.bench import integrations_worker as worker
+from automp.bench.harness import device_name, fmt, gpu_slug, provenance, usage_problem
+from automp.files import write_json_and_markdown
+
+ANCHOR = "loop"
+
+
+def order(modes: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, mode) in the order the processes run: the modes in turn, every other repeat reversed."""
+    return [(r, m) for r in range(repeats) for m in (modes if r % 2 == 0 else modes[::-1])]
+
+
+def command(mode: str, opts: argparse.Namespace, workdir: str, out: str) -> list[str]:
+    """The process of one mode: the worker itself, under `automp run` for the plain loop."""
+    args = [worker.__file__, "--mode", mode, "--steps", str(opts.steps), "--first", str(opts.first),
+            "--workdir", workdir, "--out", out, *(["--quick"] if opts.quick else [])]
+    if mode == ANCHOR:
+        return [sys.executable, "-m", "automp", "run", "--quiet", "--report", os.path.join(workdir, "report.json"),
+                *args]
+    return [sys.executable, *args]
+
+
+def run_one(mode: str, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """One process of `mode`, cold: its own automp verdict cache and Inductor cache (a first run each time)."""
+    row: dict[str, Any] = {"mode": mode, "repeat": repeat}
+    with tempfile.TemporaryDirectory() as tmp:
+        out, workdir = os.path.join(tmp, "row.json"), os.path.join(tmp, "work")
+        os.makedirs(workdir)
+        env = {**os.environ, "AUTOMP_CACHE_DIR": os.path.join(tmp, "automp"),
+               "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
+        try:
+            done = subprocess.run(command(mode, opts, workdir, out), env=env, capture_output=True, text=True,
+                                  timeout=opts.mode_timeout or None)
+        except subprocess.TimeoutExpired:
+            return {**row, "error": f"over --mode-timeout {opts.mode_timeout} s"}
+        if done.returncode != 0 or not os.path.exists(out):
+            tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            return {**row, "error": f"exit status {done.returncode}: {tail[:300]}"}
+        with open(out, encoding="utf-8") as f:
+            row.update(json.load(f), repeat=repeat)
+        report = os.path.join(workdir, "report.json")
+        if "paths" not in row and os.path.exists(report):
+            with open(report, encoding="utf-8") as f:
+                row["paths"] = {c["module"]: c["path"] for c in json.load(f).get("choices", [])}
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode: the median and spread of its processes' step_ms and first_run_s, and its ratio to the loop's."""
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("step_ms"):
+            by_mode.setdefault(r["mode"], []).append(r)
+    med = {m: statistics.median(r["step_ms"] for r in rs) for m, rs in by_mode.items()}
+    out = []
+    for mode, rs in by_mode.items():
+        steps = [r["step_ms"] for r in rs]
+        firsts = [r["first_run_s"] for r in rs if r.get("first_run_s") is not None]
+        peaks = [r["peak_gib"] for r in rs if r.get("peak_gib") is not None]
+        out.append({"mode": mode, "runs": len(rs), "step_ms": round(med[mode], 3), "spread": [min(steps), max(steps)],
+                    "vs_loop": round(med[ANCHOR] / med[mode], 3) if ANCHOR in med else None,
+                    "first_run_s": round(statistics.median(firsts), 2) if firsts else None,
+                    "peak_gib": max(peaks) if peaks else None, "paths": rs[-1].get("paths")})
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], device: str, opts: argparse.Namespace) -> str:
+    lines = [f"# automp bench integrations · {device}", "",
+             f"GPT-2{' (tiny, --quick)' if opts.quick else ' 124M, B8 T1024'}, {opts.steps} steps per process, "
+             f"each mode in {opts.repeats} processes in alternating order; step ms: the last third's mean; "
+             f"vs loop: `automp run`'s median / the mode's (> 1: faster)", "",
+             "| mode | processes | step ms, median (spread) | vs loop | first run s, median | peak GiB | automp chose |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for s in summary(rows):
+        lines.append(f"| {s['mode']} | {s['runs']} | {s['step_ms']:.2f} ({s['spread'][0]:.2f}-{s['spread'][1]:.2f}) | "
+                     f"{fmt(s['vs_loop'], '.3f')} | {fmt(s['first_run_s'], '.1f')} | {fmt(s['peak_gib'], '.2f')} | "
+                     f"{', '.join(f'{k}: {v}' for k, v in (s['paths'] or {}).items())} |")
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines += ["", *(f"- {r['mode']} (repeat {r['repeat']}): {r['error']}" for r in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="automp bench integrations", description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default=",".join(worker.MODES), help=f"comma-separated, from {', '.join(worker.MODES)}")
+    p.add_argument("--repeats", type=int, default=3, help="processes per mode")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--first", type=int, default=20, help="first_run_s is the time to the end of this step")
+    p.add_argument("--mode-timeout", type=int, default=600, help="seconds one process may take; 0: no limit")
+    p.add_argument("--quick", action="store_true", help="a tiny GPT-2 (a CPU smoke run)")
+    p.add_argument("--out", default=None, help="writes OUT.json and .md (default: benchmarks/integrations-<gpu>)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    opts = _parser().parse_args(argv)
+    device = device_name("cuda" if torch.cuda.is_available() else "cpu")
+    opts.out = opts.out or os.path.join("benchmarks", f"integrations-{gpu_slug(device)}"
+                                        + ("-quick" if opts.quick else ""))
+    error = usage_problem([("--modes", opts.modes, worker.MODES)],
+                          [("--repeats", opts.repeats, 1), ("--steps", opts.steps, 3), ("--first", opts.first, 1),
+                           ("--mode-timeout", opts.mode_timeout, 0)], opts.out, exts=(".json", ".md"))
+    if error:
+        print(f"automp bench integrations: {error}", file=sys.stderr)
+        return 2
+    meta = {**provenance(), "device": device}
+    rows = []
+    for repeat, mode in order(opts.modes.split(","), opts.repeats):
+        rows.append({**run_one(mode, repeat, opts), **meta})
+        r = rows[-1]
+        print(f"[{mode} {repeat}] " + (r["error"] if r.get("error") else
+                                       f"{r['step_ms']} ms/step, first run {r['first_run_s']} s, paths {r.get('paths')}"),
+              flush=True)
+    out_dir, stem = os.path.split(os.path.abspath(opts.out))
+    write_json_and_markdown(out_dir, stem, rows, markdown(rows, device, opts))
+    print(markdown(rows, device, opts) + f"wrote {opts.out}.json, .md", flush=True)
+    return 0

@@ -1,0 +1,61 @@
+"""`automp bench integrations`: GPT-2 trained by the plain loop under `automp run`, by transformers' Trainer with
+AutoMPCallback and by Lightning with the AutoMP plugin, each in processes of its own taking turns in alternating
+order; rows per process, a summary against the loop's median, and a failing process kept as a row that says why."""
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from automp.bench.suites import integrations as suite
+
+HAVE_FRAMEWORKS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "lightning", "accelerate"))
+
+
+def test_processes_take_turns_in_alternating_order():
+    assert suite.order(["loop", "trainer", "lightning"], 3) == [
+        (0, "loop"), (0, "trainer"), (0, "lightning"), (1, "lightning"), (1, "trainer"), (1, "loop"),
+        (2, "loop"), (2, "trainer"), (2, "lightning")]
+
+
+def test_the_summary_is_each_modes_median_against_the_loops():
+    rows = [{"mode": "loop", "step_ms": 10.0, "first_run_s": 5.0}, {"mode": "loop", "step_ms": 12.0, "first_run_s": 7.0},
+            {"mode": "loop", "step_ms": 11.0, "first_run_s": 6.0}, {"mode": "trainer", "step_ms": 22.0},
+            {"mode": "trainer", "error": "exit status 1"}]
+    by = {s["mode"]: s for s in suite.summary(rows)}
+    assert by["loop"]["step_ms"] == 11.0 and by["loop"]["spread"] == [10.0, 12.0] and by["loop"]["vs_loop"] == 1.0
+    assert by["loop"]["first_run_s"] == 6.0 and by["loop"]["runs"] == 3
+    assert by["trainer"]["vs_loop"] == 0.5 and by["trainer"]["runs"] == 1  # the failed process is not a figure
+
+
+def test_bad_arguments_are_one_line(tmp_path, capsys):
+    assert suite.main(["--modes", "loop,keras", "--out", str(tmp_path / "x")]) == 2
+    assert "--modes" in capsys.readouterr().err
+    assert suite.main(["--repeats", "0", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.skipif(not HAVE_FRAMEWORKS, reason="transformers, lightning and accelerate (the test extra)")
+def test_a_quick_run_times_every_mode_and_keeps_a_failing_process_as_a_row(tmp_path, monkeypatch):
+    real = suite.command
+
+    def command(mode, opts, workdir, out):  # the second Lightning process fails: its row says why, the rest run
+        if mode == "lightning" and seen.count("lightning") == 1:
+            return [sys.executable, "-c", "import sys; sys.exit('no GPU left')"]
+        return real(mode, opts, workdir, out)
+    seen = []
+    monkeypatch.setattr(suite, "command", lambda mode, *a: seen.append(mode) or command(mode, *a))
+    monkeypatch.setattr(suite, "gpu_slug", lambda name: "cpu")  # a GPU host runs this on its CPU too: no matter
+    out = tmp_path / "integ"
+    assert suite.main(["--quick", "--repeats", "2", "--steps", "6", "--first", "2", "--out", str(out)]) == 0
+    rows = json.loads((tmp_path / "integ.json").read_text())
+    assert [(r["repeat"], r["mode"]) for r in rows] == suite.order(list(suite.worker.MODES), 2)
+    failed = [r for r in rows if r.get("error")]
+    assert len(failed) == 1 and failed[0]["mode"] == "lightning" and "no GPU left" in failed[0]["error"]
+    for r in rows:
+        assert r["commit"] and r["date"] and r["device"]
+        if not r.get("error"):
+            assert r["steps"] == 6 and r["step_ms"] > 0 and math.isfinite(r["loss"]) and r["first_run_s"] > 0
+            assert r["paths"] and set(r["paths"]) == {"GPT2LMHeadModel"}  # automp's report, read back per mode
+    md = (tmp_path / "integ.md").read_text()
+    assert "| loop | 2 |" in md and "| trainer | 2 |" in md and "| lightning | 1 |" in md and "no GPU left" in md
