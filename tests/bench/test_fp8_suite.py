@@ -85,7 +85,7 @@ def _tiny(quick, device, layers):
 def fake_models(monkeypatch):
     monkeypatch.setitem(wl.MODELS, "gpt2", (_tiny, "torch"))
     monkeypatch.setitem(wl.MODELS, "llama-d2048", (_tiny, "torch"))
-    monkeypatch.setattr(fp8, "_missing", lambda lib: False)  # the fake loops need no torchao
+    monkeypatch.setattr(fp8, "missing", lambda lib: False)  # the fake loops need no torchao
 
 
 def test_a_failing_mode_is_a_skipped_row_and_the_rest_run(tmp_path, cache, fake_models, monkeypatch):
@@ -167,7 +167,7 @@ def test_a_cpu_run_without_quick_is_refused_in_one_line(tmp_path, capsys, monkey
 
 def test_a_missing_library_skips_its_rows_only(tmp_path, cache, fake_models, monkeypatch):
     monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", _counting_loop([]))
-    monkeypatch.setattr(fp8, "_missing", lambda lib: lib == "torchao")
+    monkeypatch.setattr(fp8, "missing", lambda lib: lib == "torchao")
     out = tmp_path / "m"
     assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,torchao-tensorwise,torchao-rowwise",
                      "--out", str(out), *QUICK]) == 0

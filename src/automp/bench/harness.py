@@ -67,6 +67,12 @@ def provenance(device: str | torch.device | None = None) -> dict[str, str]:
             "commit": commit()}
 
 
+def missing(lib: str) -> bool:
+    """Whether the optional library `lib` is not installed (its modes' rows then say `pip install <lib>`)."""
+    import importlib.util
+    return importlib.util.find_spec(lib) is None
+
+
 def one_line(e: BaseException) -> str:
     """An error as a row's one-line note: its type and its message with every run of whitespace (newlines included)
     made one space, cut at 300 characters."""

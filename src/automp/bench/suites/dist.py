@@ -26,7 +26,6 @@ automp's trial included (caches off, automp's verdicts cold).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -39,7 +38,8 @@ from typing import Any
 import torch
 
 from automp.bench.dist_worker import COLLECTIVE_TIMEOUT_S, DEFAULT_MODES, MODELS, MODES, ROW_KEYS
-from automp.bench.harness import device_name, fmt, gpu_slug, header, provenance, ratio_bars, row_notes, usage_problem
+from automp.bench.harness import (device_name, fmt, gpu_slug, header, missing, provenance, ratio_bars, row_notes,
+                                  usage_problem)
 from automp.files import write_json_and_markdown
 
 ANCHOR = "bf16-compile"
@@ -209,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, models: list[str], rows: list[dict[str, Any]], meta: dict[str, Any],
          out_dir: str, stem: str) -> int:
     for world in _world_sizes(args.gpus):
-        modes, missing = [], []
+        modes, absent = [], []
         for m in args.modes.split(","):  # a missing library skips its rows, not the run
-            lib = "transformers" if _missing("transformers") else MODE_LIBS.get(m)
-            (missing if lib and _missing(lib) else modes).append((m, lib))
-        found = [_skipped(model, m, world, f"pip install {lib}") for model in models for m, lib in missing]
+            lib = "transformers" if missing("transformers") else MODE_LIBS.get(m)
+            (absent if lib and missing(lib) else modes).append((m, lib))
+        found = [_skipped(model, m, world, f"pip install {lib}") for model in models for m, lib in absent]
         stopped = False
         if modes:
             done, stopped = launch(world, models, [m for m, _ in modes], args)
@@ -229,7 +229,3 @@ def _run(args: argparse.Namespace, models: list[str], rows: list[dict[str, Any]]
     print(markdown(rows))
     print(f"wrote {args.out}.json, .md, .png", flush=True)
     return 0
-
-
-def _missing(lib: str) -> bool:
-    return importlib.util.find_spec(lib) is None

@@ -56,7 +56,6 @@ On a CPU the suite runs only with --quick (tiny dims, a smoke run): the full-siz
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -66,8 +65,8 @@ import torch
 
 from automp.bench.fp8_run import PROFILE, ROUNDS, ROW_KEYS, Run, cold_cache
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS, automp_options
-from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, ratio_bars,
-                                  row_notes, usage_problem)
+from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, missing,
+                                  ratio_bars, row_notes, usage_problem)
 from automp.files import write_json_and_markdown
 
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
@@ -276,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             modes = []
             for m in args.modes.split(","):  # a missing library skips its rows, not the run
-                lib = MODELS[name][1] if _missing(MODELS[name][1]) else MODE_LIBS.get(m)
-                if lib and _missing(lib):
+                lib = MODELS[name][1] if missing(MODELS[name][1]) else MODE_LIBS.get(m)
+                if lib and missing(lib):
                     emit({**{k: None for k in ROW_KEYS}, "model": name, "mode": m, "skipped": f"pip install {lib}"})
                 else:
                     modes.append(m)
@@ -288,7 +287,3 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     print(f"wrote {args.out}.json, .md, .png", flush=True)
     return 0
-
-
-def _missing(lib: str) -> bool:
-    return importlib.util.find_spec(lib) is None
