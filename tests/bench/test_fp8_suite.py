@@ -125,6 +125,39 @@ def test_every_mode_reads_its_loss_after_the_same_number_of_steps(tmp_path, cach
         assert rows[("gpt2", "bf16-reduce-overhead")]["ratio_vs_bf16"] == 1.0
 
 
+def test_repeats_pass_over_the_modes_again_in_reverse_and_report_their_median(tmp_path, cache, fake_models,
+                                                                               monkeypatch):
+    """--repeats N: N passes, every other one in reverse order, each row tagged with its pass and its ratio taken to
+    the anchor of the same pass; the markdown adds the median and spread over the passes."""
+    built = []
+
+    def loop(mode):
+        def build(work, device):
+            built.append(mode)
+            return _counting_loop([])(work, device)
+        return build
+    for mode in ("bf16-reduce-overhead", "torchao-rowwise"):
+        monkeypatch.setitem(wl.LOOPS, mode, loop(mode))
+    monkeypatch.setattr(fp8, "RESIDENT_MAX_PARAMS", 0)  # sequential: the build order is the modes' order
+    out = tmp_path / "rep"
+    assert fp8.main(["--models", "gpt2", "--modes", "bf16-reduce-overhead,torchao-rowwise", "--repeats", "3",
+                     "--out", str(out), "--steps", "2", "--warmup", "1", "--first-steps", "1", "--quick"]) == 0
+    assert built == ["bf16-reduce-overhead", "torchao-rowwise", "torchao-rowwise", "bf16-reduce-overhead",
+                     "bf16-reduce-overhead", "torchao-rowwise"]
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert sorted((r["repeat"], r["mode"]) for r in rows) == sorted(
+        (i, m) for i in range(3) for m in ("bf16-reduce-overhead", "torchao-rowwise"))
+    for r in rows:
+        anchor = next(a for a in rows if a["mode"] == fp8.ANCHOR and a["repeat"] == r["repeat"])
+        assert r["ratio_vs_bf16"] == pytest.approx(anchor["step_ms"] / r["step_ms"], abs=1e-3)
+    (summary,) = [s for s in fp8.across_repeats(rows) if s["mode"] == "torchao-rowwise"]
+    steps = sorted(r["step_ms"] for r in rows if r["mode"] == "torchao-rowwise")
+    assert summary["repeats"] == 3 and summary["step_ms"] == pytest.approx(steps[1], abs=1e-3)
+    assert summary["spread"] == [steps[0], steps[2]]
+    md = out.with_suffix(".md").read_text()
+    assert "## across repeats" in md and "| gpt2 | torchao-rowwise | 3 |" in md and "(repeat 2)" in md
+
+
 def test_a_mode_past_its_timeout_is_skipped(tmp_path, cache, fake_models, monkeypatch):
     def slow(work, device):
         def step():

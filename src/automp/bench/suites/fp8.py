@@ -37,6 +37,9 @@ peak, allocated and reserved (CUDA graphs' pools whole), above what was there wh
 modes), from its build to the end of its warm-up (compilation and automp's trial included). A peak of the timed
 blocks alone would say nothing: CUDA graph replays allocate nothing. The steady state's peak, without automp's trial,
 is its second run's (--second-run: second_peak_gib, second_peak_reserved_gib), which starts on the verdict.
+--repeats N: N passes over every model and mode in one process, the modes' order reversed every other pass, each
+row tagged with its `repeat` and its ratio taken to the same pass's anchor; the markdown adds each mode's median
+and spread over the passes (`across_repeats`), which the plot then shows.
 warmup_peaks_gib (CUDA): each warm-up step's own peak allocated above the same start, so the step that set
 peak_gib, and with it the trial's candidate or aborted call, can be named; warmup_paths (automp modes): the path or
 paths each warm-up step ran, joined by '+'.
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 from typing import Any, Callable
@@ -162,9 +166,10 @@ def parameters(name: str, opts: argparse.Namespace) -> int:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    anchors = {r["model"]: r["step_ms"] for r in rows if r["mode"] == ANCHOR and r.get("step_ms")}
+    """Each row's ratio to the anchor's step time of the same model and repeat (one process pass, --repeats)."""
+    anchors = {(r["model"], r.get("repeat", 0)): r["step_ms"] for r in rows if r["mode"] == ANCHOR and r.get("step_ms")}
     for r in rows:
-        a = anchors.get(r["model"])
+        a = anchors.get((r["model"], r.get("repeat", 0)))
         r["ratio_vs_bf16"] = round(a / r["step_ms"], 3) if a and r.get("step_ms") else None
 
 
@@ -173,6 +178,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                                  "step ms: median of the blocks' mean step time; spread: the fastest and slowest block",
                                  "loss: after the same number of optimizer steps in every mode; first run s: build + "
                                  "first steps, compilation and automp's trial included"])
+    repeated = any(r.get("repeat", 0) for r in rows)
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         lines += ["", f"## {model} ({mine[0].get('blocks')} blocks)", "",
@@ -180,12 +186,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                   "| second run s | notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in mine:
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
-            lines.append(f"| {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
+            name = f"{r['mode']} (repeat {r['repeat']})" if repeated else r["mode"]
+            lines.append(f"| {name} | {fmt(r['step_ms'], '.2f')} | {spread} | "
                          f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
                          f"{fmt(r.get('peak_reserved_gib'), '.2f')} | {fmt(r.get('second_peak_gib'), '.2f')} | "
                          f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | "
                          f"{fmt(r.get('second_run_s'), '.1f')} | "
                          f"{row_notes(r)} |")
+    summary = across_repeats(rows)
+    if summary:
+        lines += ["", "## across repeats (median; spread: the fastest and slowest repeat)", "",
+                  "| model | mode | repeats | step ms | spread | ratio | ratio spread | first run s | peak GiB |",
+                  "|---|---|---:|---:|---|---:|---|---:|---:|"]
+        for r in summary:
+            rs = f"{r['ratio_spread'][0]:.3f}-{r['ratio_spread'][1]:.3f}" if r["ratio_spread"] else ""
+            lines.append(f"| {r['model']} | {r['mode']} | {r['repeats']} | {r['step_ms']:.2f} | "
+                         f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f} | {fmt(r['ratio_vs_bf16'], '.3f')} | {rs} | "
+                         f"{fmt(r['first_run_s'], '.1f')} | {fmt(r['peak_gib'], '.2f')} |")
     profiled = [r for r in rows if r.get("kernel_ms") is not None]
     if profiled:
         cats = [c for c, _ in PROFILE] + ["other"]
@@ -201,13 +218,40 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def across_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and mode timed in two or more repeats: the median over the repeats of its step time, ratio and first
+    run, the spread (fastest and slowest repeat) of its step time and ratio, and its highest peak. A figure is the
+    median of repeated runs, never the favourable one."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("step_ms"):
+            groups.setdefault((r["model"], r["mode"]), []).append(r)
+    out = []
+    for (model, mode), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        steps, ratios = [r["step_ms"] for r in rs], [r["ratio_vs_bf16"] for r in rs if r.get("ratio_vs_bf16")]
+        firsts, peaks = [r["first_run_s"] for r in rs if r.get("first_run_s")], [r["peak_gib"] for r in rs
+                                                                                 if r.get("peak_gib") is not None]
+        out.append({"model": model, "mode": mode, "repeats": len(rs), "step_ms": round(statistics.median(steps), 3),
+                    "spread": [min(steps), max(steps)],
+                    "ratio_vs_bf16": round(statistics.median(ratios), 3) if ratios else None,
+                    "ratio_spread": [min(ratios), max(ratios)] if ratios else None,
+                    "first_run_s": round(statistics.median(firsts), 2) if firsts else None,
+                    "peak_gib": max(peaks) if peaks else None})
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Grouped bars of ratio_vs_bf16, one group per model, one bar per mode (harness.ratio_bars)."""
-    ratio_bars(rows, "ratio_vs_bf16", MODES, ANCHOR, "automp bench fp8", path)
+    """Grouped bars of ratio_vs_bf16, one group per model, one bar per mode (harness.ratio_bars): with --repeats,
+    the median over the repeats."""
+    summary = across_repeats(rows)
+    ratio_bars(summary or rows, "ratio_vs_bf16", MODES, ANCHOR, "automp bench fp8", path)
 
 
-def _order(row: dict[str, Any]) -> tuple[int, int]:
-    return list(MODELS).index(row["model"]), MODES.index(row["mode"]) if row["mode"] in MODES else len(MODES)
+def _order(row: dict[str, Any]) -> tuple[int, int, int]:
+    return (list(MODELS).index(row["model"]), row.get("repeat", 0),
+            MODES.index(row["mode"]) if row["mode"] in MODES else len(MODES))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,6 +266,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny dims of every model (a CPU smoke run)")
     p.add_argument("--out", default=None, help="writes OUT.json, .md, .png (default: benchmarks/fp8-<gpu>)")
     p.add_argument("--mode-timeout", type=float, default=300, help="seconds one mode may take; 0: no limit")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over every model and mode, the modes' order reversed every other pass; with 2 or "
+                        "more, the markdown's median and spread over them")
     p.add_argument("--profile", action="store_true",
                    help="after its timed blocks, one more step of each mode under torch.profiler: kernel time by "
                         "category (attention, matmul, optimizer, other) in its row and a table of its own")
@@ -235,7 +282,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     return usage_problem([("--models", args.models, tuple(MODELS)), ("--modes", args.modes, MODES)],
                          [("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--layers", args.layers, 1),
                           ("--first-steps", args.first_steps, 1), ("--max-warmup", args.max_warmup, 0),
-                          ("--mode-timeout", args.mode_timeout, 0)], args.out)
+                          ("--mode-timeout", args.mode_timeout, 0), ("--repeats", args.repeats, 1)], args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**provenance(), "device": device}
     rows: list[dict[str, Any]] = []
 
+    repeat = 0
+
     def emit(row: dict[str, Any]) -> None:
         """Print the row and rewrite the results: a run cut off later keeps every row it finished."""
-        rows.append(dict(row, **meta))
+        rows.append(dict(row, **meta, **({"repeat": repeat} if args.repeats > 1 else {})))
         rows.sort(key=_order)
         add_ratios(rows)
         shown = f"skipped: {row['skipped']}" if "skipped" in row else (
@@ -272,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     cached = args.second_run  # caches on, a directory per mode (Run.compiling), for the second runs to hit
     with torch._inductor.config.patch(fx_graph_cache=cached), \
             torch._functorch.config.patch(enable_autograd_cache=cached), torch._dynamo.config.patch(recompile_limit=64):
-        for name in args.models.split(","):
+        for repeat, name in ((r, n) for r in range(args.repeats) for n in args.models.split(",")):
             modes = []
             for m in args.modes.split(","):  # a missing library skips its rows, not the run
                 lib = MODELS[name][1] if missing(MODELS[name][1]) else MODE_LIBS.get(m)
@@ -281,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     modes.append(m)
             if modes:
-                run_model(name, modes, args, emit)
+                run_model(name, modes if repeat % 2 == 0 else modes[::-1], args, emit)
                 free(dynamo=True)
             plot(rows, args.out + ".png")
     print(markdown(rows))
