@@ -67,6 +67,19 @@ def provenance(device: str | torch.device | None = None) -> dict[str, str]:
             "commit": commit()}
 
 
+def over_runs(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What repeated runs of one mode say together: the median of their step_ms and its spread (fastest and slowest
+    run), the median of their first_run_s and their highest peak_gib (rows without a figure left out of it). A
+    figure is the median of repeated runs, never the favourable one."""
+    import statistics
+    steps = [r["step_ms"] for r in rows]
+    firsts = [r["first_run_s"] for r in rows if r.get("first_run_s") is not None]
+    peaks = [r["peak_gib"] for r in rows if r.get("peak_gib") is not None]
+    return {"step_ms": round(statistics.median(steps), 3), "spread": [min(steps), max(steps)],
+            "first_run_s": round(statistics.median(firsts), 2) if firsts else None,
+            "peak_gib": max(peaks) if peaks else None}
+
+
 def missing(lib: str) -> bool:
     """Whether the optional library `lib` is not installed (its modes' rows then say `pip install <lib>`)."""
     import importlib.util

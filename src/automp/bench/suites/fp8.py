@@ -70,7 +70,7 @@ import torch
 from automp.bench.fp8_run import PROFILE, ROUNDS, ROW_KEYS, Run, cold_cache
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS, automp_options
 from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, missing,
-                                  ratio_bars, row_notes, usage_problem)
+                                  over_runs, ratio_bars, row_notes, usage_problem)
 from automp.files import write_json_and_markdown
 
 __all__ = ["ANCHOR", "MODES", "ROUNDS", "ROW_KEYS", "Run", "main"]
@@ -219,9 +219,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def across_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model and mode timed in two or more repeats: the median over the repeats of its step time, ratio and first
-    run, the spread (fastest and slowest repeat) of its step time and ratio, and its highest peak. A figure is the
-    median of repeated runs, never the favourable one."""
+    """Per model and mode timed in two or more repeats: harness.over_runs of its rows, and the median and spread of
+    its ratio to the anchor."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("step_ms"):
@@ -230,15 +229,10 @@ def across_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (model, mode), rs in groups.items():
         if len(rs) < 2:
             continue
-        steps, ratios = [r["step_ms"] for r in rs], [r["ratio_vs_bf16"] for r in rs if r.get("ratio_vs_bf16")]
-        firsts, peaks = [r["first_run_s"] for r in rs if r.get("first_run_s")], [r["peak_gib"] for r in rs
-                                                                                 if r.get("peak_gib") is not None]
-        out.append({"model": model, "mode": mode, "repeats": len(rs), "step_ms": round(statistics.median(steps), 3),
-                    "spread": [min(steps), max(steps)],
+        ratios = [r["ratio_vs_bf16"] for r in rs if r.get("ratio_vs_bf16")]
+        out.append({"model": model, "mode": mode, "repeats": len(rs), **over_runs(rs),
                     "ratio_vs_bf16": round(statistics.median(ratios), 3) if ratios else None,
-                    "ratio_spread": [min(ratios), max(ratios)] if ratios else None,
-                    "first_run_s": round(statistics.median(firsts), 2) if firsts else None,
-                    "peak_gib": max(peaks) if peaks else None})
+                    "ratio_spread": [min(ratios), max(ratios)] if ratios else None})
     return out
 
 

@@ -27,7 +27,7 @@ import tempfile
 from typing import Any
 
 from automp.bench import integrations_worker as worker
-from automp.bench.harness import device_name, fmt, gpu_slug, provenance, usage_problem
+from automp.bench.harness import device_name, fmt, gpu_slug, over_runs, provenance, usage_problem
 from automp.files import write_json_and_markdown
 
 ANCHOR = "loop"
@@ -65,7 +65,7 @@ def run_one(mode: str, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
             tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             return {**row, "error": f"exit status {done.returncode}: {tail[:300]}"}
         with open(out, encoding="utf-8") as f:
-            row.update(json.load(f), repeat=repeat)
+            row.update(json.load(f))
         report = os.path.join(workdir, "report.json")
         if "paths" not in row and os.path.exists(report):
             with open(report, encoding="utf-8") as f:
@@ -74,7 +74,7 @@ def run_one(mode: str, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode: the median and spread of its processes' step_ms and first_run_s, and its ratio to the loop's."""
+    """Per mode: harness.over_runs of its processes' rows, and its median's ratio to the loop's."""
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("step_ms"):
@@ -82,13 +82,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     med = {m: statistics.median(r["step_ms"] for r in rs) for m, rs in by_mode.items()}
     out = []
     for mode, rs in by_mode.items():
-        steps = [r["step_ms"] for r in rs]
-        firsts = [r["first_run_s"] for r in rs if r.get("first_run_s") is not None]
-        peaks = [r["peak_gib"] for r in rs if r.get("peak_gib") is not None]
-        out.append({"mode": mode, "runs": len(rs), "step_ms": round(med[mode], 3), "spread": [min(steps), max(steps)],
+        out.append({"mode": mode, "runs": len(rs), **over_runs(rs),
                     "vs_loop": round(med[ANCHOR] / med[mode], 3) if ANCHOR in med else None,
-                    "first_run_s": round(statistics.median(firsts), 2) if firsts else None,
-                    "peak_gib": max(peaks) if peaks else None, "paths": rs[-1].get("paths")})
+                    "paths": rs[-1].get("paths")})
     return out
 
 
