@@ -39,8 +39,8 @@ GRAPH_PATCHES = {"triton.cudagraphs": True}
 
 def compile_patches(graphs: bool, device_type: str) -> dict[str, Any]:
     """Inductor's config for a stock path's graphs. A trial compiles the same graphs twice, once replayed as CUDA
-    graphs and once not, and Inductor's and AOTAutograd's caches key on `triton.cudagraphs`: two full compiles, the
-    larger part of the first run's lead over a hand-written loop, which compiles once. On CUDA, where torch has
+    graphs and once not, and Inductor's and AOTAutograd's caches key on `triton.cudagraphs`: two full compiles, most
+    of what a first run costs beyond a hand-written loop, which compiles once. On CUDA, where torch has
     `cudagraph_policy` (2.13: not in the cache key, applied after the compile or a cache load), both paths compile with
     CUDA graphs on and the plain one with a policy that wraps none: the second compile is a cache hit. Elsewhere, or
     on a torch without the policy, the plain path compiles without CUDA graphs, as `torch.compile` does."""
