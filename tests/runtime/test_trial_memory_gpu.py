@@ -1,6 +1,6 @@
 """A trial fits where the hand-written loop fits: an FP32 MLP script whose bf16 loop (autocast + torch.compile + fused
 AdamW) peaks at about 70% of the GPU runs under automp without running out of memory, and automp's peak, trial
-included, stays within 10% of that loop's (the budget's 5% slack, and what its count of saved activations misses).
+included, stays within 10% of that loop's (what the budget's estimate of an eager step's peak misses).
 
 GPU only: the batch is sized on the device itself, from two measured runs of the loop (peak memory grows linearly
 with the batch). Run by the GPU test run."""

@@ -7,19 +7,23 @@ script that fits under the strongest loop could then run out of memory in automp
 anything.
 
 How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate.
-When its first iteration ends (the next call begins), the device's peak allocated memory so far, which covers that
-iteration's forward, backward and optimizer step, is the budget (times 1 + `slack`). The first call of each eager
-candidate then runs under a saved-tensor hook that adds the bytes autograd saves for the backward to what was allocated
-when the call began; past the budget the hook raises OverBudget inside the forward, before anything reached the
-script. The trial drops that candidate (rule trial-over-memory) and runs the call again on the next one, as it does
-after an out-of-memory error (automp.runtime.paths.RootPaths.over_budget), with the module's buffers as they were
-before the aborted call (a BatchNorm's running statistics are updated once).
+The peak allocated memory of its first iteration (forward, backward and optimizer step) is the budget. It is read at
+the end of the forward, as each parameter's gradient is accumulated, and when the next call begins, and the highest
+reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would otherwise leave
+only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under the floor that way,
+and its eager candidate, never stopped, held 1.7 times the anchor's peak). The first call of each eager candidate
+then runs under a saved-tensor hook that adds the bytes autograd saves for the backward to what was allocated when
+the call began, and twice the largest of them: the backward starts from the last activations with most of the saved
+ones still alive, and the gradient of the largest (a language model's logits, in FP32 for the loss) and its cast
+come on top. Past the budget the hook raises OverBudget inside the forward, before anything reached the script. The
+trial drops that candidate (rule trial-over-memory) and runs the call again on the next one, as it does after an
+out-of-memory error (automp.runtime.paths.RootPaths.over_budget), with the module's buffers as they were before the
+aborted call (a BatchNorm's running statistics are updated once).
 
 Where the anchor's peak is under `floor` of the device's memory there is no budget: a few hundred megabytes more
-cannot make a fitting script run out of memory, and a small, host-bound model may run fastest eager. The count is a
-lower bound of the eager step's peak (temporaries freed within the forward and the backward's own buffers are not
-in it), so an eager path can still exceed the anchor by those; compiled candidates are not guarded (their memory is
-Inductor's, as the anchor's is).
+cannot make a fitting script run out of memory, and a small, host-bound model may run fastest eager. The count is an
+estimate of the eager step's peak, not a bound (temporaries freed within the forward are not in it); compiled
+candidates are not guarded (their memory is Inductor's, as the anchor's is).
 """
 from __future__ import annotations
 
@@ -33,11 +37,12 @@ from automp.runtime.decisions import EAGER_PATHS, Route
 
 
 class OverBudget(RuntimeError):
-    """An eager candidate's saved activations passed the trial's memory budget (raised inside its forward)."""
+    """An eager candidate's estimated peak passed the trial's memory budget (raised inside its forward)."""
 
     def __init__(self, path: Route, used: int, limit: int) -> None:
         self.path, self.used, self.limit = path, used, limit
-        super().__init__(f"{path.value} held {gib(used)} GiB before its forward ended, over the trial's budget of "
+        super().__init__(f"{path.value} held {gib(used)} GiB by its estimate (saved activations, the largest twice more), over "
+                         f"the trial's budget of "
                          f"{gib(limit)} GiB")
 
 
@@ -64,17 +69,25 @@ class MemoryBudget:
     """One trial's budget. `begin(path)` at every call of the trial's modules; `guard(path)` around the call."""
 
     memory: DeviceMemory
-    slack: float = 0.05
+    slack: float = 0.0  # the eager candidate's estimate against the anchor's peak, as measured
     floor: float = 0.03
     limit: int | None = None  # bytes; None until the anchor's first iteration ended, or where there is none
     record: dict[str, Any] | None = None  # what the budget was set from (in a dropped candidate's verdict bounds)
     passed: set[Route] = field(default_factory=set)  # eager paths whose guarded first call stayed within it
     _last: Route | None = None
+    _seen: int = 0  # the highest peak read during the anchor's first iteration
+    _hooks: list[Any] = field(default_factory=list)  # the gradient hooks that read it
+
+    def observe(self) -> None:
+        """Reads the peak so far, during the anchor's first iteration."""
+        self._seen = max(self._seen, self.memory.peak())
 
     def begin(self, path: Route) -> None:
         """A call on `path` begins; the call before it has ended, its backward and optimizer step included."""
         if self._last is Route.COMPILED_AUTOCAST and self.record is None:
-            peak, total = self.memory.peak(), self.memory.total
+            self.observe()
+            self._unhook()
+            peak, total = self._seen, self.memory.total
             self.record = {"anchor_peak_gib": gib(peak), "device_gib": gib(total)}
             if peak >= self.floor * total:
                 self.limit = int(peak * (1 + self.slack))
@@ -84,17 +97,38 @@ class MemoryBudget:
     def cancel(self) -> None:
         """The call that began did not finish (it raised): its peak is no iteration's."""
         self._last = None
+        self._unhook()
+        self._seen = 0
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _watch(self, module: torch.nn.Module | None) -> None:
+        """Reads the peak as each of `module`'s parameters gets its gradient: after the anchor's backward, before a
+        reset of the peak statistics at the next step's start could lose it."""
+        if module is None or self._hooks:
+            return
+        for p in module.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p: self.observe()))
 
     @contextlib.contextmanager
     def guard(self, path: Route, module: torch.nn.Module | None = None) -> Iterator[None]:
         """The call of `module` on `path`, its saved activations counted against the budget (its first call, eager
         paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs again on
         another path, and running statistics (and BatchNorm's count of batches) must be updated once per call."""
+        if path is Route.COMPILED_AUTOCAST and self.record is None:  # the anchor's first iteration: its peak
+            self._watch(module)
+            yield
+            self.observe()
+            return
         if self.limit is None or path not in EAGER_PATHS or path in self.passed or not torch.is_grad_enabled():
             yield
             return
         limit, device, seen = self.limit, self.memory.device, set()
-        used = [self.memory.allocated()]
+        used, largest = [self.memory.allocated()], [0]
         buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -107,8 +141,9 @@ class MemoryBudget:
                 if key not in seen:
                     seen.add(key)
                     used[0] += storage.nbytes()
-                    if used[0] > limit:
-                        raise OverBudget(path, used[0], limit)
+                    largest[0] = max(largest[0], storage.nbytes())
+                    if used[0] + 2 * largest[0] > limit:
+                        raise OverBudget(path, used[0] + 2 * largest[0], limit)
             return t
 
         try:
