@@ -1,6 +1,7 @@
 """`automp bench integrations`: GPT-2 trained by the plain loop under `automp run`, by transformers' Trainer with
-AutoMPCallback and by Lightning with the AutoMP plugin, each in processes of its own taking turns in alternating
-order; rows per process, a summary against the loop's median, and a failing process kept as a row that says why."""
+AutoMPCallback and by Lightning with the AutoMP plugin, and by the same Trainer and Lightning scripts under `automp
+run`, each in processes of its own taking turns in alternating order; rows per process, a summary against the
+loop's median and each integration's against its own script's, and a failing process kept as a row that says why."""
 import importlib.util
 import json
 import math
@@ -22,11 +23,14 @@ def test_processes_take_turns_in_alternating_order():
 def test_the_summary_is_each_modes_median_against_the_loops():
     rows = [{"mode": "loop", "step_ms": 10.0, "first_run_s": 5.0}, {"mode": "loop", "step_ms": 12.0, "first_run_s": 7.0},
             {"mode": "loop", "step_ms": 11.0, "first_run_s": 6.0}, {"mode": "trainer", "step_ms": 22.0},
-            {"mode": "trainer", "error": "exit status 1"}]
+            {"mode": "trainer", "error": "exit status 1"}, {"mode": "trainer-run", "step_ms": 20.0},
+            {"mode": "lightning", "step_ms": 30.0}]
     by = {s["mode"]: s for s in suite.summary(rows)}
     assert by["loop"]["step_ms"] == 11.0 and by["loop"]["spread"] == [10.0, 12.0] and by["loop"]["vs_loop"] == 1.0
     assert by["loop"]["first_run_s"] == 6.0 and by["loop"]["runs"] == 3
     assert by["trainer"]["vs_loop"] == 0.5 and by["trainer"]["runs"] == 1  # the failed process is not a figure
+    assert by["trainer"]["vs_run"] == round(20 / 22, 3) and by["trainer-run"]["vs_run"] is None
+    assert by["lightning"]["vs_run"] is None  # its script under `automp run` has no figure
 
 
 def test_bad_arguments_are_one_line(tmp_path, capsys):
@@ -59,3 +63,8 @@ def test_a_quick_run_times_every_mode_and_keeps_a_failing_process_as_a_row(tmp_p
             assert r["paths"] and set(r["paths"]) == {"GPT2LMHeadModel"}  # automp's report, read back per mode
     md = (tmp_path / "integ.md").read_text()
     assert "| loop | 2 |" in md and "| trainer | 2 |" in md and "| lightning | 1 |" in md and "no GPU left" in md
+    assert "| trainer-run | 2 |" in md and "| lightning-run | 2 |" in md
+    losses = {m: [r["loss"] for r in rows if r["mode"] == m and not r.get("error")] for m in suite.TWIN.values()}
+    for mode, twin in suite.TWIN.items():  # the integration trains as its script does under `automp run`
+        for a, b in zip([r["loss"] for r in rows if r["mode"] == mode and not r.get("error")], losses[twin]):
+            assert abs(a - b) <= 1e-3 * abs(b), (mode, a, b)

@@ -4,6 +4,8 @@ trained one way, its timings and report written to --out as one JSON row.
     python -m automp run --quiet --report R.json integrations_worker.py --mode loop ...   # the plain loop
     python integrations_worker.py --mode trainer ...      # transformers.Trainer + AutoMPCallback
     python integrations_worker.py --mode lightning ...    # lightning.pytorch.Trainer + the AutoMP plugin
+    python -m automp run ... integrations_worker.py --mode trainer-run ...     # the Trainer script, no callback
+    python -m automp run ... integrations_worker.py --mode lightning-run ...   # the Lightning script, no plugin
 
 Every mode trains the same model from the same seed on the same 8 batches (a Dataset of 8 x B sequences, batch B,
 through a DataLoader that reshuffles), FP32 AdamW at one learning rate, no gradient clipping: the same script written
@@ -19,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-MODES = ("loop", "trainer", "lightning")
+MODES = ("loop", "trainer", "trainer-run", "lightning", "lightning-run")
+UNDER_RUN = ("loop", "trainer-run", "lightning-run")  # run by `automp run` around the process, not by an integration
 LR = 1e-4
 
 
@@ -87,10 +90,12 @@ def run_loop(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str, A
 
 
 def run_trainer(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str, Any] | None]:
+    """The Trainer with AutoMPCallback, or (trainer-run) without it, automp coming from `automp run`."""
     import transformers
 
     from automp.integrations.transformers import AutoMPCallback
     model, data, batch = _data(opts.quick, opts.device)
+    integrated = opts.mode == "trainer"
 
     class Tick(transformers.TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -100,12 +105,14 @@ def run_trainer(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str
         output_dir=opts.workdir, max_steps=opts.steps, per_device_train_batch_size=batch, learning_rate=LR,
         max_grad_norm=0.0, optim="adamw_torch", lr_scheduler_type="constant", report_to=[], save_strategy="no",
         logging_steps=10**9, dataloader_drop_last=True, use_cpu=opts.device == "cpu", disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[automp_cb, Tick()])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[automp_cb, Tick()] if integrated else [Tick()])
     out = trainer.train()
-    return float(out.training_loss), automp_cb.report
+    return float(out.training_loss), automp_cb.report if integrated else None
 
 
 def run_lightning(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str, Any] | None]:
+    """Lightning with the AutoMP plugin, or (lightning-run) without it, automp coming from `automp run`."""
     import lightning.pytorch as pl
 
     from automp.integrations.lightning import AutoMP
@@ -127,16 +134,18 @@ def run_lightning(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[s
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=LR)
-    plugin = AutoMP()
+    plugin = AutoMP() if opts.mode == "lightning" else None
     trainer = pl.Trainer(max_steps=opts.steps, accelerator="gpu" if opts.device == "cuda" else "cpu", devices=1,
-                         plugins=[plugin], default_root_dir=opts.workdir, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, logger=False)
+                         plugins=[plugin] if plugin else None, default_root_dir=opts.workdir,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         logger=False)
     trainer.fit(Module(), _loader(data, batch))
-    return last[0], plugin.report
+    return last[0], plugin.report if plugin else None
 
 
 RUNS: dict[str, Callable[[argparse.Namespace, Clock], tuple[float, dict[str, Any] | None]]] = {
-    "loop": run_loop, "trainer": run_trainer, "lightning": run_lightning}
+    "loop": run_loop, "trainer": run_trainer, "trainer-run": run_trainer, "lightning": run_lightning,
+    "lightning-run": run_lightning}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """`automp bench integrations`: automp as one argument of a framework against `automp run` of the same script.
 
 A user of transformers' Trainer adds `AutoMPCallback()`, a Lightning user the `AutoMP()` plugin; either should train
-as fast as the plain loop does under `automp run`, and make the same choice. Each mode is GPT-2 (124M, B8 T1024;
---quick: tiny) written one way (automp.bench.integrations_worker: the plain loop, the Trainer, Lightning), each run
+as fast as the same script does under `automp run` (modes trainer-run, lightning-run: the script without the
+callback or the plugin), and make the same choice; the plain loop under `automp run` is the reference of all three
+(the frameworks' own work per step is in their figures, not in the loop's). Each mode is GPT-2 (124M, B8 T1024;
+--quick: tiny) written one way (automp.bench.integrations_worker), each run
 in a process of its own so that every run is a first run: automp's verdict cache and Inductor's cache start empty
 in each. A framework's process cannot hold another's session, so the modes cannot alternate in one process: they take
 turns across processes instead, in alternating order (loop trainer lightning, then lightning trainer loop, ...), so
@@ -13,8 +15,8 @@ Rows, one per process: {"mode", "repeat", "steps", "step_ms" (the steps of the l
 synchronizations), "first_run_s" (from the worker's start, torch imported, to the end of step --first: the model's build, the
 framework's set-up, compilation and automp's trial),
 "loss", "peak_gib" (allocated, CUDA), "paths" (automp's choice per module), "device", "torch", "date", "commit"}, or
-with "error" where the process failed. The markdown's summary gives each mode's median, spread and ratio against
-the loop's median (> 1: faster than `automp run`)."""
+with "error" where the process failed. The markdown's summary gives each mode's median, spread, ratio against the
+loop's median and, for an integration, against its script's under `automp run` (> 1: faster)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +33,7 @@ from automp.bench.harness import device_name, fmt, gpu_slug, over_runs, provenan
 from automp.files import write_json_and_markdown
 
 ANCHOR = "loop"
+TWIN = {"trainer": "trainer-run", "lightning": "lightning-run"}  # an integration -> its script under `automp run`
 
 
 def order(modes: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -42,7 +45,7 @@ def command(mode: str, opts: argparse.Namespace, workdir: str, out: str) -> list
     """The process of one mode: the worker itself, under `automp run` for the plain loop."""
     args = [worker.__file__, "--mode", mode, "--steps", str(opts.steps), "--first", str(opts.first),
             "--workdir", workdir, "--out", out, *(["--quick"] if opts.quick else [])]
-    if mode == ANCHOR:
+    if mode in worker.UNDER_RUN:
         return [sys.executable, "-m", "automp", "run", "--quiet", "--report", os.path.join(workdir, "report.json"),
                 *args]
     return [sys.executable, *args]
@@ -74,7 +77,8 @@ def run_one(mode: str, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode: harness.over_runs of its processes' rows, and its median's ratio to the loop's."""
+    """Per mode: harness.over_runs of its processes' rows, its median's ratio to the loop's and, for an integration,
+    to its script's under `automp run` (TWIN)."""
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("step_ms"):
@@ -84,6 +88,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for mode, rs in by_mode.items():
         out.append({"mode": mode, "runs": len(rs), **over_runs(rs),
                     "vs_loop": round(med[ANCHOR] / med[mode], 3) if ANCHOR in med else None,
+                    "vs_run": round(med[TWIN[mode]] / med[mode], 3) if TWIN.get(mode) in med else None,
                     "paths": rs[-1].get("paths")})
     return out
 
@@ -92,12 +97,14 @@ def markdown(rows: list[dict[str, Any]], device: str, opts: argparse.Namespace) 
     lines = [f"# automp bench integrations · {device}", "",
              f"GPT-2{' (tiny, --quick)' if opts.quick else ' 124M, B8 T1024'}, {opts.steps} steps per process, "
              f"each mode in {opts.repeats} processes in alternating order; step ms: the last third's mean; "
-             f"vs loop: `automp run`'s median / the mode's (> 1: faster)", "",
-             "| mode | processes | step ms, median (spread) | vs loop | first run s, median | peak GiB | automp chose |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             f"vs loop: `automp run` of the loop, median / the mode's; vs run: the same script under `automp run`, "
+             f"median / the mode's (> 1: faster)", "",
+             "| mode | processes | step ms, median (spread) | vs loop | vs run | first run s, median | peak GiB | "
+             "automp chose |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary(rows):
         lines.append(f"| {s['mode']} | {s['runs']} | {s['step_ms']:.2f} ({s['spread'][0]:.2f}-{s['spread'][1]:.2f}) | "
-                     f"{fmt(s['vs_loop'], '.3f')} | {fmt(s['first_run_s'], '.1f')} | {fmt(s['peak_gib'], '.2f')} | "
+                     f"{fmt(s['vs_loop'], '.3f')} | {fmt(s['vs_run'], '.3f')} | {fmt(s['first_run_s'], '.1f')} | {fmt(s['peak_gib'], '.2f')} | "
                      f"{', '.join(f'{k}: {v}' for k, v in (s['paths'] or {}).items())} |")
     failed = [r for r in rows if r.get("error")]
     if failed:
