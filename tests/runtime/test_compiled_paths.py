@@ -332,8 +332,8 @@ def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeyp
 @pytest.mark.parametrize("host_ms, tried", [(60.0, False), (80.0, True)])
 def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_far_ahead_of_the_device(
         monkeypatch, tmp_path, host_ms, tried):
-    """A device-bound step (the host done issuing it long before the device is done running it) leaves CUDA graphs
-    no launch work to take away: they are neither compiled nor timed, and the verdict's bounds say why, with the
+    """A device-bound step (the host done issuing it long before the device is done running it) gains nothing from
+    CUDA graphs, which shorten only the launches: they are neither compiled nor timed, and the verdict's bounds say why, with the
     measured share. A step whose host work is most of it keeps them in the trial."""
     from automp.runtime import paths
     from automp.runtime.decisions import GRAPHS_DEVICE_BOUND, Route
