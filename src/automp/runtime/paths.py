@@ -309,7 +309,9 @@ class RootPaths:
                     return run(path)
                 budget.begin(path)
                 with budget.guard(path, module):
-                    return run(path)
+                    out = run(path)
+                budget.returned(path, out)
+                return out
             except torch.OutOfMemoryError as e:
                 if budget is not None:
                     budget.cancel()

@@ -155,15 +155,18 @@ def test_the_anchors_peak_is_read_as_its_gradients_arrive_not_lost_to_a_reset_of
     net = nn.Linear(8, 8)
     budget.begin(Route.COMPILED_AUTOCAST)
     with budget.guard(Route.COMPILED_AUTOCAST, net):
-        out = net(torch.randn(4, 8))
-    peak[0] = 5000  # the backward's peak, read as the gradients accumulate
-    out.sum().backward()
+        out = net(torch.randn(4, 8)).sum()
+    budget.returned(Route.COMPILED_AUTOCAST, out)
+    peak[0] = 5000  # the backward's peak, read when the backward has passed the output
+    out.backward()
     peak[0] = 100  # the script resets the statistics before its next step
     budget.begin(Route.EAGER_LOW)
     assert budget.limit == 5000 and budget.record["anchor_peak_gib"] == round(5000 / 2**30, 3)
     reads = [0]
     budget.memory.peak = lambda: reads.__setitem__(0, reads[0] + 1) or 10**9
-    net(torch.randn(4, 8)).sum().backward()  # the hooks are gone with the anchor's first iteration
+    out = net(torch.randn(4, 8)).sum()
+    budget.returned(Route.COMPILED_AUTOCAST, out)  # the anchor's first iteration is over: no hooks
+    out.backward()
     assert reads == [0] and budget.limit == 5000
 
 

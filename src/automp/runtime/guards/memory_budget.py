@@ -8,8 +8,8 @@ anything.
 
 How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate.
 The peak allocated memory of its first iteration (forward, backward and optimizer step) is the budget. It is read at
-the end of the forward, as each parameter's gradient is accumulated, and when the next call begins, and the highest
-reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would otherwise leave
+the end of the forward, when the backward has run through the forward's outputs, and when the next call begins, and
+the highest reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would otherwise leave
 only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under the floor that way,
 and its eager candidate, never stopped, held 1.7 times the anchor's peak). The first call of each eager candidate
 then runs under a saved-tensor hook that adds the bytes autograd saves for the backward to what was allocated when
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 
 from automp.runtime.decisions import EAGER_PATHS, Route
 
@@ -76,7 +77,7 @@ class MemoryBudget:
     passed: set[Route] = field(default_factory=set)  # eager paths whose guarded first call stayed within it
     _last: Route | None = None
     _seen: int = 0  # the highest peak read during the anchor's first iteration
-    _hooks: list[Any] = field(default_factory=list)  # the gradient hooks that read it
+    _hooks: list[Any] = field(default_factory=list)  # the autograd hooks that read it
 
     def observe(self) -> None:
         """Reads the peak so far, during the anchor's first iteration."""
@@ -105,25 +106,22 @@ class MemoryBudget:
             handle.remove()
         self._hooks.clear()
 
-    def _watch(self, module: torch.nn.Module | None) -> None:
-        """Reads the peak as each of `module`'s parameters gets its gradient: after the anchor's backward, before a
-        reset of the peak statistics at the next step's start could lose it."""
-        if module is None or self._hooks:
+    def returned(self, path: Route, out: Any) -> None:
+        """The anchor's first call returned `out`: the peak is read again when the backward has run through the
+        autograd nodes of its outputs (for a compiled call, one node: its whole backward), before a reset of the
+        peak statistics at the next step's start could lose it. Hooks on the autograd graph, after the compiled call
+        returned, are out of Dynamo's sight (hooks on the parameters would be in its guards)."""
+        if path is not Route.COMPILED_AUTOCAST or self.record is not None:
             return
-        for p in module.parameters():
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p: self.observe()))
+        self.observe()
+        for node in _grad_nodes(out):
+            self._hooks.append(node.register_hook(lambda *_: self.observe()))
 
     @contextlib.contextmanager
     def guard(self, path: Route, module: torch.nn.Module | None = None) -> Iterator[None]:
         """The call of `module` on `path`, its saved activations counted against the budget (its first call, eager
         paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs again on
         another path, and running statistics (and BatchNorm's count of batches) must be updated once per call."""
-        if path is Route.COMPILED_AUTOCAST and self.record is None:  # the anchor's first iteration: its peak
-            self._watch(module)
-            yield
-            self.observe()
-            return
         if self.limit is None or path not in EAGER_PATHS or path in self.passed or not torch.is_grad_enabled():
             yield
             return
@@ -155,6 +153,13 @@ class MemoryBudget:
                     b.copy_(copy)
             raise
         self.passed.add(path)
+
+
+def _grad_nodes(out: Any) -> set[Any]:
+    """The autograd nodes of the tensors a call returned; a ModelOutput's fields read as stored, not through the
+    lazy cast of automp.runtime.outputs (a read there would count as the script's)."""
+    leaves = list(dict.values(out)) if isinstance(out, dict) else pytree.tree_leaves(out)
+    return {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
 
 
 def gib(n: int) -> float:
