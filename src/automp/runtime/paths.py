@@ -300,7 +300,9 @@ class RootPaths:
         """run(path) for a call of `module` while the root's trial runs. A candidate that runs out of device memory in
         it, or past the trial's memory budget (over_budget), leaves the trial and the call runs again on the next one
         (out_of_memory), so the script loses no step: the error came before the call returned, so nothing of it
-        reached the script's autograd graph or its optimizer."""
+        reached the script's autograd graph or its optimizer. What the failed call held is collected once the error
+        is gone (its traceback holds the call's frames, and their reference cycles need a collection), before the
+        call runs again."""
         budget = self.budgets.get(root.trial) if root.trial is not None else None
         while True:
             path = root.trial.current if root.path is None else root.path
@@ -320,6 +322,8 @@ class RootPaths:
             except OverBudget as e:
                 budget.cancel()
                 self.over_budget(root, path, e, budget)
+            gc.collect()
+            compiled_paths.release_cached(root.device)
 
     def over_budget(self, root: Root, path: Route, error: OverBudget, budget: MemoryBudget) -> None:
         """An eager candidate held more memory in its first forward than the anchor's whole iteration
@@ -337,8 +341,6 @@ class RootPaths:
         trial.exclude({path}, why)
         self.recorder.add_fallback(root.label, why, TRIAL_OVER_MEMORY)
         notice(f"automp: {root.label}: {why}; the trial goes on without it")
-        gc.collect()
-        compiled_paths.release_cached(root.device)
         if trial.verdict is not None:
             self.settle(trial)
 
@@ -362,8 +364,6 @@ class RootPaths:
             setattr(root, BUILT[path], None)
             if pool is not None:
                 self.release_graphs(pool)
-        gc.collect()
-        compiled_paths.release_cached(root.device)
         if trial.verdict is not None:
             self.settle(trial)
         return True

@@ -1,10 +1,10 @@
 """The trial's memory budget: once the anchor's path (autocast-compiled) has run one iteration, an eager candidate whose
-first forward saves more than that iteration's peak leaves the trial; the call runs again on the next candidate, no
+first forward holds more than that iteration's peak leaves the trial; the call runs again on the next candidate, no
 step is lost, buffers are updated once, and the report names the rule and the figures. Without an anchor, under the
 floor, or for the trial's last candidate, nothing is dropped.
 
-The device is emulated: its peak is a number the test sets, its allocated memory 0, so the eager forward's saved
-tensors alone (counted by the hook on real CPU tensors) are measured against it; the anchor's compiled path is an
+The device is emulated: its peak is a number the test sets, its allocated memory 0 (or a number the test sets), so
+twice the largest output of the eager forward's modules (real CPU tensors) is measured against it; the anchor's compiled path is an
 autocast call of the module (compiling is not what is tested)."""
 import pytest
 import torch
@@ -125,26 +125,33 @@ def test_an_anchor_call_that_fails_sets_no_budget(monkeypatch):
     assert TRIAL_OOM in rules and TRIAL_OVER_MEMORY not in rules
 
 
-def test_the_budget_counts_saved_activations_once_and_not_parameters():
-    peak = [4096]
-    budget = MemoryBudget(DeviceMemory(lambda: 100, lambda: peak[0], 8192, CPU))
+def test_eager_calls_are_checked_at_every_modules_entry_and_exit_and_compiled_ones_not():
+    peak, alloc = [4096], [100]
+    budget = MemoryBudget(DeviceMemory(lambda: alloc[0], lambda: peak[0], 8192, CPU))
     budget.begin(Route.COMPILED_AUTOCAST)
     assert budget.limit is None  # the anchor's iteration has not ended yet
     budget.begin(Route.EAGER_LOW)
     assert budget.limit == 4096 and budget.record["anchor_peak_gib"] == round(4096 / 2**30, 3)
-    w = nn.Parameter(torch.randn(64, 64))  # 16 KiB, resident already: never counted
-    x = torch.randn(4, 64)  # 1 KiB, saved by both matmuls: counted once (100 + 1 KiB, and 2 KiB as the largest)
-    with budget.guard(Route.EAGER_LOW):
-        (x @ w).sum().backward()
-        (x @ w).sum().backward()
+    net = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8))
+    grow = net[1].register_forward_pre_hook(lambda mod, args: alloc.__setitem__(0, alloc[0] + 1500))
+    x = torch.randn(4, 8)  # module outputs of 128 bytes: 256 on top of what is allocated
+    with budget.guard(Route.EAGER_LOW, net):
+        net(x).sum().backward()  # 1600 + 256 at most: within
     assert Route.EAGER_LOW in budget.passed
     budget.passed.clear()
-    with pytest.raises(OverBudget, match="low-precision-eager held"):
-        with budget.guard(Route.EAGER_LOW):
-            torch.randn(32, 64, requires_grad=True).exp()  # 8 KiB saved: over 4096 bytes
-    assert Route.EAGER_LOW not in budget.passed
-    with budget.guard(Route.COMPILED_AUTOCAST):  # compiled candidates are not guarded
-        torch.randn(32, 64, requires_grad=True).exp()
+    alloc[0] = 2500  # the middle module takes the device to 4000: stopped at its exit, before the last Linear ran
+    ran = []
+    net[2].register_forward_pre_hook(lambda mod, args: ran.append(1))
+    with pytest.raises(OverBudget, match="low-precision-eager held") as e:
+        with budget.guard(Route.EAGER_LOW, net):
+            net(x)
+    assert e.value.used == 4000 + 256 and not ran and Route.EAGER_LOW not in budget.passed
+    assert not torch.nn.modules.module._global_forward_hooks  # the checks are gone with the call
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    grow.remove()
+    alloc[0] = 10**6
+    with budget.guard(Route.COMPILED_AUTOCAST, net):  # compiled candidates are not guarded
+        net(x)
 
 
 def test_the_anchors_peak_is_read_as_its_gradients_arrive_not_lost_to_a_reset_of_the_peak_statistics():
@@ -170,15 +177,32 @@ def test_the_anchors_peak_is_read_as_its_gradients_arrive_not_lost_to_a_reset_of
     assert reads == [0] and budget.limit == 5000
 
 
-def test_the_estimate_counts_the_largest_saved_activation_twice_more():
-    budget = MemoryBudget(DeviceMemory(lambda: 0, lambda: 0, 10**6, CPU), limit=10 * 1024)
-    with pytest.raises(OverBudget) as e:  # 4 KiB saved alone would pass; with its gradient and cast, 12 KiB
+def test_the_estimate_counts_the_largest_module_output_twice_more():
+    budget = MemoryBudget(DeviceMemory(lambda: 0, lambda: 0, 10**6, CPU), limit=6 * 1024)
+    with pytest.raises(OverBudget) as e:  # a 4 KiB output: its gradient and cast, 8 KiB
         with budget.guard(Route.EAGER_LOW):
-            torch.randn(32, 32, requires_grad=True).exp()
-    assert e.value.used == 12 * 1024
-    with budget.guard(Route.EAGER_LOW):  # 2 KiB saved: 6 KiB estimated, within it
-        torch.randn(16, 32, requires_grad=True).exp()
+            nn.Identity()(torch.randn(32, 32))
+    assert e.value.used == 8 * 1024
+    with budget.guard(Route.EAGER_LOW):  # a 2 KiB output: 4 KiB estimated, within it
+        nn.Identity()(torch.randn(16, 32))
     assert Route.EAGER_LOW in budget.passed
+
+
+def test_a_stopped_forward_keeps_none_of_its_activations():
+    """Stopped in the middle, an eager forward has no backward: nothing may tie what it saved to autograd's graph
+    (a saved-tensor hook handing back an op's own output does, and GPT-2's stopped forward kept 4 GiB that way)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    budget = MemoryBudget(DeviceMemory(lambda: 0, lambda: 0, 10**6, CPU), limit=3000)
+    outputs = []
+    net = nn.Sequential(nn.Linear(16, 16), nn.Sigmoid(), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 64))
+    for m in net:  # the Sigmoid and Tanh save their outputs for the backward
+        m.register_forward_hook(lambda mod, args, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    with pytest.raises(OverBudget):  # 1 KiB outputs pass; the last Linear's 4 KiB is over
+        with budget.guard(Route.EAGER_LOW, net):
+            net(torch.randn(16, 16, requires_grad=True))
+    import gc
+    gc.collect()
+    assert len(outputs) == 4 and all(r.expired() for r in outputs)  # the last Linear was stopped before its hook
 
 
 def test_buffers_are_put_back_only_when_the_budget_aborts_the_call():

@@ -11,19 +11,23 @@ The peak allocated memory of its first iteration (forward, backward and optimize
 the end of the forward, when the backward has run through the forward's outputs, and when the next call begins, and
 the highest reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would otherwise leave
 only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under the floor that way,
-and its eager candidate, never stopped, held 1.7 times the anchor's peak). The first call of each eager candidate
-then runs under a saved-tensor hook that adds the bytes autograd saves for the backward to what was allocated when
-the call began, and twice the largest of them: the backward starts from the last activations with most of the saved
-ones still alive, and the gradient of the largest (a language model's logits, in FP32 for the loss) and its cast
-come on top. Past the budget the hook raises OverBudget inside the forward, before anything reached the script. The
-trial drops that candidate (rule trial-over-memory) and runs the call again on the next one, as it does after an
-out-of-memory error (automp.runtime.paths.RootPaths.over_budget), with the module's buffers as they were before the
-aborted call (a BatchNorm's running statistics are updated once).
+and its eager candidate, never stopped, held far more than the anchor's peak). The first call of each eager candidate
+then runs with a check at every module's entry and exit: what is allocated on the device (the activations the
+backward will need, and the forward's live temporaries), and twice the largest tensor a module returned so far,
+past the budget, raises OverBudget inside the forward, before anything reached the script. The twice: the backward
+starts from the last activations with most of the saved ones still alive, and the gradient of the largest (a
+language model's logits) and its cast come on top. Checked at module boundaries, not in a saved-tensor hook: a hook
+that hands autograd the tensor itself makes a cycle between an op's saved output and its node, which only that
+node's backward breaks; a forward stopped in the middle has no backward, and GPT-2's stopped forward kept every
+activation it had saved for the rest of the run. The trial drops that candidate (rule trial-over-memory)
+and runs the call again on the next one, as it does after an out-of-memory error
+(automp.runtime.paths.RootPaths.over_budget), with the module's buffers as they were before the aborted call (a
+BatchNorm's running statistics are updated once).
 
 Where the anchor's peak is under `floor` of the device's memory there is no budget: a few hundred megabytes more
-cannot make a fitting script run out of memory, and a small, host-bound model may run fastest eager. The count is an
-estimate of the eager step's peak, not a bound (temporaries freed within the forward are not in it); compiled
-candidates are not guarded (their memory is Inductor's, as the anchor's is).
+cannot make a fitting script run out of memory, and a small, host-bound model may run fastest eager. The check is
+an estimate of the eager step's peak, not a bound (what a module allocates and frees between two boundaries is not
+in it); compiled candidates are not guarded (their memory is Inductor's, as the anchor's is).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ class OverBudget(RuntimeError):
 
     def __init__(self, path: Route, used: int, limit: int) -> None:
         self.path, self.used, self.limit = path, used, limit
-        super().__init__(f"{path.value} held {gib(used)} GiB by its estimate (saved activations, the largest twice more), over "
+        super().__init__(f"{path.value} held {gib(used)} GiB by its estimate (allocated, the largest output twice more), over "
                          f"the trial's budget of "
                          f"{gib(limit)} GiB")
 
@@ -119,40 +123,48 @@ class MemoryBudget:
 
     @contextlib.contextmanager
     def guard(self, path: Route, module: torch.nn.Module | None = None) -> Iterator[None]:
-        """The call of `module` on `path`, its saved activations counted against the budget (its first call, eager
-        paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs again on
+        """The call of `module` on `path`, checked against the budget at every module's entry and exit (its first
+        call, eager paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs again on
         another path, and running statistics (and BatchNorm's count of batches) must be updated once per call."""
         if self.limit is None or path not in EAGER_PATHS or path in self.passed or not torch.is_grad_enabled():
             yield
             return
-        limit, device, seen = self.limit, self.memory.device, set()
-        used, largest = [self.memory.allocated()], [0]
+        limit, device, largest = self.limit, self.memory.device, [0]
         buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device and not (t.is_leaf and t.requires_grad):  # parameters are resident already
-                try:
-                    storage = t.untyped_storage()
-                    key = storage.data_ptr()
-                except (RuntimeError, NotImplementedError):  # a tensor without storage of its own: not counted
-                    return t
-                if key not in seen:
-                    seen.add(key)
-                    used[0] += storage.nbytes()
-                    largest[0] = max(largest[0], storage.nbytes())
-                    if used[0] + 2 * largest[0] > limit:
-                        raise OverBudget(path, used[0] + 2 * largest[0], limit)
-            return t
+        def check(out: Any = None) -> None:
+            if out is not None:
+                largest[0] = max(largest[0], _largest_bytes(out, device))
+            used = self.memory.allocated() + 2 * largest[0]
+            if used > limit:
+                raise OverBudget(path, used, limit)
 
+        entry = torch.nn.modules.module.register_module_forward_pre_hook(lambda mod, args: check())
+        exit_ = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: check(out))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                yield
+            yield
         except OverBudget:
             with torch.no_grad():
                 for b, copy in buffers:
                     b.copy_(copy)
             raise
+        finally:
+            entry.remove()
+            exit_.remove()
         self.passed.add(path)
+
+
+def _largest_bytes(out: Any, device: torch.device) -> int:
+    """The largest storage among the tensors a module returned on `device` (a ModelOutput's fields as stored)."""
+    leaves = list(dict.values(out)) if isinstance(out, dict) else pytree.tree_leaves(out)
+    sizes = [0]
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.device == device:
+            try:
+                sizes.append(t.untyped_storage().nbytes())
+            except (RuntimeError, NotImplementedError):  # a tensor without storage of its own: not counted
+                pass
+    return max(sizes)
 
 
 def _grad_nodes(out: Any) -> set[Any]:
