@@ -39,6 +39,23 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
     assert suite.main(["--repeats", "0", "--out", str(tmp_path / "x")]) == 2
 
 
+def test_each_finished_process_is_written_before_the_next_starts(tmp_path, monkeypatch):
+    """A run cut off by a time limit keeps the processes that finished."""
+    done = []
+
+    def run_one(mode, repeat, opts):
+        if done:
+            raise KeyboardInterrupt  # the limit, during the second process
+        done.append(mode)
+        return {"mode": mode, "repeat": repeat, "step_ms": 20.0, "first_run_s": 50.0, "loss": 3.0}
+    monkeypatch.setattr(suite, "run_one", run_one)
+    with pytest.raises(KeyboardInterrupt):
+        suite.main(["--modes", "trainer,trainer-run", "--repeats", "1", "--out", str(tmp_path / "cut")])
+    rows = json.loads((tmp_path / "cut.json").read_text())
+    assert [r["mode"] for r in rows] == ["trainer"] and rows[0]["commit"]
+    assert "| trainer | 1 |" in (tmp_path / "cut.md").read_text()
+
+
 @pytest.mark.skipif(not HAVE_FRAMEWORKS, reason="transformers, lightning and accelerate (the test extra)")
 def test_a_quick_run_times_every_mode_and_keeps_a_failing_process_as_a_row(tmp_path, monkeypatch):
     real = suite.command

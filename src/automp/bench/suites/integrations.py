@@ -137,14 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"automp bench integrations: {error}", file=sys.stderr)
         return 2
     meta = {**provenance(), "device": device}
-    rows = []
+    rows: list[dict[str, Any]] = []
+    out_dir, stem = os.path.split(os.path.abspath(opts.out))
     for repeat, mode in order(opts.modes.split(","), opts.repeats):
         rows.append({**run_one(mode, repeat, opts), **meta})
         r = rows[-1]
         print(f"[{mode} {repeat}] " + (r["error"] if r.get("error") else
                                        f"{r['step_ms']} ms/step, first run {r['first_run_s']} s, paths {r.get('paths')}"),
               flush=True)
-    out_dir, stem = os.path.split(os.path.abspath(opts.out))
-    write_json_and_markdown(out_dir, stem, rows, markdown(rows, device, opts))
+        # written after every process: a run cut off by a time limit keeps the processes that finished
+        write_json_and_markdown(out_dir, stem, rows, markdown(rows, device, opts))
     print(markdown(rows, device, opts) + f"wrote {opts.out}.json, .md", flush=True)
     return 0
