@@ -28,12 +28,18 @@ def _pool_holds(monkeypatch, tensors):
     monkeypatch.setattr(graph_pool, "live_storages", lambda index: live)
 
 
+def _call(rescue):
+    """One call of the module by the script, replayed: what the session does, then the graphed path."""
+    rescue.observe()
+    return rescue.before_replay()
+
+
 def test_gradients_in_the_pool_are_copied_out_and_others_left(monkeypatch):
     ps = _params()
     pooled, own = ps[:2], ps[2]
     _pool_holds(monkeypatch, [p.grad for p in pooled])
     before = [p.grad for p in ps]
-    assert graph_pool.GradRescue(0).before_replay(ps) == 2
+    assert _call(graph_pool.GradRescue(0, ps)) == 2
     for p, old in zip(pooled, before):
         assert p.grad is not old and p.grad.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
         assert torch.equal(p.grad, old)
@@ -44,7 +50,7 @@ def test_unknown_pool_state_copies_every_gradient(monkeypatch):
     ps = _params()
     monkeypatch.setattr(graph_pool, "live_storages", lambda index: None)
     before = [p.grad for p in ps]
-    assert graph_pool.GradRescue(0).before_replay(ps) == 3
+    assert _call(graph_pool.GradRescue(0, ps)) == 3
     assert all(p.grad is not old and torch.equal(p.grad, old) for p, old in zip(ps, before))
 
 
@@ -54,33 +60,53 @@ def test_sparse_gradients_are_left_alone(monkeypatch):
     ps[0].grad = ps[0].grad.to_sparse()
     sparse = ps[0].grad
     monkeypatch.setattr(graph_pool, "live_storages", lambda index: None)
-    assert graph_pool.GradRescue(0).before_replay(ps) == 2 and ps[0].grad is sparse
+    assert _call(graph_pool.GradRescue(0, ps)) == 2 and ps[0].grad is sparse
+
+
+def _backward(ps, seed):
+    """A new backward's gradients, set to None before it (the loop's zero_grad): the last ones are dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(5, 7, generator=gen)
 
 
 def test_copies_stop_once_the_loop_drops_them_unread(monkeypatch):
     """The tutorial loop (forward, zero_grad, backward, step) reaches each forward with last step's gradients alive
     and drops them right after: copying them is wasted."""
-    rescue, copied = graph_pool.GradRescue(0), []
+    ps, copied = _params(), []
+    rescue = graph_pool.GradRescue(0, ps)
     for step in range(6):
-        ps = _params(seed=step)  # a new backward's gradients, in the pool; the copies of the last step are gone
+        _backward(ps, step)  # in the pool; the copies of the last step are gone
         _pool_holds(monkeypatch, [p.grad for p in ps])
-        copied.append(rescue.before_replay(ps))
+        copied.append(_call(rescue))
     assert copied[:graph_pool.LEARN] == [3] * graph_pool.LEARN and copied[graph_pool.LEARN:] == [0] * (
         6 - graph_pool.LEARN)
+
+
+def test_the_loop_is_learned_on_paths_without_graphs_and_their_first_replay_copies_nothing(monkeypatch):
+    """One rescue per module: the trial's compiled steps come first, and what the loop did with the gradients there
+    decides before any replay; a candidate graphed after another starts from what that one learned."""
+    ps = _params()
+    rescue = graph_pool.GradRescue(0, ps)
+    for step in range(graph_pool.LEARN + 1):  # compiled steps: gradients in ordinary memory, dropped each step
+        _backward(ps, step)
+        rescue.observe()
+    _backward(ps, 99)
+    _pool_holds(monkeypatch, [p.grad for p in ps])
+    assert _call(rescue) == 0 and not rescue.copying
 
 
 def test_copies_go_on_while_the_script_accumulates_into_them(monkeypatch):
     """Accumulation: the first micro-batch's gradients (in the pool) are copied, the next backward adds into the copy,
     and a new cycle starts from gradients set to None."""
-    rescue, copied = graph_pool.GradRescue(0), []
-    ps = _params()
+    ps, copied = _params(), []
+    rescue = graph_pool.GradRescue(0, ps)
     for cycle in range(5):
         _pool_holds(monkeypatch, [p.grad for p in ps])  # cycle's first backward stole pool memory
-        copied.append(rescue.before_replay(ps))  # second micro-batch's forward
+        copied.append(_call(rescue))  # second micro-batch's forward
         _pool_holds(monkeypatch, [])
-        copied.append(rescue.before_replay(ps))  # third: the copies are ordinary memory now
-        for p in ps:
-            p.grad = torch.randn(5, 7)
+        copied.append(_call(rescue))  # third: the copies are ordinary memory now
+        _backward(ps, cycle)
     assert copied == [3, 0] * 5
 
 
@@ -88,16 +114,15 @@ def test_copies_go_on_for_a_loop_that_zeroes_at_its_top_and_accumulates(monkeypa
     """zero_grad, then two micro-batches, then the step: each step's copies are dropped by the next zero_grad, but
     the next forward finds no gradient at all, which says nothing about the loop (an H100 run stopped copying here
     after two steps when it counted as a drop)."""
-    rescue, copied = graph_pool.GradRescue(0), []
-    ps = _params()
+    ps, copied = _params(), []
+    rescue = graph_pool.GradRescue(0, ps)
     for step in range(5):
         for p in ps:
             p.grad = None  # zero_grad()
-        copied.append(rescue.before_replay(ps))  # first micro-batch
-        for p in ps:
-            p.grad = torch.randn(5, 7)  # its backward, into the pool
+        copied.append(_call(rescue))  # first micro-batch
+        _backward(ps, step)  # its backward, into the pool
         _pool_holds(monkeypatch, [p.grad for p in ps])
-        copied.append(rescue.before_replay(ps))  # second micro-batch
+        copied.append(_call(rescue))  # second micro-batch
     assert copied == [0, 3] * 5
 
 

@@ -112,7 +112,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     much depends on the host (the same step varied widely between hosts of one kind). Replayed, the step runs at about
     its kernels' time, without that spread (BENCHMARKS.md, "Host-bound anchors"). What the call returns is copied
     out of the graph's memory (outputs.out_of_pool), and so are gradients the next replay would free
-    (graph_pool.GradRescue); the returned function's `pool` gives the graphs' memory back once the session leaves them
+    (graph_pool.GradRescue, the root's: shared by its paths); the returned function's `pool` gives the graphs' memory back once the session leaves them
     (graph_pool.PoolRelease).
 
     fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
@@ -141,13 +141,13 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
                 return compiled(*args, **kwargs)
         return autocast_call
 
-    index = root.device.index if root.device.index is not None else (
-        torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    rescue, pool = graph_pool.GradRescue(index), graph_pool.PoolRelease(index)
-    params = [weakref.ref(p) for p in module.parameters() if p.requires_grad]  # weakly: see entry_point
+    index = graph_pool.device_index(root.device)
+    if root.rescue is None:
+        root.rescue = graph_pool.GradRescue(index, module.parameters())
+    rescue, pool = root.rescue, graph_pool.PoolRelease(index)
 
     def graphed_call(*args: Any, **kwargs: Any) -> Any:
-        rescue.before_replay(p for p in (ref() for ref in params) if p is not None)
+        rescue.before_replay()
         with torch.autocast(device, dtype=low), switch():
             out = compiled(*args, **kwargs)
         pool.seen()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -83,40 +83,77 @@ def graph_functions(device_index: int) -> int | None:
 
 
 class GradRescue:
-    """Before each replay of one module's CUDA graphs: its parameters' gradients that live in the pool are copied
-    out of it (see the module docstring)."""
+    """One module's gradients and CUDA graphs' pool: before each replay of its graphs, its parameters' gradients that
+    live in the pool are copied out of it (see the module docstring). One per module, shared by all its paths: every
+    call of the module, graphed or not, shows whether the gradients alive at its forward outlive it, so a loop that
+    drops them is known before its first replay (a trial runs the compiled paths first), and no candidate graphed
+    after another starts copying again: each copy is a second set of gradients at the peak of the step."""
 
-    def __init__(self, device_index: int):
+    def __init__(self, device_index: int, params: Iterable[torch.Tensor]):
         self.device_index = device_index
+        self.params = [weakref.ref(p) for p in params if p.requires_grad]  # weakly: see compiled_paths.entry_point
         self.copying = True
-        self.dropped = 0  # forwards in a row whose previous copies were all dropped unread
-        self.copies: list[weakref.ref] = []
+        self.dropped = 0  # forwards in a row whose previous gradients were all dropped unread
+        self.seen: list[weakref.ref] = []  # the gradients alive at the previous forward
 
-    def before_replay(self, params: Iterable[torch.Tensor]) -> int:
-        """Copies out what the replay would free; returns how many gradients were copied."""
-        if not self.copying:
-            return 0
-        with_grad = [p for p in params if p.grad is not None]
-        if self.copies:
-            if any(ref() is not None for ref in self.copies):
+    def _with_grad(self) -> list[torch.Tensor]:
+        return [p for p in (ref() for ref in self.params) if p is not None and p.grad is not None]
+
+    def _learn(self, with_grad: list[torch.Tensor]) -> bool:
+        """Whether copying goes on, from what became of the gradients alive at the previous forward."""
+        if self.seen:
+            if any(ref() is not None for ref in self.seen):
                 self.dropped = 0
-            elif with_grad:  # the copies were dropped and a backward stole new gradients: set to None before it
+            elif with_grad:  # they were dropped, and a backward made new ones: set to None before it
                 self.dropped += 1
             # dropped with no gradient since (zero_grad at the top of a loop that accumulates): no evidence either way
-            self.copies = []
+            self.seen = []
             if self.dropped >= LEARN:
                 self.copying = False
-                return 0
-        if not with_grad:
+        return self.copying
+
+    def _remember(self, with_grad: list[torch.Tensor]) -> None:
+        self.seen = [weakref.ref(p.grad) for p in with_grad if p.grad.layout is torch.strided]
+
+    def observe(self) -> None:
+        """Once per call of the module by the script, before it runs on any path: learns from what became of the
+        gradients alive at the previous call, and remembers those alive now."""
+        if self.copying:
+            with_grad = self._with_grad()
+            if self._learn(with_grad):
+                self._remember(with_grad)
+
+    def before_replay(self) -> int:
+        """Copies out what the replay would free (after `observe` for the same call); returns how many it copied."""
+        if not self.copying:
             return 0
-        live = live_storages(self.device_index)
+        with_grad = self._with_grad()
+        live, copied = live_storages(self.device_index), 0
         for p in with_grad:
             if p.grad.layout is not torch.strided:  # a sparse gradient has no storage, and the pool holds none
                 continue
             if live is None or p.grad.untyped_storage().data_ptr() in live:
                 p.grad = p.grad.clone()
-                self.copies.append(weakref.ref(p.grad))
-        return len(self.copies)
+                copied += 1
+        if copied:
+            self._remember(with_grad)  # the copies are what the loop keeps or drops now
+        return copied
+
+
+def before_call(root: Any, module: torch.nn.Module) -> None:
+    """A call of a root module by the script, on whatever path it will run: its GradRescue (made for a CUDA root, or
+    by its first graphed path) learns from it."""
+    if root.rescue is None and root.device.type == "cuda":
+        root.rescue = GradRescue(device_index(root.device), module.parameters())
+    if root.rescue is not None and torch.is_grad_enabled():
+        root.rescue.observe()
+
+
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index, the current device's where it names none."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 class Release(enum.Enum):

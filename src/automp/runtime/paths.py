@@ -60,6 +60,7 @@ class Root:
     lockstep: bool = False  # called by every rank at once (a DDP module): its verdicts are rank 0's (ranks.agreed)
     eager_only: bool = False  # the script takes gradients with respect to its input (automp.runtime.guards.input_grads)
     watch: CompileWatch | None = None  # its compiled path's recompiles since the verdict (runtime.guards.recompile_watch)
+    rescue: graph_pool.GradRescue | None = None  # its gradients and CUDA graphs' pool, learned from every call
 
 
 class RootPaths:

@@ -8,10 +8,9 @@ script as written when automp has to step aside (the script manages precision it
 model is already half precision). Every such choice lands in the report with its reason. What changes a root's
 path once a trial has spoken is automp.runtime.paths.RootPaths, which the session holds.
 
-The trial's collaborators are passed in, not reached through globals: `candidates` (which paths a device can
-win on), `clock`, `cache` (the verdicts) and `fp32_rate` (what bounds FP32 eager, automp.runtime.fp32_bound). A test
-builds a `Session` with its own, or replaces `open_session`, the factory `automp.enable()` and `automp.compile()`
-call, to inject them into the session those open.
+The trial's collaborators are passed in, not reached through globals: `candidates` (which paths a device can win
+on), `clock`, `cache` (the verdicts) and `fp32_rate` (what bounds FP32 eager, automp.runtime.fp32_bound). A test
+injects its own through `open_session`, the factory `automp.enable()` and `automp.compile()` call.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from automp.config import AutoMPConfig
 from automp.precision import cost
 from automp.precision.capture import make_backend, traceable_attention
 from automp.precision.paint import PrecisionConfig
-from automp.runtime import call_state, compiled_paths
+from automp.runtime import call_state, compiled_paths, graph_pool
 from automp.runtime.guards import input_grads, rnn
 from automp.runtime.guards.oom import oom_cause
 from automp.runtime.fp8_layers import Fp8Layers
@@ -213,6 +212,7 @@ class Session:
                                         "(and loss scaling) to the script", SCRIPTS_AUTOCAST)
         if root.aside is not None:
             return self._run(module, root, Route.FP32, args, kwargs)  # as written, nested modules included
+        graph_pool.before_call(root, module)
         if self.fp8 is not None:
             self._fp8_guard(root)
         if new is None:
