@@ -112,8 +112,8 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     much depends on the host (the same step varied widely between hosts of one kind). Replayed, the step runs at about
     its kernels' time, without that spread (BENCHMARKS.md, "Host-bound anchors"). What the call returns is copied
     out of the graph's memory (outputs.out_of_pool), and so are gradients the next replay would free
-    (graph_pool.GradRescue, the root's: shared by its paths); the returned function's `pool` gives the graphs' memory back once the session leaves them
-    (graph_pool.PoolRelease).
+    (graph_pool.GradRescue, the root's: shared by its paths); the returned function's `pool` gives the graphs' memory
+    back once the session leaves them (graph_pool.PoolRelease).
 
     fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
     (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers.

@@ -231,8 +231,8 @@ class Trial:
             return None
         self.bounds[Route.GRAPHED.value] = {"rule": GRAPHS_DEVICE_BOUND, "host_share": round(share, 3), "limit": limit}
         return (f"CUDA graphs not tried: the host issued each compiled step in at most {100 * share:.0f}% of its "
-                f"time and waited for the device the rest: the device, not the launches, sets the step's time, and graphs "
-                f"would only shorten the launches")
+                f"time and waited for the device the rest: the device, not the launches, sets the step's time, and "
+                f"graphs would only shorten the launches")
 
     def exclude(self, paths: frozenset[Route] | set[Route], why: str) -> None:
         """Take `paths` out of the running trial (a member cannot run them, see automp.runtime.guards.input_grads); a sample of

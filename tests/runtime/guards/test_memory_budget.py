@@ -4,8 +4,8 @@ step is lost, buffers are updated once, and the report names the rule and the fi
 floor, or for the trial's last candidate, nothing is dropped.
 
 The device is emulated: its peak is a number the test sets, its allocated memory 0 (or a number the test sets), so
-twice the largest output of the eager forward's modules (real CPU tensors) is measured against it; the anchor's compiled path is an
-autocast call of the module (compiling is not what is tested)."""
+twice the largest output of the eager forward's modules (real CPU tensors) is measured against it; the anchor's
+compiled path is an autocast call of the module (compiling is not what is tested)."""
 import pytest
 import torch
 import torch.nn as nn

@@ -104,7 +104,8 @@ def markdown(rows: list[dict[str, Any]], device: str, opts: argparse.Namespace) 
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary(rows):
         lines.append(f"| {s['mode']} | {s['runs']} | {s['step_ms']:.2f} ({s['spread'][0]:.2f}-{s['spread'][1]:.2f}) | "
-                     f"{fmt(s['vs_loop'], '.3f')} | {fmt(s['vs_run'], '.3f')} | {fmt(s['first_run_s'], '.1f')} | {fmt(s['peak_gib'], '.2f')} | "
+                     f"{fmt(s['vs_loop'], '.3f')} | {fmt(s['vs_run'], '.3f')} | {fmt(s['first_run_s'], '.1f')} | "
+                     f"{fmt(s['peak_gib'], '.2f')} | "
                      f"{', '.join(f'{k}: {v}' for k, v in (s['paths'] or {}).items())} |")
     failed = [r for r in rows if r.get("error")]
     if failed:

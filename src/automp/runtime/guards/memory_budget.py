@@ -9,9 +9,9 @@ anything.
 How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate.
 The peak allocated memory of its first iteration (forward, backward and optimizer step) is the budget. It is read at
 the end of the forward, when the backward has run through the forward's outputs, and when the next call begins, and
-the highest reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would otherwise leave
-only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under the floor that way,
-and its eager candidate, never stopped, held far more than the anchor's peak). The first call of each eager candidate
+the highest reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would
+otherwise leave only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under the
+floor that way, and its eager candidate, never stopped, held far more than the anchor's peak). The first call of each eager candidate
 then runs with a check at every module's entry and exit: what is allocated on the device (the activations the
 backward will need, and the forward's live temporaries), and twice the largest tensor a module returned so far,
 past the budget, raises OverBudget inside the forward, before anything reached the script. The twice: the backward
@@ -46,9 +46,8 @@ class OverBudget(RuntimeError):
 
     def __init__(self, path: Route, used: int, limit: int) -> None:
         self.path, self.used, self.limit = path, used, limit
-        super().__init__(f"{path.value} held {gib(used)} GiB by its estimate (allocated, the largest output twice more), over "
-                         f"the trial's budget of "
-                         f"{gib(limit)} GiB")
+        super().__init__(f"{path.value} held {gib(used)} GiB by its estimate (allocated, the largest output twice "
+                         f"more), over the trial's budget of {gib(limit)} GiB")
 
 
 @dataclass
@@ -124,8 +123,8 @@ class MemoryBudget:
     @contextlib.contextmanager
     def guard(self, path: Route, module: torch.nn.Module | None = None) -> Iterator[None]:
         """The call of `module` on `path`, checked against the budget at every module's entry and exit (its first
-        call, eager paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs again on
-        another path, and running statistics (and BatchNorm's count of batches) must be updated once per call."""
+        call, eager paths only). Over it, `module`'s buffers are put back as they were before the call: the call runs
+        again on another path, and running statistics (and BatchNorm's count of batches) must be updated once."""
         if self.limit is None or path not in EAGER_PATHS or path in self.passed or not torch.is_grad_enabled():
             yield
             return
