@@ -61,7 +61,7 @@ def test_gan_each_optimizer_lowers_its_own_loss():
         assert any(not torch.equal(a, b) for a, b in zip(start[k], m.parameters())), k
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1b", "bert", "t5"])
 def test_transformers_quick_config_gives_loss_and_gradients(name):
     pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -156,7 +156,21 @@ def test_list(capsys):
     assert zoo.main(["--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["gpt2", "llama", "bert", "t5", "vit", "convnext", "effnet", "resnet50", "detector", "gan",
-                      "recsys", "lstm", "mlp"]
+                      "recsys", "lstm", "mlp", "llama-1b"]
+
+
+def test_llama_1b_has_the_dims_it_names_and_runs_only_when_asked(capsys):
+    """Llama-3.2-1B's widths and depth, built on the meta device (no memory), and not in a default run."""
+    pytest.importorskip("transformers")
+    from automp.bench import zoo_models
+    work = zoo_models.llama_1b(False, "meta")
+    cfg = work.modules["model"].config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.vocab_size, cfg.tie_word_embeddings) == (2048, 8192, 16, 32, 8, 128256, True)
+    assert tuple(work.batch["input_ids"].shape) == (4, 2048)
+    with pytest.raises(SystemExit):
+        zoo.main(["--help"])
+    assert "default: all but llama-1b" in capsys.readouterr().out
 
 
 def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):

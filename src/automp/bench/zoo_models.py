@@ -87,17 +87,24 @@ def gpt2(quick: bool, device: str) -> Workload:
     return one_model(model, _adamw(model), {"input_ids": ids, "labels": ids}, _hf_loss)
 
 
-def llama(quick: bool, device: str) -> Workload:
-    """Llama-style ~107M (B8, T1024): RMSNorm, SwiGLU, RoPE, grouped-query attention (12 heads, 4 KV heads)."""
+def _llama(device: str, vocab: int, d: int, ff: int, layers: int, heads: int, kv: int, b: int, t: int) -> Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
-    vocab, d, ff, layers, heads, kv, b, t = ((512, 64, 192, 2, 4, 2, 2, 32) if quick
-                                             else (32000, 768, 2304, 12, 12, 4, 8, 1024))
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=t,
                       tie_word_embeddings=True, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
     model = LlamaForCausalLM(cfg).to(device)
     ids = tokens(generator(), vocab, (b, t), device)
     return one_model(model, _adamw(model), {"input_ids": ids, "labels": ids}, _hf_loss)
+
+
+def llama(quick: bool, device: str) -> Workload:
+    """Llama-style ~107M (B8, T1024): RMSNorm, SwiGLU, RoPE, grouped-query attention (12 heads, 4 KV heads)."""
+    return _llama(device, *((512, 64, 192, 2, 4, 2, 2, 32) if quick else (32000, 768, 2304, 12, 12, 4, 8, 1024)))
+
+
+def llama_1b(quick: bool, device: str) -> Workload:
+    """Llama-3.2-1B dims (B4, T2048): hidden 2048, FFN 8192, all 16 layers, 32 heads, 8 KV heads, vocab 128256, tied."""
+    return _llama(device, *((512, 64, 256, 2, 4, 2, 2, 32) if quick else (128256, 2048, 8192, 16, 32, 8, 4, 2048)))
 
 
 def bert(quick: bool, device: str) -> Workload:

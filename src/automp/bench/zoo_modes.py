@@ -7,7 +7,7 @@ Modes, each the same training loop as the user would write it:
   autocast-bf16-graphs   the same with torch.compile(mode="reduce-overhead") (CUDA graphs) and fused Adam/AdamW: the
                          strongest loop an expert writes by hand, the ANCHOR of the results table where it is run
   bf16-liger             autocast-bf16-graphs with Liger-Kernel's fused linear cross-entropy on a transformers Llama
-                         (llama only; automp.bench.liger.with_liger): the strongest loop for an HF LLM
+                         (llama, llama-1b; automp.bench.liger.with_liger): the strongest loop for an HF LLM
   autocast-fp16-compile  torch.autocast(fp16) + torch.compile + torch.amp.GradScaler
   automp-bf16/-fp16      the fp32-eager loop unchanged, automp.enable() before it, disable() after (`automp run`)
 """
@@ -33,7 +33,9 @@ MODELS: dict[str, tuple[Callable[[bool, str], zm.Workload], tuple[str, ...]]] = 
     "effnet": (zm.effnet, ("timm", "torchvision")), "resnet50": (zm.resnet50, ("torchvision",)),
     "detector": (zm.detector, ("torchvision",)),
     "gan": (zs.gan, ()), "recsys": (zs.recsys, ()), "lstm": (zs.lstm, ()), "mlp": (zs.mlp, ()),
+    "llama-1b": (zm.llama_1b, ("transformers",)),
 }
+EXTRA_MODELS = ("llama-1b",)  # accepted by --models, not run by default (1.2B parameters: minutes per mode)
 MODES = ("fp32-eager", "autocast-bf16-eager", "autocast-bf16-compile", "autocast-fp16-compile", "automp-bf16",
          "automp-fp16")
 ANCHOR = "autocast-bf16-compile"  # the default anchor: every default run has it

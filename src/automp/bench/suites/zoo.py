@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from automp.bench.suites import zoo_interleave
-from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
+from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODELS, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
 from automp.bench.harness import cpu_refusal, fmt, free, gpu_slug, one_line, provenance, ratio_bars
 from automp.files import write_json_and_markdown
@@ -33,7 +33,7 @@ from automp.timing import time_fn
 
 COMPILE_TIMEOUT_FACTOR = 2  # automp modes get this many times --mode-timeout: two compiles before the trial settles
 SKIP_HINT = "skipped: pip install automp[zoo]"
-__all__ = ["ANCHOR", "EXTRA_MODES", "MODELS", "MODES", "STRONGEST", "ModeLoop", "missing_libraries", "time_limit"]
+__all__ = ["ANCHOR", "EXTRA_MODELS", "EXTRA_MODES", "MODELS", "MODES", "STRONGEST", "ModeLoop", "missing_libraries", "time_limit"]
 
 
 def run_mode(name: str, mode: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
@@ -262,7 +262,8 @@ def _names(arg: str, known: tuple[str, ...], what: str, p: argparse.ArgumentPars
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="automp bench zoo", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all; see --list)")
+    p.add_argument("--models", default=",".join(m for m in MODELS if m not in EXTRA_MODELS),
+                   help=f"comma-separated (default: all but {', '.join(EXTRA_MODELS)}; see --list)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, from {', '.join(MODES + EXTRA_MODES)} (default: all but {STRONGEST})")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode (median reported)")
