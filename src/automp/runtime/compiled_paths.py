@@ -141,10 +141,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
                 return compiled(*args, **kwargs)
         return autocast_call
 
-    index = graph_pool.device_index(root.device)
-    if root.rescue is None:
-        root.rescue = graph_pool.GradRescue(index, module.parameters())
-    rescue, pool = root.rescue, graph_pool.PoolRelease(index)
+    rescue, pool = graph_pool.rescue_of(root, module), graph_pool.PoolRelease(graph_pool.device_index(root.device))
 
     def graphed_call(*args: Any, **kwargs: Any) -> Any:
         rescue.before_replay()

@@ -140,13 +140,17 @@ class GradRescue:
         return copied
 
 
-def before_call(root: Any, module: torch.nn.Module) -> None:
-    """A call of a root module by the script, on whatever path it will run: its GradRescue (made for a CUDA root, or
-    by its first graphed path) learns from it."""
-    if root.rescue is None and root.device.type == "cuda":
+def rescue_of(root: Any, module: torch.nn.Module) -> GradRescue:
+    """The root's GradRescue, made at its first need (its first training call on CUDA, or its first graphed path)."""
+    if root.rescue is None:
         root.rescue = GradRescue(device_index(root.device), module.parameters())
-    if root.rescue is not None and torch.is_grad_enabled():
-        root.rescue.observe()
+    return root.rescue
+
+
+def before_call(root: Any, module: torch.nn.Module) -> None:
+    """A call of a root module by the script, on whatever path it will run: its GradRescue learns from it."""
+    if torch.is_grad_enabled() and (root.rescue is not None or root.device.type == "cuda"):
+        rescue_of(root, module).observe()
 
 
 def device_index(device: torch.device) -> int:

@@ -153,12 +153,18 @@ class MemoryBudget:
         self.passed.add(path)
 
 
-def _largest_bytes(out: Any, device: torch.device) -> int:
-    """The largest storage among the tensors a module returned on `device` (a ModelOutput's fields as stored)."""
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors a call returned; a ModelOutput's fields read as stored, not through the lazy cast of
+    automp.runtime.outputs (a read there would count as the script's)."""
     leaves = list(dict.values(out)) if isinstance(out, dict) else pytree.tree_leaves(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _largest_bytes(out: Any, device: torch.device) -> int:
+    """The largest storage among the tensors a module returned on `device`."""
     sizes = [0]
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.device == device:
+    for t in _tensors(out):
+        if t.device == device:
             try:
                 sizes.append(t.untyped_storage().nbytes())
             except (RuntimeError, NotImplementedError):  # a tensor without storage of its own: not counted
@@ -167,10 +173,8 @@ def _largest_bytes(out: Any, device: torch.device) -> int:
 
 
 def _grad_nodes(out: Any) -> set[Any]:
-    """The autograd nodes of the tensors a call returned; a ModelOutput's fields read as stored, not through the
-    lazy cast of automp.runtime.outputs (a read there would count as the script's)."""
-    leaves = list(dict.values(out)) if isinstance(out, dict) else pytree.tree_leaves(out)
-    return {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    """The autograd nodes of the tensors a call returned."""
+    return {t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
 
 
 def gib(n: int) -> float:
