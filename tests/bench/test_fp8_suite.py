@@ -31,8 +31,10 @@ def cache(tmp_path, monkeypatch):
 def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, cache, monkeypatch):
     gloo.cpu_host(monkeypatch)  # the CPU run, also on a GPU host: the suite picks CUDA where it exists (and FP8 runs)
     out = tmp_path / "fp8-cpu"
+    # warm-up until settled (the trial and its steady-state confirmation are finite): on a noisy CPU 30 steps were
+    # not always enough, and only a settled row's last warm-up step must have run the path it reports
     assert fp8.main(["--models", "gpt2,llama-d2048", "--modes", "automp-bf16,automp-fp8", "--out", str(out),
-                     *QUICK]) == 0
+                     *QUICK, "--max-warmup", "400"]) == 0
     rows = _rows(out)
     assert set(rows) == {(m, mode) for m in ("gpt2", "llama-d2048") for mode in ("automp-bf16", "automp-fp8")}
     for model in ("gpt2", "llama-d2048"):
@@ -42,6 +44,7 @@ def test_quick_run_writes_every_key_and_skips_fp8_where_it_cannot_run(tmp_path, 
         assert row["loss"] is not None and row["first_run_s"] > 0 and row["blocks"] == "alternating"
         assert row["peak_gib"] is None and row["ratio_vs_bf16"] is None  # CPU; no anchor in this run
         assert isinstance(row["automp_paths"], dict) and row["automp_paths"]
+        assert row["settled"], row["warmup_paths"]
         ran = row["warmup_paths"]  # each warm-up step's path(s), from the session's own call counts
         assert ran and all(ran) and set(row["automp_paths"].values()) <= set(ran[-1].split("+"))
         assert row["warmup_peaks_gib"] is None  # a CPU has no allocator peaks
