@@ -24,7 +24,7 @@ def test_blocks_alternate_and_a_drifting_host_cancels(no_inductor, tmp_path, mon
         calls.append((side, steps))
         return (10.0 if side == "anchor" else 8.0) + len(calls)
 
-    got = zoo_interleave.interleaved("mlp", True, "cpu", steps=3, warmup=1, max_warmup=20, rounds=6,
+    got = zoo_interleave.interleaved("mlp", True, "cpu", steps=3, warmup=1, max_warmup=60, rounds=6,
                                      timer=drifting_timer)
     sides = [s for s, _ in calls]
     assert sides[:2] == ["anchor", "automp"] and [n for _, n in calls[:2]] == [1, 1]  # the untimed first calls
