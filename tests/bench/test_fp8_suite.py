@@ -176,9 +176,8 @@ def test_a_mode_past_its_timeout_is_skipped(tmp_path, cache, fake_models, monkey
     assert _rows(out)[("gpt2", "bf16-reduce-overhead")]["skipped"].startswith("timeout")
 
 
-def test_block_schedule_alternates():
-    assert fp8.block_order(["A", "B", "C"], 4) == [["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"], ["C", "B", "A"]]
-    assert fp8.ROUNDS % 2 == 0  # every mode leads as often as it trails
+def test_rounds_are_even():
+    assert fp8.ROUNDS % 2 == 0  # every mode leads as often as it trails (harness.block_order)
 
 
 def test_torchao_filter_keeps_the_head_and_odd_dims_in_bf16():

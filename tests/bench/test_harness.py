@@ -58,3 +58,16 @@ def test_commit_is_read_from_the_checkouts_git_without_a_git_binary(tmp_path):
     assert commit(tmp_path) == "fedcba987654"
     assert commit(tmp_path / "elsewhere") == "unknown"
     assert set(provenance("cpu")) == {"device", "torch", "date", "commit"} and provenance("cpu")["device"] == "cpu"
+
+
+def test_block_schedule_alternates():
+    assert harness.block_order(["A", "B", "C"], 4) == [["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"], ["C", "B", "A"]]
+    assert harness.block_order(["A"], 3) == [["A"]] * 3
+
+
+def test_block_ms_is_the_mean_of_its_calls_on_the_host_clock(monkeypatch):
+    now = iter([10.0, 10.0 + 0.006])  # two reads of the clock: the block's ends, not one per call
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(now))
+    calls = []
+    assert harness.block_ms(lambda: calls.append(1), 3, "cpu") == pytest.approx(2.0)
+    assert len(calls) == 3

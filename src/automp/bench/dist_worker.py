@@ -30,7 +30,7 @@ import torch.nn as nn
 from automp.bench import fp8_workloads as wl
 from automp.bench.fp8_run import cold_cache
 from automp.bench.harness import free, one_line
-from automp.bench.suites.zoo_interleave import block_ms
+from automp.bench.harness import block_ms
 from automp.bench.zoo_modes import fuse_adam, time_limit
 from automp.files import atomic_output
 

@@ -19,7 +19,7 @@ import torch
 from automp.bench import kernel_profile
 from automp.bench.fp8_workloads import LOOPS, MODELS, automp_options
 from automp.bench.harness import free, one_line
-from automp.bench.suites.zoo_interleave import block_ms
+from automp.bench.harness import block_ms
 from automp.bench.zoo_modes import time_limit
 
 ROUNDS = 6  # even: every mode leads as often as it trails

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +37,24 @@ class Result:
         if self.anchor_ms is None or self.ms <= 0:
             return None
         return self.anchor_ms / self.ms
+
+
+def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
+    """Mean ms per call over `steps` back-to-back calls, the device synchronized at the block's ends only, as a
+    training or serving loop runs them (a call-by-call synchronized timing adds a launch latency to every call)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def block_order(modes: list[Any], rounds: int) -> list[list[Any]]:
+    """The order of the timed blocks: A B C, C B A, A B C, ... (rounds of them): a host or clock that drifts over the
+    run biases no mode."""
+    return [list(modes) if r % 2 == 0 else list(modes)[::-1] for r in range(rounds)]
 
 
 def commit(root: str | os.PathLike | None = None) -> str:

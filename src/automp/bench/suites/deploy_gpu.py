@@ -17,15 +17,18 @@ random token ids; both mean-pooled into one embedding per sequence. Cases, all i
 - int4-weight:  W4A16 (groups of 128)
                 the three by automp.deploy.quantized.quantize_module (2 calibration batches, no budget), compiled
                 the same way as the anchor (reduce-overhead, static shapes)
-Rows: median ms (CUDA events, after warmup) per batch size at a fixed sequence length, speedup vs the anchor of
-the same batch, and accuracy vs fp32-eager over `--sentences` sequences: cosine of the pooled embeddings (min and
-mean; target >= 0.99 on MiniLM) and relative L2 error.
+Every mode of a model is built first, then all are timed in alternating blocks (bench_model says why). Rows, per
+batch size at a fixed sequence length: ms (the median of --rounds blocks of --iters calls each, back to back) and
+its spread, the ratio to the anchor (the median of the rounds' paired ratios) and its spread, setup_s (the mode's
+build to its row: calibration, quantization, compiling and recording every batch size; not the accuracy pass), and
+accuracy vs fp32-eager over `--sentences` sequences: cosine of the pooled embeddings (min and mean; target >= 0.99
+on MiniLM) and relative L2 error.
 
     automp bench deploy_gpu [--quick] [--out DIR] [--models minilm,bert-base] [--batches 1,64] [--seq 128]
 
 --quick: smoke run (tiny BERT, MiniLM at seq 32, batches 1,2, 4 sequences; under a minute on a CPU, where nothing
 is compiled and the anchor is fp16 eager).
---time-limit (default 360 s): cases not started by then are listed as skipped. The full GPU run is estimated (not
+--time-limit (default 360 s): modes not built by then are listed as skipped. The full GPU run is estimated (not
 measured: written without a GPU) at 4-7 minutes, most of it Inductor compiling 4 modes x 2 shapes x 2 models; if the
 limit cuts it, run the models separately (--models minilm, then --models bert-base).
 """
@@ -35,6 +38,7 @@ import argparse
 import copy
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Callable
@@ -43,7 +47,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from automp.bench.harness import Result, command_line, device_name, gpu_slug, time_fn, write_results
+from automp.bench.harness import (Result, block_ms, block_order, command_line, device_name, gpu_slug, provenance,
+                                  write_results)
 from automp.files import write_json_and_markdown
 from automp.bench.sentences import template_sentences
 
@@ -139,6 +144,12 @@ def _build(mode: str, fp32: nn.Module, calib: list[Inputs], cuda: bool) -> tuple
 
 def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argparse.Namespace, device: str,
                 deadline: float) -> list[Result]:
+    """Every mode built and checked first (its set-up timed), then all of them timed in alternating blocks per batch
+    size: modes timed one after another are timed at different moments of a drifting host and clock (BERT-base's
+    batch-1 anchor alone moved by a tenth between processes: BENCHMARKS.md, "Encoders"), so each round times every
+    mode once, in reversed order every other round, and a mode's figure is the median of its blocks with their spread;
+    its ratio is the median of the rounds' ratios to the anchor's block of the same round (paired, so drift between
+    rounds cancels)."""
     cuda = device == "cuda"
     fp32 = fp32.eval().to(device)
     bmax = max(args.batches)
@@ -148,12 +159,12 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
     calib = [_to(make_inputs(args.calib_batch, args.seq, seed=200 + k), device) for k in range(args.calib_batches)]
     with torch.no_grad():
         refs = [fp32(**c).float().cpu().numpy().astype(np.float64) for c in chunks]
-    rows: list[Result] = []
+    built: dict[str, tuple[Callable, dict]] = {}
+    skipped: list[str] = []
     for mode in args.modes:
         if time.monotonic() > deadline:
             print(f"[deploy_gpu] {name} {mode}: skipped (--time-limit reached)", file=sys.stderr)
-            rows += [Result("deploy_gpu", f"{name} bs{b} {mode}", math.nan, extra={"skipped": "time limit"})
-                     for b in args.batches]
+            skipped.append(mode)
             continue
         t0 = time.monotonic()
         with torch.no_grad():
@@ -161,22 +172,48 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
             fn = lambda inp, model=model: model(**inp)  # noqa: E731
             for b in args.batches:  # compile + record each shape before anything is timed
                 fn(timed[b])
-            acc = _accuracy(fn, chunks, refs)
-            for b in args.batches:
-                ms = time_fn(lambda b=b: fn(timed[b]), warmup=args.warmup, iters=args.iters)
-                rows.append(Result("deploy_gpu", f"{name} bs{b} {mode}", ms,
-                                   extra={"batch": b, "seq": args.seq, **acc, **facts,
-                                          "setup_s": time.monotonic() - t0}))
-                print(f"{rows[-1].name:40s} {ms:9.3f} ms  cos min {acc['cos_min']:.5f}  rel err {acc['rel_err']:.2e}",
-                      flush=True)
-        del model, fn
-        if cuda:
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.synchronize()
+            facts["setup_s"] = round(time.monotonic() - t0, 2)
+            facts.update(_accuracy(fn, chunks, refs))
+        built[mode] = fn, facts
+    rows = [Result("deploy_gpu", f"{name} bs{b} {mode}", math.nan, extra={"batch": b, "skipped": "time limit"})
+            for mode in skipped for b in args.batches]
+    for b in args.batches:
+        blocks = alternating({m: (lambda fn=fn, b=b: fn(timed[b])) for m, (fn, _) in built.items()}, args, device)
+        for mode, samples in blocks.items():
+            facts = built[mode][1]
+            ratios = [a / m for a, m in zip(blocks["anchor"], samples)] if "anchor" in blocks else []
+            rows.append(Result("deploy_gpu", f"{name} bs{b} {mode}", statistics.median(samples), extra={
+                "batch": b, "seq": args.seq, **facts, "spread": [round(min(samples), 4), round(max(samples), 4)],
+                "rounds": len(samples), **({"ratio": round(statistics.median(ratios), 4),
+                                            "ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)]}
+                                           if ratios else {})}))
+            print(f"{rows[-1].name:40s} {rows[-1].ms:9.3f} ms ({min(samples):.3f}-{max(samples):.3f})  cos min "
+                  f"{facts['cos_min']:.5f}  rel err {facts['rel_err']:.2e}  set-up {facts['setup_s']:.1f} s",
+                  flush=True)
+    built.clear()
+    if cuda:
+        torch.cuda.empty_cache()
     anchors = {r.extra.get("batch"): r.ms for r in rows if r.name.endswith(" anchor") and not math.isnan(r.ms)}
     for r in rows:
         r.anchor = "torch.compile fp16" if cuda else "fp16 eager"
         r.anchor_ms = anchors.get(r.extra.get("batch"))
     return rows
+
+
+def alternating(calls: dict[str, Callable[[], object]], args: argparse.Namespace, device: str) -> dict[str, list]:
+    """Each mode's blocks (ms per call), `args.rounds` of them: every round times each mode once (harness.block_order),
+    each block `args.iters` calls back to back after `args.warmup` untimed ones (a serving loop's timing: the device
+    synchronized at the block's ends only)."""
+    blocks: dict[str, list[float]] = {m: [] for m in calls}
+    with torch.no_grad():
+        for order in block_order(list(calls), args.rounds):
+            for mode in order:
+                for _ in range(args.warmup):
+                    calls[mode]()
+                blocks[mode].append(block_ms(calls[mode], args.iters, device))
+    return blocks
 
 
 def _ints(text: str, what: str, p: argparse.ArgumentParser) -> list[int]:
@@ -198,10 +235,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; quick 1,2)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 128; quick 32)")
     p.add_argument("--sentences", type=int, default=None, help="sequences in the accuracy check (256; quick 4)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per case (default 50; quick 2)")
+    p.add_argument("--iters", type=int, default=None, help="calls per timed block (default 50; quick 2)")
+    p.add_argument("--rounds", type=int, default=None, help="timed blocks per mode, alternating (default 6; quick 2)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds; cases not started by then are skipped (default 360)")
+                   help="seconds; modes not built by then are skipped (default 360)")
     args = p.parse_args(argv)
+    for what, v in (("--iters", args.iters), ("--rounds", args.rounds), ("--seq", args.seq),
+                    ("--sentences", args.sentences)):
+        if v is not None and v < 1:
+            p.error(f"{what}: must be at least 1, got {v}")
     args.models = args.models.split(",")
     args.modes = args.modes.split(",")
     for what, vals, allowed in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
@@ -213,7 +255,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.seq = args.seq or (32 if args.quick else 128)
     args.sentences = args.sentences or (4 if args.quick else 256)
     args.iters = args.iters or (2 if args.quick else 50)
-    args.warmup = 1 if args.quick else 10
+    args.rounds = args.rounds or (2 if args.quick else 6)
+    args.warmup = 1 if args.quick else 3  # untimed calls before each block
     args.calib_batch, args.calib_batches = (4, 1) if args.quick else (16, 2)
     args.time_limit = args.time_limit or (120.0 if args.quick else 360.0)
     return args
@@ -244,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def encoder_rows(results: list[Result]) -> list[dict]:
-    """The int8 rows as {"model", "case", "activations", "batch", "ms", "anchor_ms", "cos_min"} (case "int8"; the
-    other modes keep their own names), the form BENCHMARKS.md's encoder table is read from."""
-    rows = []
+    """The quantized modes' rows as {"model", "case", "activations", "batch", "ms", "spread", "anchor_ms", "ratio",
+    "ratio_spread", "rounds", "setup_s", "cos_min", "device", "torch", "date", "commit"} (case "int8"; the other modes
+    keep their own names), the form BENCHMARKS.md's encoder table is read from."""
+    rows, where = [], provenance()
     for r in results:
         mode = r.name.split()[-1]
         if mode in ("fp32-eager", "anchor") or math.isnan(r.ms) or r.anchor_ms is None:
@@ -255,17 +299,25 @@ def encoder_rows(results: list[Result]) -> list[dict]:
             r.name.split()[0]
         case, acts = ("int8", mode.removeprefix("int8").lstrip("-") or "dynamic") if mode in ("int8", "int8-static") \
             else (mode, None)
-        rows.append({"model": model, "case": case, "activations": acts, "batch": r.extra["batch"],
-                     "ms": round(r.ms, 4), "anchor_ms": round(r.anchor_ms, 4), "cos_min": round(r.extra["cos_min"], 5)})
+        x = r.extra
+        rows.append({"model": model, "case": case, "activations": acts, "batch": x["batch"], "ms": round(r.ms, 4),
+                     "spread": x.get("spread"), "anchor_ms": round(r.anchor_ms, 4),
+                     "ratio": x.get("ratio", round(r.anchor_ms / r.ms, 4)), "ratio_spread": x.get("ratio_spread"),
+                     "rounds": x.get("rounds"), "setup_s": x.get("setup_s"), "cos_min": round(x["cos_min"], 5),
+                     **where})
     return rows
 
 
 def encoder_markdown(rows: list[dict], cmd: str) -> str:
+    span = lambda v, f: f"{v[0]:{f}}-{v[1]:{f}}" if v else ""  # noqa: E731
     lines = [f"{time.strftime('%Y-%m-%d')} · {device_name()} · `{cmd}`", "",
-             "| model | case | activations | batch | ms | anchor ms | vs anchor | cosine min |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "Alternating blocks in one process: ms is the median block, vs anchor the median of the rounds' paired "
+             "ratios; ranges are the fastest and slowest block or round.", "",
+             "| model | case | activations | batch | ms | range | anchor ms | vs anchor | range | set-up s | cosine min |",
+             "|---|---|---|---:|---:|---|---:|---:|---|---:|---:|"]
     lines += [f"| {r['model']} | {r['case']} | {r['activations'] or ''} | {r['batch']} | {r['ms']:.3f} | "
-              f"{r['anchor_ms']:.3f} | {r['anchor_ms'] / r['ms']:.2f}x | {r['cos_min']:.5f} |" for r in rows]
+              f"{span(r['spread'], '.3f')} | {r['anchor_ms']:.3f} | {r['ratio']:.2f}x | {span(r['ratio_spread'], '.2f')} "
+              f"| {r['setup_s'] if r['setup_s'] is not None else ''} | {r['cos_min']:.5f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -69,7 +69,7 @@ import torch
 
 from automp.bench.fp8_run import PROFILE, ROUNDS, ROW_KEYS, Run, cold_cache
 from automp.bench.fp8_workloads import MODE_LIBS, MODELS, automp_options
-from automp.bench.harness import (cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, missing,
+from automp.bench.harness import (block_order, cpu_refusal, device_name, provenance, fmt, free, gpu_slug, header, missing,
                                   over_runs, ratio_bars, row_notes, usage_problem)
 from automp.files import write_json_and_markdown
 
@@ -79,11 +79,6 @@ MODES = ("bf16-reduce-overhead", "bf16-liger", "torchao-tensorwise", "torchao-ro
          "automp-fp8", "automp-bf16-siblings", "automp-bf16-masked", "automp-fp8-auto", "automp-fp8-siblings")
 ANCHOR = "bf16-reduce-overhead"
 RESIDENT_MAX_PARAMS = 300_000_000  # below: every mode resident, alternating blocks; above: one mode at a time
-
-
-def block_order(modes: list[Any], rounds: int) -> list[list[Any]]:
-    """The order of the timed blocks: A B C, C B A, A B C, ... (rounds of them)."""
-    return [list(modes) if r % 2 == 0 else list(modes)[::-1] for r in range(rounds)]
 
 
 def _enable(run: Run) -> bool:

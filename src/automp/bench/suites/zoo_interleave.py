@@ -16,13 +16,12 @@ automp loop.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 
 from automp.bench import zoo_modes as zoo
-from automp.bench.harness import free
+from automp.bench.harness import block_ms, free
 
 ROUNDS = 6  # even: each side leads in half of them
 # The bar a model's automp row is held to: the hand-written autocast + compile loop for the large models,
@@ -37,17 +36,6 @@ def anchor_for(name: str, strongest: bool = False) -> str:
     if name in EAGER_BAR:
         return "autocast-bf16-eager"
     return zoo.STRONGEST if strongest else zoo.ANCHOR
-
-
-def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
-    """Mean ms per step over `steps` back-to-back steps (one sync at each end, as a training loop runs)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, max_warmup: int,
