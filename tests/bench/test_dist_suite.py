@@ -31,7 +31,7 @@ def test_quick_run_on_one_and_two_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOMP_INNER", "eager")  # automp's compiled path without Inductor: the suite, not compile time
     out = tmp_path / "dist-cpu"
     assert dist.main(["--gpus", "1,2", "--models", "llama-d2048-ddp,llama-d4096-fsdp2",
-                      "--modes", "automp-bf16,automp-fp8", "--out", str(out), *QUICK]) == 0
+                      "--modes", "automp-bf16,automp-fp8", "--out", str(out), "--profile", *QUICK]) == 0
     rows = {(r["model"], r["mode"], r["gpus"]): r for r in json.loads((tmp_path / "dist-cpu.json").read_text())}
     assert set(rows) == {(m, mode, g) for m in dist.MODELS for mode in ("automp-bf16", "automp-fp8") for g in (1, 2)}
     for (model, mode, gpus), row in rows.items():
@@ -44,6 +44,7 @@ def test_quick_run_on_one_and_two_ranks(tmp_path, monkeypatch):
         assert math.isfinite(row["loss"]) and row["loss"] != 0 and row["first_run_s"] > 0
         assert row["peak_gib"] is None and row["ratio_vs_bf16"] is None  # CPU; no bf16-compile in this run
         assert row["automp_paths"] and row["settled"] is True
+        assert row["comm_ms"] is None and row["comm_overlap"] is None  # profiled, but a CPU has no kernels to read
         one = rows[(model, mode, 1)]
         assert row["scaling_eff"] == pytest.approx(row["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"],
                                                    abs=1e-3)
@@ -51,6 +52,7 @@ def test_quick_run_on_one_and_two_ranks(tmp_path, monkeypatch):
         assert rows[(model, "automp-bf16", 2)]["loss"] != rows[(model, "automp-bf16", 1)]["loss"]
     md = (tmp_path / "dist-cpu.md").read_text()
     assert "## llama-d2048-ddp" in md and "## llama-d4096-fsdp2" in md and "| 2 | automp-bf16 |" in md
+    assert "| exposed ms | overlap |" in md
     assert (tmp_path / "dist-cpu.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from automp.bench import fp8_workloads as wl
 from automp.bench.fp8_run import cold_cache
-from automp.bench.harness import free, one_line
-from automp.bench.harness import block_ms
+from automp.bench.harness import block_ms, free, one_line
+from automp.bench.kernel_profile import comm_overlap, kernel_spans
 from automp.bench.zoo_modes import fuse_adam, time_limit
 from automp.files import atomic_output
 
@@ -39,6 +39,7 @@ MODES = ("bf16-compile", "torchao-float8", "automp-bf16", "automp-fp8", "automp-
 DEFAULT_MODES = MODES[:4]
 ROW_KEYS = ("model", "mode", "gpus", "step_ms", "spread", "tokens_per_s_per_gpu", "scaling_eff", "ratio_vs_bf16",
             "peak_gib", "loss", "first_run_s", "automp_paths", "fp8_layers")
+PROFILE_KEYS = ("comm_ms", "comm_exposed_ms", "comm_overlap")  # --profile: comm_overlap, the worst rank's
 COLLECTIVE_TIMEOUT_S = 900.0  # a rank stuck this long in a collective fails it (the launch's own limit ends the rest)
 
 
@@ -129,7 +130,7 @@ class Mode:
 
     def __init__(self, model: str, mode: str, rank: Rank, opts: argparse.Namespace):
         self.model, self.mode, self.rank, self.opts = model, mode, rank, opts
-        self.row: dict[str, Any] = {k: None for k in ROW_KEYS}
+        self.row: dict[str, Any] = {k: None for k in ROW_KEYS + (PROFILE_KEYS if opts.profile else ())}
         self.row.update(model=model, mode=mode, gpus=rank.world)
         self.common = max(opts.warmup, opts.first_steps) + opts.blocks * opts.steps  # where every mode reads its loss
         self.n, self.tokens = 0, 0  # steps taken; tokens per step on this rank
@@ -176,7 +177,28 @@ class Mode:
             loss = rank.reduce([float(self.loss)], dist.ReduceOp.SUM)[0] / rank.world
             self.row["loss"] = loss if math.isfinite(loss) else None
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan
+        if opts.profile:
+            self.profile()
         return first, peak
+
+    def profile(self) -> None:
+        """One more step under torch.profiler on every rank, its collectives' overlap with compute in the row
+        (kernel_profile.comm_overlap): the longest collective and exposed times and the lowest overlap of any rank,
+        the rank the others wait for. A CPU has no kernels to read: the keys stay None there."""
+        from torch.profiler import ProfilerActivity, profile
+        cuda = self.rank.device == "cuda"
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            self.step()
+            if cuda:
+                torch.cuda.synchronize()
+        if not cuda:
+            return
+        o = comm_overlap(kernel_spans(prof))
+        longest = self.rank.reduce([o["comm_ms"], o["comm_exposed_ms"]], dist.ReduceOp.MAX)
+        lowest = self.rank.reduce([o["comm_overlap"] if o["comm_overlap"] is not None else 2.0], dist.ReduceOp.MIN)[0]
+        self.row.update(comm_ms=round(longest[0], 3), comm_exposed_ms=round(longest[1], 3),
+                        comm_overlap=round(lowest, 3) if lowest <= 1.0 else None)
 
     def run(self) -> dict[str, Any]:
         """The row, or the row skipped with the first failing rank's reason; everything the mode built freed."""
@@ -244,6 +266,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode-timeout", type=float, default=240)
     p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
                    help="seconds a collective waits for the other ranks (init_process_group's timeout)")
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--quick", action="store_true")
     return p
 

@@ -21,7 +21,10 @@ slowest rank's time counts; step_ms is the median block's mean step time, spread
 tokens_per_s_per_gpu = one rank's tokens per step / step time; scaling_eff = that at N GPUs / at 1 GPU (same model
 and mode); loss: after the same number of optimizer steps in every mode, averaged over the ranks; peak_gib: the
 largest rank's torch.cuda.max_memory_allocated; first_run_s: build to the end of --first-steps steps, compilation and
-automp's trial included (caches off, automp's verdicts cold).
+automp's trial included (caches off, automp's verdicts cold). With --profile, one more step per mode under
+torch.profiler adds comm_ms (the time any NCCL kernel runs), comm_exposed_ms (the part of it no other kernel hides)
+and comm_overlap (1 - exposed / comm): FSDP2's next-layer all-gathers should run under the current layer's compute
+(automp.bench.kernel_profile.comm_overlap); the longest times and the lowest overlap over the ranks.
 """
 from __future__ import annotations
 
@@ -67,17 +70,20 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "block",
         "scaling eff: tokens/s/GPU at N GPUs / at 1 GPU; loss: after the same number of optimizer steps in every mode, "
         "averaged over the ranks; first run s: build + first steps, compilation and automp's trial included"])
+    profiled = any("comm_overlap" in r for r in rows)
     for model in dict.fromkeys(r["model"] for r in rows):
         lines += ["", f"## {model}", "",
                   "| gpus | mode | step ms | spread | tokens/s/GPU | scaling eff | ratio vs bf16-compile | peak GiB | "
-                  "loss | first run s | notes |",
-                  "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "loss | first run s |" + (" collectives ms | exposed ms | overlap |" if profiled else "") + " notes |",
+                  "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if profiled else "") + "---|"]
         for r in (r for r in rows if r["model"] == model):
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}" if r.get("spread") else ""
+            comm = (f" {fmt(r.get('comm_ms'), '.2f')} | {fmt(r.get('comm_exposed_ms'), '.2f')} | "
+                    f"{fmt(r.get('comm_overlap'), '.2f')} |") if profiled else ""
             lines.append(f"| {r['gpus']} | {r['mode']} | {fmt(r['step_ms'], '.2f')} | {spread} | "
                          f"{fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {fmt(r['scaling_eff'], '.2f')} | "
                          f"{fmt(r['ratio_vs_bf16'], '.2f')} | {fmt(r['peak_gib'], '.2f')} | "
-                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} | {row_notes(r)} |")
+                         f"{fmt(r['loss'], '.4f')} | {fmt(r['first_run_s'], '.1f')} |{comm} {row_notes(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a rank waits in a collective (all-reduce, barrier) for the others before "
                         "torch.distributed fails it (default: %(default)g)")
     p.add_argument("--quick", action="store_true", help="tiny dims of every model (a CPU smoke run)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per mode under torch.profiler: how much of the collectives' time compute hides")
     p.add_argument("--out", default=None, help="writes OUT.json, .md, .png (default: benchmarks/dist-<gpu>)")
     return p
 
@@ -160,7 +168,8 @@ def launch(world: int, models: list[str], modes: list[str], args: argparse.Names
         result = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                "-m", "automp.bench.dist_worker", "--models", ",".join(models), "--modes", ",".join(modes),
-               "--result", result, *map(str, flags), *(["--quick"] if args.quick else [])]
+               "--result", result, *map(str, flags), *(["--quick"] if args.quick else []),
+               *(["--profile"] if args.profile else [])]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a hung launch ends whole
         try:
             code: int | str = proc.wait(timeout=limit)
