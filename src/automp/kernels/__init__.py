@@ -13,8 +13,8 @@ from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quan
                                   quantize_weight_int4, quantize_weight_int8)
 
 __all__ = ["gemv", "gemm", "quant_gemv", "quant_gemv_rows", "quant_planes", "quant_gemm", "int8_gemm",
-           "int8_gemm_requant", "unscale_and_check_", "cast", "quantize_weight_int8", "quantize_weight_int4",
-           "quantize_rowwise_int8", "quantize_static_int8", "dequantize_weight"]
+           "int8_gemm_requant", "unscale_and_check_", "cast", "decode_attention", "quantize_weight_int8",
+           "quantize_weight_int4", "quantize_rowwise_int8", "quantize_static_int8", "dequantize_weight"]
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -78,3 +78,12 @@ def unscale_and_check_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x converted to dtype (float32/float16/bfloat16), contiguous, round to nearest even."""
     return torch.ops.automp.cast(x, dtype)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over a static KV cache: out [B, Hq, D] = softmax(scale * q . k) . v
+    over the slots where valid [B, L] (bool) is True, fp32 accumulation, in q's dtype. q [B, Hq, D]; k, v
+    [B, Hkv, L, D] (transformers' StaticCache layout, any strides) with Hq a multiple of Hkv (GQA); fp16/bf16;
+    D <= 256. A row with no valid slot gives zeros (SDPA would give NaN)."""
+    return torch.ops.automp.decode_attention(q, k, v, valid, float(scale))

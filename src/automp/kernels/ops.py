@@ -21,6 +21,7 @@ from automp.kernels import quant_batched as _quant_batched
 from automp.kernels import planes as _planes
 from automp.kernels import gemv_quant as _gemv_quant
 from automp.kernels import reduce as _reduce
+from automp.kernels import decode_attention as _decode_attention
 from automp.kernels.gemv import INTERPRET
 
 HALF = (torch.float16, torch.bfloat16)
@@ -289,6 +290,41 @@ def _(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     _check_int8(a_q, b_q, sa, sb, bias, a_zero, torch.float32)
     _check_requant(out_mult, out_zero, b_q.shape[1])
     return a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def _check_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+    """Every bad input is a ValueError here, dtypes included (the decoder's caller treats them all alike)."""
+    op = "decode_attention"
+    _require(q.dim() == 3, op, f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    _require(k.dim() == 4 and v.shape == k.shape, op,
+             f"k and v must be [B, Hkv, L, D] of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _require(q.dtype in HALF, op, f"q must be float16 or bfloat16, got {q.dtype}")
+    _require(k.dtype == q.dtype and v.dtype == q.dtype, op,
+             f"k and v dtypes ({k.dtype}, {v.dtype}) must match q dtype {q.dtype}")
+    (b, hq, d), (hkv, length) = q.shape, k.shape[1:3]
+    _require(k.shape[0] == b and k.shape[3] == d, op,
+             f"k/v {tuple(k.shape)} must match q {tuple(q.shape)} in batch B and head dim D")
+    _require(hkv > 0 and hq % hkv == 0, op, f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
+    _require(1 <= d <= _decode_attention.MAX_D, op, f"head dim D={d} is unsupported (1..{_decode_attention.MAX_D})")
+    _require(valid.dtype == torch.bool, op, f"valid must be a bool mask, got {valid.dtype}")
+    _require(valid.shape == (b, length), op, f"valid must be [B, L] = {(b, length)}, got {tuple(valid.shape)}")
+    _same_device(op, q, k, v, valid)
+
+
+@custom_op("automp::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    _check_decode_attention(q, k, v, valid)
+    if use_triton(q) and q.numel() and k.numel():  # empty batch or cache: the reference handles them
+        return _decode_attention.decode_attention(q, k, v, valid, scale)
+    return _decode_attention.decode_attention_reference(q, k, v, valid, scale)
+
+
+@decode_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_decode_attention(q, k, v, valid)
+    return q.new_empty(q.shape)
 
 
 # ----------------------------------------------------------------------------------------------- loss scaling

@@ -26,11 +26,13 @@ model supports a static cache at all (else the model's own dynamic cache, eager)
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 
 import torch
 import torch.nn as nn
 
+from automp.llm import attention as attn
 from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import QuantLinear, check_backend, input_embedding
 
@@ -85,13 +87,14 @@ class _Unpicklable:
 class Decoder(_Unpicklable):
     """A KV cache for `batch` sequences of up to `max_len` tokens plus the one-token decode step over it."""
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, mode: str = "auto", masked: bool = False):
+    def __init__(self, model: nn.Module, batch: int, max_len: int, mode: str = "auto", masked: bool = False,
+                 attention: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
         self.model, self.batch, self.max_len = model, batch, max_len
         fuse_projections(model)  # a model moved since quantize() lost its fused groups; before the fingerprint
         self.device, self.dtype, _, _ = input_embedding(model)
-        self.key = (batch, max_len, mode, masked, _fingerprint(model))
+        self.key = (batch, max_len, mode, masked, attention, _fingerprint(model))
         fwd = inspect.signature(model.forward).parameters
         self.cache_position = "cache_position" in fwd
         self.cache_arg = "cache" if "cache" in fwd else "past_key_values"
@@ -105,6 +108,10 @@ class Decoder(_Unpicklable):
             self.mode, self.reason = "eager", "no static KV cache for this model / transformers version"
         if self.mode in ("graph", "compile") and not cuda:
             self.reason = f"no CUDA graph on {self.device.type}: steps run one by one"
+        # the step's attention: one variant, or two captured and timed (automp.llm.attention)
+        self.variants, self.attention_note = attn.variants(model, attention, self.dtype,
+                                                           graphs=cuda and self.mode != "eager")
+        self.attention_ms: dict[str, float] | None = None
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.masked = masked
@@ -176,19 +183,47 @@ class Decoder(_Unpicklable):
             return self.logits
         self.steps += 1
         if self.device.type != "cuda" or self.mode == "eager":
-            return self.fn(*self.args)
+            with attn.using(self.model, self.variants[0]):
+                return self.fn(*self.args)
         if self.steps == 1:
             self._measure_kernels()
-            try:
-                return self.fn(*self.args)
-            except Exception as e:  # a compile failure: keep going uncompiled
-                if self.mode != "compile":
-                    raise
-                self.fn, self.mode, self.reason = self._forward, "graph", f"torch.compile failed: {e!r:.200}"
-                return self.fn(*self.args)
+            return self._each(self._first_call)
         if self.steps == 2:
-            return self._checked_step()
+            return self._each(self._checked_step)
         return self._capture()
+
+    def _each(self, run) -> torch.Tensor:
+        """`run(variant)` for every attention variant on the same step (each writes the same keys and values into the
+        same cache slots); a kernel variant that fails leaves (the model's own then runs if it was the only one), the
+        model's own failure is handled as before. The last one's logits."""
+        ran, logits = False, None
+        for variant in list(self.variants):
+            try:
+                with attn.using(self.model, variant):
+                    logits = run(variant)
+            except Exception as e:
+                if variant == "model":
+                    raise
+                self._drop(variant, f"{e!r:.200}")
+                continue
+            ran = True
+            if self.mode == "eager":  # the model's step synchronises: nothing is captured, nothing to time
+                self.variants = ["model"]
+                break
+        return logits if ran else run("model")  # else: the kernel alone was asked for, and it left
+
+    def _drop(self, variant: str, why: str) -> None:
+        self.variants = [v for v in self.variants if v != variant] or ["model"]
+        self.attention_note = f"decode attention {variant} left: {why}"
+
+    def _first_call(self, variant: str) -> torch.Tensor:
+        try:
+            return self.fn(*self.args)
+        except Exception as e:  # a compile failure: keep going uncompiled
+            if self.mode != "compile" or variant != "model":
+                raise
+            self.fn, self.mode, self.reason = self._forward, "graph", f"torch.compile failed: {e!r:.200}"
+            return self.fn(*self.args)
 
     def _measure_kernels(self) -> None:
         """Before torch.compile traces the decode step: the same step once, eagerly, so that each weight-only layer
@@ -200,9 +235,9 @@ class Decoder(_Unpicklable):
                 isinstance(m, QuantLinear) for m in self.model.modules()):
             self._forward(*self.args)
 
-    def _checked_step(self) -> torch.Tensor:
+    def _checked_step(self, variant: str) -> torch.Tensor:
         """A real step on the capture stream with sync debugging: a synchronising op means no capture."""
-        self.stream = torch.cuda.Stream()
+        self.stream = self.stream or torch.cuda.Stream()
         self.stream.wait_stream(torch.cuda.current_stream())
         previous = torch.cuda.get_sync_debug_mode()
         with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(self.stream):
@@ -214,22 +249,37 @@ class Decoder(_Unpicklable):
                 torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(self.stream)
         syncs = sync_warnings(str(w.message) for w in caught)
+        if syncs and variant != "model":
+            raise RuntimeError(f"it synchronises: {syncs[0][:200]}")
         if syncs:
             self.mode, self.reason = "eager", f"decode step synchronises, not capturable: {syncs[0][:200]}"
         return logits
 
     def _capture(self) -> torch.Tensor:
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, stream=self.stream):
-                logits = self.fn(*self.args)
-        except Exception as e:  # capture records, it does not run: the cache is as before, run the step eagerly
-            self.mode, self.reason = "eager", f"CUDA graph capture failed: {e!r:.200}"
-            torch.cuda.synchronize()
-            return self.fn(*self.args)
-        self.graph, self.logits = graph, logits
-        graph.replay()
-        return logits
+        """The step captured once per attention variant; where two were captured, the faster one's replays stay."""
+        graphs = {}
+        for variant in list(self.variants):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with attn.using(self.model, variant), torch.cuda.graph(graph, stream=self.stream):
+                    logits = self.fn(*self.args)
+            except Exception as e:  # capture records, it does not run: the cache is as before
+                torch.cuda.synchronize()
+                if variant != "model":
+                    self._drop(variant, f"CUDA graph capture failed: {e!r:.200}")
+                    continue
+                self.mode, self.reason, self.variants = "eager", f"CUDA graph capture failed: {e!r:.200}", ["model"]
+                return self.fn(*self.args)
+            graphs[variant] = graph, logits
+        if len(graphs) > 1:
+            chosen, self.attention_ms = attn.faster({v: g.replay for v, (g, _) in graphs.items()},
+                                                    torch.cuda.synchronize, time.perf_counter)
+        else:
+            chosen = next(iter(graphs))
+        self.variants = [chosen]
+        self.graph, self.logits = graphs[chosen]
+        self.graph.replay()
+        return self.logits
 
 
 def sync_warnings(messages) -> list[str]:
@@ -239,7 +289,8 @@ def sync_warnings(messages) -> list[str]:
     return [m for m in messages if "called a synchronizing cuda operation" in m.lower()]
 
 
-def _decoder(model: nn.Module, batch: int, length: int, mode: str, masked: bool = False) -> Decoder:
+def _decoder(model: nn.Module, batch: int, length: int, mode: str, masked: bool = False,
+             attention: str = "auto") -> Decoder:
     """The decoder kept on the model (reused while batch, rounded length, mode, masking and weights are the same:
     a masked step takes two more inputs, so its compiled and captured step is not an unmasked one's)."""
     max_len = -(-length // _LEN_STEP) * _LEN_STEP
@@ -250,9 +301,9 @@ def _decoder(model: nn.Module, batch: int, length: int, mode: str, masked: bool 
                              f"max_position_embeddings {limit}")
         max_len = min(max_len, limit)
     dec = model.__dict__.get(_ATTR)
-    if dec is None or dec.key != (batch, max_len, mode, masked, _fingerprint(model)):
+    if dec is None or dec.key != (batch, max_len, mode, masked, attention, _fingerprint(model)):
         model.__dict__.pop(_ATTR, None)
-        dec = Decoder(model, batch, max_len, mode, masked)
+        dec = Decoder(model, batch, max_len, mode, masked, attention)
         model.__dict__[_ATTR] = dec
     return dec
 
@@ -263,7 +314,8 @@ def decode_info(model: nn.Module) -> dict:
     if dec is None:
         return {}
     return {"cache": "static" if dec.static else "dynamic", "mode": dec.mode, "captured": dec.graph is not None,
-            "max_len": dec.max_len, "reason": dec.reason}
+            "max_len": dec.max_len, "reason": dec.reason, "attention": dec.variants[0] if len(dec.variants) == 1
+            else None, "attention_ms": dec.attention_ms, "attention_note": dec.attention_note}
 
 
 def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -302,7 +354,7 @@ def _left_padding(mask, shape: tuple) -> torch.Tensor | None:
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-             mode: str = "auto", attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+             mode: str = "auto", attention_mask: torch.Tensor | None = None, attention: str = "auto") -> torch.Tensor:
     """Prompt + up to max_new_tokens generated ids, [B, P + n] (like transformers' generate).
 
     Greedy at temperature 0; otherwise samples (optionally from the top_k tokens) with `generator`. Stops early
@@ -312,6 +364,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     Prompts of different lengths: left-pad them into input_ids and pass attention_mask [B, P] (1 = token, 0 = pad,
     each row's zeros first), as with transformers; each row then gets the tokens it gets alone. The mask is the only
     way padding is declared: pad ids are ordinary ids, so a padded batch without a mask decodes the pads as prompt.
+
+    attention: the decode step's attention, "auto" (on CUDA the step is captured with the model's own and with
+    automp's decode kernel and the faster one's replays stay: automp.llm.attention), "model" or "kernel".
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long \
             or input_ids.shape[1] == 0:
@@ -323,6 +378,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
         raise ValueError(f"automp.llm.generate: need temperature >= 0 and top_k >= 1, got {temperature}, {top_k}")
     if mode not in MODES:
         raise ValueError(f"automp.llm.generate: mode must be one of {MODES}, got {mode!r}")
+    if attention not in attn.ATTENTIONS:
+        raise ValueError(f"automp.llm.generate: attention must be one of {attn.ATTENTIONS}, got {attention!r}")
     device = input_embedding(model)[0]
     for m in model.modules():
         if isinstance(m, QuantLinear):
@@ -331,7 +388,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     ids = input_ids.to(device)
     mask = None if mask is None else mask.to(device)
     batch, prompt = ids.shape
-    dec = _decoder(model, batch, prompt + max_new_tokens, mode, masked=mask is not None)
+    dec = _decoder(model, batch, prompt + max_new_tokens, mode, masked=mask is not None, attention=attention)
     dec.reset()
     was_training = model.training
     model.eval()

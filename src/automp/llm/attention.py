@@ -1,0 +1,121 @@
+"""The decode step's attention: transformers' own (SDPA) or automp's split-KV kernel, chosen by timing both.
+
+A decode step attends from one new token per sequence over the whole static cache. transformers' SDPA path repeats
+each KV head for its group of query heads (copies of the cache every step) and hands the single query to a kernel
+built for long queries; automp.kernels.decode_attention reads each KV head once for its group and skips the slots not
+yet written. Which is faster depends on the GPU, the batch and the cache length, so the decoder captures its step
+with each (`variants`) and keeps the one whose replays measured faster (`faster`); elsewhere the model's own runs.
+
+The kernel is reached through transformers' attention registry: the decoder switches the model's
+`config._attn_implementation` to NAME around its own calls only (`using`), so a user's forward outside generate()
+keeps the model's attention. The registered function takes the kernel for single-token steps with a boolean mask and
+hands everything else (the prompt's prefill) to transformers' SDPA function unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+ATTENTIONS = ("auto", "model", "kernel")  # generate(attention=...): measured choice, the model's own, the kernel
+NAME = "automp_decode"
+MAX_HEAD_DIM = 256  # automp.kernels.decode_attention's limit (not imported here: importing automp.llm loads no Triton)
+ROUNDS, REPLAYS = 4, 8  # timed blocks of replays per variant, alternating (even: each leads as often as it trails)
+
+
+@functools.cache
+def register() -> str | None:
+    """Registers NAME with transformers' attention and mask registries; None when done, else why it cannot be."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:
+        return f"this transformers has no attention registry ({e.name or e})"
+    import automp.kernels.ops  # noqa: F401 - torch.ops.automp.decode_attention (Triton: imported only when used)
+    AttentionInterface.register(NAME, decode_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # a boolean mask, True where a slot is attended
+    return None
+
+
+def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [B, Hq, q, D], key/value [B, Hkv, L, D] (the static cache), the
+    output [B, q, Hq, D]. One query token with a boolean [B or 1, 1, 1, L] mask goes to the kernel; the rest to SDPA."""
+    if (query.shape[2] == 1 and dropout == 0.0 and kwargs.get("position_bias") is None
+            and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)
+            and attention_mask.shape[-1] == key.shape[2] and query.dtype in (torch.float16, torch.bfloat16)
+            and key.dtype == query.dtype and query.shape[-1] <= MAX_HEAD_DIM
+            and query.shape[1] % key.shape[1] == 0):
+        valid = attention_mask[:, 0, 0, :].expand(query.shape[0], -1)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = torch.ops.automp.decode_attention(query[:, :, 0], key, value, valid, float(scale))
+        return out[:, None], None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def variants(model: nn.Module, attention: str, dtype: torch.dtype, graphs: bool) -> tuple[list[str], str]:
+    """The attentions a decoder runs (timed against each other where there are two, the model's first), and why the
+    kernel is not among them where it was asked for or would have been tried ("" otherwise). dtype: the decode
+    step's activations; graphs: the step is captured (CUDA)."""
+    if attention == "model":
+        return ["model"], ""
+    why = "nothing to time the kernel against without a captured step" if attention == "auto" and not graphs \
+        else _kernel_unfit(model, dtype) or register()
+    if why is not None:
+        return ["model"], f"decode attention kernel not used: {why}"
+    return (["model", "kernel"] if attention == "auto" else ["kernel"]), ""
+
+
+def _kernel_unfit(model: nn.Module, dtype: torch.dtype) -> str | None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return "the model has no transformers config"
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not head_dim or head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} (the kernel takes up to {MAX_HEAD_DIM})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(dtype).removeprefix('torch.')} activations (the kernel takes fp16 or bf16)"
+    return None
+
+
+@contextlib.contextmanager
+def using(model: nn.Module, variant: str) -> Iterator[None]:
+    """The model's attention set to `variant` for the calls inside ("model": left as it is)."""
+    if variant == "model":
+        yield
+        return
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def faster(replays: dict[str, Callable[[], None]], sync: Callable[[], None],
+           clock: Callable[[], float]) -> tuple[str, dict[str, float]]:
+    """The variant whose replays ran faster, and each one's median ms per replay: ROUNDS blocks of REPLAYS replays
+    each, the variants alternating (A B, B A, ...), so a drifting clock favours neither. Replaying one decode step
+    again writes the same keys and values into the same cache slots: the cache is left as one replay leaves it."""
+    samples: dict[str, list[float]] = {v: [] for v in replays}
+    names = list(replays)
+    for r in range(ROUNDS):
+        for v in names if r % 2 == 0 else names[::-1]:
+            sync()
+            t0 = clock()
+            for _ in range(REPLAYS):
+                replays[v]()
+            sync()
+            samples[v].append((clock() - t0) * 1e3 / REPLAYS)
+    ms = {v: round(statistics.median(s), 5) for v, s in samples.items()}
+    return min(names, key=lambda v: ms[v]), ms

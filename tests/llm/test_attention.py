@@ -1,0 +1,102 @@
+"""automp.llm.attention: the decode step with automp's attention kernel gives the model's tokens, the timed choice
+between two captured steps, and the decoder's way back to the model's attention when the kernel fails."""
+import importlib
+
+import pytest
+import torch
+
+from automp.llm import attention as attn
+from automp.llm.generate import decode_info, generate
+from automp.llm.store import build
+
+GEN = importlib.import_module("automp.llm.generate")
+
+
+def _model(seed=0):
+    """tiny-llama with 4 query heads on 1 KV head (head dim 32), in bf16."""
+    return build("tiny-llama", dtype=torch.bfloat16, seed=seed, hidden_size=128, num_attention_heads=4,
+                 num_key_value_heads=1)
+
+
+def _prompt(batch=2, n=5, seed=3):
+    return torch.randint(1, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_the_kernel_decodes_the_models_tokens(mode):
+    """bf16 tiny Llama: the same greedy tokens with the kernel as with SDPA, and the
+    model's own attention setting is back after every call."""
+    model = _model()
+    before = model.config._attn_implementation
+    ids = _prompt()
+    want = generate(model, ids, 8, mode="eager", attention="model")
+    got = generate(model, ids, 8, mode=mode, attention="kernel")
+    assert torch.equal(got, want)
+    assert decode_info(model)["attention"] == "kernel" and model.config._attn_implementation == before
+
+
+def test_left_padded_rows_get_their_own_tokens_with_the_kernel():
+    model = _model(seed=1)
+    ids = _prompt(3, 6, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # row 0: three pads, then its prompt
+    want = generate(model, ids, 6, mode="eager", attention_mask=mask, attention="model")
+    got = generate(model, ids, 6, mode="eager", attention_mask=mask, attention="kernel")
+    assert torch.equal(got, want)
+
+
+def test_which_variants_a_decoder_runs():
+    model = _model()
+    assert attn.variants(model, "model", torch.bfloat16, graphs=True) == (["model"], "")
+    assert attn.variants(model, "auto", torch.bfloat16, graphs=True) == (["model", "kernel"], "")
+    assert attn.variants(model, "kernel", torch.bfloat16, graphs=False) == (["kernel"], "")
+    only, why = attn.variants(model, "auto", torch.bfloat16, graphs=False)  # nothing captured: nothing to time
+    assert only == ["model"] and "without a captured step" in why
+    only, why = attn.variants(model, "kernel", torch.float32, graphs=True)
+    assert only == ["model"] and "float32 activations" in why
+    with pytest.raises(ValueError, match="attention must be one of"):
+        generate(model, _prompt(), 2, attention="flash")
+
+
+def test_using_restores_the_setting_when_the_call_fails():
+    model = _model()
+    before = model.config._attn_implementation
+    with pytest.raises(RuntimeError), attn.using(model, "kernel"):
+        assert model.config._attn_implementation == attn.NAME
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == before
+
+
+def test_the_faster_replays_win_and_the_variants_alternate():
+    now, order = [0.0], []
+
+    def replay(name, cost):
+        def run():
+            order.append(name)
+            now[0] += cost
+        return run
+    chosen, ms = attn.faster({"model": replay("model", 3e-6), "kernel": replay("kernel", 1e-6)}, lambda: None,
+                             lambda: now[0])
+    assert chosen == "kernel" and ms == {"model": pytest.approx(3e-3), "kernel": pytest.approx(1e-3)}
+    blocks = [order[i] for i in range(0, len(order), attn.REPLAYS)]
+    assert blocks == ["model", "kernel", "kernel", "model"] * (attn.ROUNDS // 2)
+    assert order.count("model") == order.count("kernel") == attn.ROUNDS * attn.REPLAYS
+
+
+def test_a_failing_kernel_leaves_and_the_models_attention_runs():
+    """The CUDA branch of the step, driven with stand-ins: the kernel variant raises on its first call, the decoder
+    drops it, says why, and goes on with the model's attention alone."""
+    model = _model()
+    dec = GEN.Decoder(model, 1, 16, mode="compile", attention="kernel")
+    dec.device = torch.device("cuda")
+    seen = []
+
+    def fn(*args):
+        seen.append(model.config._attn_implementation)
+        if model.config._attn_implementation == attn.NAME:
+            raise RuntimeError("no kernel here")
+        return "logits"
+    dec.fn = fn
+    assert dec.step(torch.zeros(1, dtype=torch.long)) == "logits"
+    assert seen[0] == attn.NAME and seen[-1] != attn.NAME
+    assert dec.variants == ["model"] and "no kernel here" in dec.attention_note
