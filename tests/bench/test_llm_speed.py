@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from automp.bench import llm_profile, llm_speed
+from automp.bench import llm_profile, llm_rounds, llm_speed
 from automp.bench.llm_results import ROW_KEYS, merge
 from automp.bench.suites import llm
 
@@ -23,7 +23,7 @@ def _rows(path):
 
 def test_quick_matrix_decodes_a_batch_of_two_and_writes_finite_rows(tmp_path, capsys):
     assert llm.main(["--quick", "--model", "llama-8b-shape", "--batches", "2", "--cases", "fp16-compiled,automp-int4",
-                     "--new-tokens", "6", "--profile", "--out", str(tmp_path)]) == 0
+                     "--new-tokens", "6", "--repeats", "2", "--profile", "--out", str(tmp_path)]) == 0
     rows = _rows(tmp_path / "llm-cpu.json")
     assert set(rows) == {("llama-8b-shape", c, 2) for c in ("fp16-compiled", "automp-int4")}
     for row in rows.values():
@@ -31,10 +31,13 @@ def test_quick_matrix_decodes_a_batch_of_two_and_writes_finite_rows(tmp_path, ca
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ROW_KEYS[3:]), row
         assert row["tokens_per_s"] == pytest.approx(2 * 1000 / row["ms_per_token"])
         assert row["layers"] == 2 and row["device"] == "cpu" and row["dtype"] == "float16"
+        # the median of the alternating rounds, inside their spread (rounded to 4 decimals)
+        assert row["rounds"] == 2 and row["spread"][0] <= row["spread"][1], row
+        assert row["spread"][0] - 5e-5 <= row["ms_per_token"] <= row["spread"][1] + 5e-5, row
     assert rows[("llama-8b-shape", "automp-int4", 2)]["weight_gib"] < rows[("llama-8b-shape", "fp16-compiled",
                                                                              2)]["weight_gib"]
     md = (tmp_path / "llm-cpu.md").read_text()
-    assert "| llama-8b-shape | 2 | automp-int4 | 2 |" in md
+    assert "| llama-8b-shape | 2 | automp-int4 | 2 |" in md and "| ms/step | spread |" in md
     profiles = _rows(tmp_path / "llm-profile-cpu.json")  # batch 1 was not timed: the profile decodes it itself
     assert set(profiles) == {("llama-8b-shape", c, 1) for c in ("fp16-compiled", "automp-int4")}
     for p in profiles.values():
@@ -71,40 +74,106 @@ def test_without_torchao_its_rows_are_skipped(tmp_path, monkeypatch):
     assert all(r["ms_per_token"] is None for r in rows.values())
 
 
-def _fake_measure(slow_case):
-    def measure(model, m, batch, row, bandwidth, expired):
+def _fake_warm(slow_case=None):
+    def warm(model, m, batch, row, bandwidth, expired):
         if row["case"] == slow_case:
             time.sleep(30)  # the alarm interrupts it
-        row.update(ms_per_token=1.0, tokens_per_s=1000.0 * batch, weight_gib=1.0, roofline_frac=0.5)
-        return row
-    return measure
+        row.update(weight_gib=1.0, step_gib=1.0, bandwidth_gbps=1000.0)
+        return row["case"]  # what the samples get: here the case, so that they can say whose they are
+    return warm
+
+
+def _fake_sample(values=None, calls=None):
+    """ms per step by case: `values[case]` in turn (1.0 where none), each call recorded in `calls`."""
+    def sample(model, m, ids):
+        if calls is not None:
+            calls.append(ids)
+        v = (values or {}).get(ids)
+        if isinstance(v, list):
+            v = v.pop(0)
+        if isinstance(v, Exception):
+            raise v
+        return 1.0 if v is None else v
+    return sample
 
 
 @pytest.fixture
 def no_model(monkeypatch):
     monkeypatch.setattr(llm_speed, "prepare", lambda case, m: (torch.nn.Linear(1, 1), ""))
+    monkeypatch.setattr(llm_speed, "sample", _fake_sample())
 
 
 def test_a_case_past_its_timeout_errors_and_the_next_case_runs(tmp_path, monkeypatch, no_model):
-    monkeypatch.setattr(llm_speed, "measure", _fake_measure("automp-int8"))
+    monkeypatch.setattr(llm_speed, "warm", _fake_warm("automp-int8"))
     assert llm.main(["--quick", "--batches", "1,4", "--cases", "automp-int8,fp16-compiled", "--case-timeout", "1",
                      "--out", str(tmp_path)]) == 0
     rows = _rows(tmp_path / "llm-cpu.json")
     assert rows[("llama-8b-shape", "automp-int8", 1)]["error"] == "ran past --case-timeout 1 s"
     assert rows[("llama-8b-shape", "automp-int8", 4)]["skipped"] == "case timeout"
+    assert rows[("llama-8b-shape", "fp16-compiled", 1)]["ms_per_token"] == 1.0
     assert rows[("llama-8b-shape", "fp16-compiled", 4)]["ms_per_token"] == 1.0
 
 
 def test_a_failing_batch_is_an_error_row_and_the_next_batch_runs(tmp_path, monkeypatch, no_model):
-    def measure(model, m, batch, row, bandwidth, expired):
+    def warm(model, m, batch, row, bandwidth, expired):
         if batch == 1:
             raise RuntimeError("out of memory\nsecond line")
-        return _fake_measure(None)(model, m, batch, row, bandwidth, expired)
-    monkeypatch.setattr(llm_speed, "measure", measure)
+        return _fake_warm()(model, m, batch, row, bandwidth, expired)
+    monkeypatch.setattr(llm_speed, "warm", warm)
     assert llm.main(["--quick", "--batches", "1,2", "--cases", "fp16-compiled", "--out", str(tmp_path)]) == 0
     rows = _rows(tmp_path / "llm-cpu.json")
     assert rows[("llama-8b-shape", "fp16-compiled", 1)]["error"] == "RuntimeError: out of memory"
     assert rows[("llama-8b-shape", "fp16-compiled", 2)]["ms_per_token"] == 1.0
+
+
+def test_cases_are_timed_in_alternating_rounds_and_report_median_and_spread(tmp_path, monkeypatch, no_model):
+    calls = []
+    values = {"fp16-compiled": [3.0, 1.0, 4.0, 2.0] * 2, "automp-int8": [5.0, 5.0, 6.0, 9.0] * 2,
+              "automp-int4": [0.5, 0.25, 1.0, 0.75] * 2}
+    monkeypatch.setattr(llm_speed, "warm", _fake_warm())
+    monkeypatch.setattr(llm_speed, "sample", _fake_sample(values, calls))
+    assert llm.main(["--quick", "--batches", "1,2", "--cases", "fp16-compiled,automp-int8,automp-int4", "--repeats",
+                     "4", "--out", str(tmp_path)]) == 0
+    a, b, c = "fp16-compiled", "automp-int8", "automp-int4"
+    assert calls == [a, b, c, c, b, a, a, b, c, c, b, a] * 2  # per batch size: A B C, C B A, A B C, C B A
+    rows = _rows(tmp_path / "llm-cpu.json")
+    for batch in (1, 2):
+        for case, ms, spread in ((a, 2.5, [1.0, 4.0]), (b, 5.5, [5.0, 9.0]), (c, 0.625, [0.25, 1.0])):
+            row = rows[("llama-8b-shape", case, batch)]
+            assert (row["ms_per_token"], row["spread"], row["rounds"]) == (ms, spread, 4), row
+            assert row["tokens_per_s"] == pytest.approx(batch * 1000 / ms)
+            assert row["roofline_frac"] == pytest.approx(2**30 / 1e12 / (ms / 1e3))
+    md = (tmp_path / "llm-cpu.md").read_text()
+    assert "| llama-8b-shape | 2 | automp-int8 | 2 | 5.500 | 5.000-9.000 |" in md
+
+
+def test_a_failing_sample_ends_its_case_and_the_others_go_on(tmp_path, monkeypatch, no_model):
+    calls = []
+    values = {"automp-int8": [2.0, RuntimeError("illegal memory access\nmore")]}
+    monkeypatch.setattr(llm_speed, "warm", _fake_warm())
+    monkeypatch.setattr(llm_speed, "sample", _fake_sample(values, calls))
+    assert llm.main(["--quick", "--batches", "1", "--cases", "fp16-compiled,automp-int8,automp-int4", "--repeats",
+                     "4", "--out", str(tmp_path)]) == 0
+    a, b, c = "fp16-compiled", "automp-int8", "automp-int4"
+    assert calls == [a, b, c, c, b, a, a, c, c, a]  # b raised in round 2 and is not sampled again
+    rows = _rows(tmp_path / "llm-cpu.json")
+    assert rows[("llama-8b-shape", b, 1)]["error"] == "RuntimeError: illegal memory access"
+    assert rows[("llama-8b-shape", b, 1)]["ms_per_token"] is None
+    for case in (a, c):
+        row = rows[("llama-8b-shape", case, 1)]
+        assert (row["ms_per_token"], row["spread"], row["rounds"]) == (1.0, [1.0, 1.0], 4) and "error" not in row
+
+
+def test_the_time_limit_ends_the_rounds_and_keeps_what_they_took():
+    def slow():
+        time.sleep(0.3)
+        return 2.0
+    deadline = time.perf_counter() + 0.2
+    samples = llm_rounds.time_rounds({"a": slow, "b": lambda: 1.0}, 4, deadline)
+    assert samples == {"a": [2.0], "b": []}  # a's first sample ran past the limit: b's was never started
+    row = llm_rounds.timed_row({"note": "", "step_gib": 1.0, "bandwidth_gbps": 1.0}, samples["a"], 1, 4)
+    assert row["ms_per_token"] == 2.0 and row["rounds"] == 1 and row["spread"] == [2.0, 2.0]
+    assert row["note"] == "--time-limit ended the timing after 1 of 4 rounds"
 
 
 def test_cases_not_started_within_the_time_limit_are_skipped(tmp_path):
@@ -134,6 +203,7 @@ def test_torchao_weights_count_their_packed_bytes():
 
 @pytest.mark.parametrize("args", [["--batches", "0"], ["--batches", "1,x"], ["--cases", "fp16-compiled,int3"],
                                   ["--model", "llama-70b"], ["--layers", "0"], ["--case-timeout", "-1"],
+                                  ["--repeats", "0"],
                                   ["--new-tokens", "1"], ["--batches", "1", "--only", "accuracy"]])
 def test_bad_input_is_a_one_line_usage_error(tmp_path, capsys, args):
     assert llm.main([*args, "--out", str(tmp_path / "out")]) == 2

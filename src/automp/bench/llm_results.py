@@ -90,15 +90,19 @@ def _vs_anchor(rows: list[dict], row: dict) -> float | None:
 
 def markdown(rows: list[dict]) -> str:
     lines = header("llm", rows, [
-        "decode step of the whole batch: (t(N new tokens) - t(1)) / (N - 1); tokens/s = batch x 1000 / ms per step",
+        "decode step of the whole batch: (t(N new tokens) - t(1)) / (N - 1), the median of the alternating rounds "
+        "(all cases of a batch size timed in each round), spread: the least and the greatest round; tokens/s = "
+        "batch x 1000 / ms per step",
         "vs fp16: fp16-compiled's step time over the row's (same model, layers, batch); roofline: bytes a step "
         "reads (weights but the input embedding, plus the KV cache) / copy bandwidth / step time"])
-    lines += ["", "| model | layers | case | batch | ms/step | tokens/s | vs fp16 | weights GiB | roofline | decode "
-              "| notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines += ["", "| model | layers | case | batch | ms/step | spread | tokens/s | vs fp16 | weights GiB | roofline "
+              "| decode | notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         notes = "; ".join(f"{k}: {r[k]}" for k in ("skipped", "error") if r.get(k)) or (r.get("note") or "")
+        spread = f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}" if r.get("spread") else ""  # none in older rows
         lines.append(f"| {r['model']} | {r.get('layers', '')} | {r['case']} | {r['batch']} | "
-                     f"{fmt(r.get('ms_per_token'), '.3f')} | {fmt(r.get('tokens_per_s'), '.1f')} | "
+                     f"{fmt(r.get('ms_per_token'), '.3f')} | "
+                     f"{spread} | {fmt(r.get('tokens_per_s'), '.1f')} | "
                      f"{fmt(_vs_anchor(rows, r), '.2f')} | {fmt(r.get('weight_gib'), '.2f')} | "
                      f"{fmt(r.get('roofline_frac'), '.2f')} | {r.get('decode') or ''} | {notes.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -20,17 +20,25 @@ Cases, each through automp.llm.generate's static-cache decode (compiled and capt
                      cases only: without them torchao's int8 casts its weights to fp16 in a kernel of their own at
                      every step and falls far behind the fp16 anchor, no peer worth the name.
 
-Each case builds its model once and then decodes at each batch size in turn. generate keeps one decoder per model,
-made for one batch size (its static cache, compiled step and CUDA graph have that batch's shapes), so every batch
-size is one more compile; a second model of the same case and shapes would reuse the compiled code (measured on the
-CPU: tiny-llama at batches 1, 2, 4 compiled three graphs, a second and third model none). Dynamo's limit of 8
-compiled versions per frame is raised, and its caches dropped between cases, so no case runs uncompiled unnoticed.
+Every case builds its model once, at the first batch size that runs it, and keeps it for the rest. Each batch size
+then runs in two phases. Warm: case by case, under the case's alarm and Inductor settings, one untimed decode
+(compile, autotune, capture) and the row's static facts; dynamo's caches are dropped before the next case compiles
+(generate captures the step as a CUDA graph by hand, and a captured graph replays without the compiled code). Time:
+--repeats rounds, each one sample of every warmed case, in harness.block_order's order (A B C, C B A, ...; the timing
+itself is automp.bench.llm_rounds). Cases timed one after another meet a host and GPU that drift meanwhile, and the
+drift goes into their ratio as if it were the cases'; alternating rounds cancel a drift linear in time. generate keeps
+one decoder per model, made for one batch size (its static cache, compiled step and CUDA graph have that batch's
+shapes), so every batch size is one more compile per case; a second model of the same case and shapes would reuse
+the compiled code. Dynamo's limit of compiled versions per frame is raised, so no case runs uncompiled unnoticed.
 
-Row: ms_per_token = (t(N new tokens) - t(1)) / (N - 1), one decode step of the whole batch, so tokens_per_s = batch *
-1000 / ms_per_token; weight_gib = every parameter and buffer (torchao's packed tensors by their inner tensors);
-roofline_frac = the bytes a step must read / the copy bandwidth measured in this process / the step time, where the
-bytes are every weight but the input embedding plus the KV cache entries the step attends to, taken at their mean
-over the timed steps (prompt + N / 2 tokens per row), not the whole static cache the attention kernel may sweep.
+Row: a sample is (t(N new tokens) - t(1)) / (N - 1), one decode step of the whole batch, each call timed alone;
+ms_per_token = the median of the case's rounds, spread = [least, greatest] of them, rounds = their number, so
+tokens_per_s = batch * 1000 / ms_per_token; weight_gib = every parameter and buffer (torchao's packed tensors by
+their inner tensors); roofline_frac = the bytes a step must read / the copy bandwidth measured in this process / the
+step time, where the bytes are every weight but the input embedding plus the KV cache entries the step attends to,
+taken at their mean over the timed steps (prompt + N / 2 tokens per row), not the whole static cache the attention
+kernel may sweep. A failing sample makes its case's row an error and drops it from the later rounds; past
+--time-limit no sample starts, and a row keeps the rounds it has.
 Rows merge by (model, case, batch) into `<out>/llm-<gpu>.json` and `.md`, rewritten after every row.
 """
 from __future__ import annotations
@@ -46,7 +54,8 @@ import torch
 import torch.nn as nn
 
 from automp.bench.harness import fmt, free
-from automp.bench.llm_results import ROW_KEYS, Results, one_line, summary
+from automp.bench.llm_results import ROW_KEYS, Results, one_line, summary, sync
+from automp.bench.llm_rounds import time_rounds, timed_row
 from automp.timing import time_fn
 
 MODELS = {
@@ -69,7 +78,7 @@ class Matrix:
     cases: tuple[str, ...]
     prompt: int
     new_tokens: int
-    repeats: int
+    repeats: int              # alternating rounds of timed samples per batch size
     group: int
     device: str
     tiny: bool
@@ -182,122 +191,186 @@ def base_row(m: Matrix, case: str, batch: int, meta: dict) -> dict:
             "layers": dims(m)["num_hidden_layers"], **meta}
 
 
-def measure(model: nn.Module, m: Matrix, batch: int, row: dict, bandwidth: float, expired: list) -> dict:
-    """Fill `row` with one batch size's decode speed; raises the case's TimeoutError if the alarm went off (a
-    compile that swallowed it still ends the case)."""
+def warm(model: nn.Module, m: Matrix, batch: int, row: dict, bandwidth: float, expired: list) -> torch.Tensor:
+    """A batch size's untimed first decode (compile, autotune, capture) and the row's static facts; returns the prompt
+    ids its timed samples decode. Raises the case's TimeoutError if the alarm went off (a compile that swallowed it
+    still ends the case)."""
     from automp.llm.generate import decode_info, generate
     device = torch.device(m.device)
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, m.prompt), generator=gen).to(device)
-
-    def run(n: int) -> torch.Tensor:
-        out = generate(model, ids, n, mode=m.mode)  # equal lengths: no padding, so no attention_mask
-        if expired:
-            raise expired[0]
-        return out
-
     t0 = time.perf_counter()
-    out = run(m.new_tokens)  # compile, autotune, capture
-    warm = time.perf_counter() - t0
+    out = generate(model, ids, m.new_tokens, mode=m.mode)  # equal lengths: no padding, so no attention_mask
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    if expired:
+        raise expired[0]
     if tuple(out.shape) != (batch, m.prompt + m.new_tokens):
         raise RuntimeError(f"generated {tuple(out.shape)}, expected {(batch, m.prompt + m.new_tokens)}")
-    full = time_fn(lambda: run(m.new_tokens), warmup=0, iters=m.repeats, device=device) / 1e3
-    one = time_fn(lambda: run(1), warmup=0, iters=m.repeats, device=device) / 1e3
     info = decode_info(model)
+    generate(model, ids, 1, mode=m.mode)  # t(1)'s call, which must keep the decoder t(N) compiled and captured
+    if decode_info(model).get("max_len") != info.get("max_len"):
+        raise RuntimeError(f"prompt + 1 and prompt + {m.new_tokens} tokens need static caches of different lengths: "
+                           "every sample would build its decoder again; lower --new-tokens")
     notes = [row["note"]] if row.get("note") else []
     if info.get("mode") != m.mode or info.get("reason"):
         notes.append(f"decode {info.get('mode')}: {info.get('reason')}".strip(": "))
-    row.update(warmup_s=round(warm, 2), decode=info.get("mode"), weight_gib=model_bytes(model) / 2**30,
+    if info.get("attention_ms"):  # generate timed its step with each attention and kept the faster (llm.attention)
+        notes.append(f"{info['attention']} attention (step replays, ms: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in info["attention_ms"].items()) + ")")
+    elif info.get("attention_note"):
+        notes.append(info["attention_note"])
+    row.update(attention=info.get("attention"), attention_ms=info.get("attention_ms"))
+    row.update(warmup_s=round(warm_s, 2), decode=info.get("mode"), weight_gib=model_bytes(model) / 2**30,
                dtype=str(next(model.parameters()).dtype).removeprefix("torch."), bandwidth_gbps=bandwidth,
                step_gib=step_bytes(model, batch, m) / 2**30)
-    if full > one:
-        step = (full - one) / (m.new_tokens - 1)
-        row.update(ms_per_token=step * 1e3, tokens_per_s=batch / step,
-                   roofline_frac=row["step_gib"] * 2**30 / (bandwidth * 1e9) / step)
-    else:
-        notes.append("decode time below timing noise")
     if notes:
         row["note"] = "; ".join(notes)
-    return row
+    return ids
+
+
+def sample(model: nn.Module, m: Matrix, ids: torch.Tensor) -> float:
+    """One timed sample of a warmed case: ms of one decode step of the whole batch, (t(N) - t(1)) / (N - 1), each call
+    timed alone with the device synchronized around it (so the prompt and the first token cancel)."""
+    from automp.llm.generate import generate
+    device = torch.device(m.device)
+    full = time_fn(lambda: generate(model, ids, m.new_tokens, mode=m.mode), warmup=0, iters=1, device=device)
+    one = time_fn(lambda: generate(model, ids, 1, mode=m.mode), warmup=0, iters=1, device=device)
+    return (full - one) / (m.new_tokens - 1)
 
 
 # ----------------------------------------------------------------------------------------------- the run
+class Case:
+    """One case across the batch sizes: its model (built at the first batch size that runs the case, kept for the
+    rest), the note on how it differs from its name, the seconds its alarm has run, and once known (`over`) the error
+    or skip of its batch sizes still to come."""
+
+    def __init__(self, name: str, m: Matrix, meta: dict, results: Results, log: Callable[[str], None]):
+        self.name, self.m, self.meta, self.results, self.log = name, m, meta, results, log
+        self.model: nn.Module | None = None
+        self.note, self.used = "", 0.0
+        self.over = {"skipped": "pip install torchao"} if name.startswith("torchao-") and torchao_missing() else {}
+
+    def row(self, batch: int) -> dict:
+        return dict(base_row(self.m, self.name, batch, self.meta), **({"note": self.note} if self.note else {}))
+
+    def finish(self, row: dict, **why: str) -> None:
+        row.update(why)
+        self.results.add(row)
+        shown = why or {"ms/step": fmt(row["ms_per_token"], ".3f"), "spread": row.get("spread"),
+                        "tokens/s": fmt(row["tokens_per_s"], ".1f"), "roofline": fmt(row["roofline_frac"], ".2f"),
+                        "warm-up s": row.get("warmup_s"), "note": row.get("note", "")}
+        self.log(f"{self.name} batch {row['batch']}: {shown}")
+
+
 def run_matrix(m: Matrix, results: Results, profiles: Results | None, meta: dict,
                log: Callable[[str], None]) -> None:
-    """Every case in turn, each at every batch size; rows go to `results` as they finish."""
+    """Each batch size in turn: every case warmed (phase A), then all of them timed in alternating rounds (phase B);
+    rows go to `results` as soon as they are final."""
     from automp.bench.harness import copy_bandwidth_gbps
     start = time.perf_counter()
     deadline = start + m.time_limit if m.time_limit > 0 else math.inf
     bandwidth = copy_bandwidth_gbps(2**30 if m.device == "cuda" else 2**26)
     log(f"copy bandwidth {bandwidth:.0f} GB/s; {m.model} {dims(m)}")
+    cases = [Case(name, m, meta, results, log) for name in m.cases]
     with torch._dynamo.config.patch(recompile_limit=max(64, 2 * len(m.batches) + 2)):
-        for case in m.cases:
-            run_case(case, m, bandwidth, deadline, meta, results, profiles, log)
-            free(dynamo=True)  # the next case compiles other graphs: drop this one's
+        for batch in m.batches:
+            warmed = {}
+            for c in cases:
+                got = warm_case(c, batch, bandwidth, deadline, profiles)
+                if got is not None:
+                    warmed[c] = got
+                free(dynamo=True)  # the next case compiles other graphs: drop this one's (captured ones replay on)
+            time_batch(warmed, m, batch, deadline, log)
+            for c in cases:
+                if c.over:
+                    c.model = None  # its later batch sizes do not run
+            free()
+        if profiles is not None and 1 not in m.batches:
+            for c in cases:  # the profile alone, after the case's batch sizes as before
+                if c.model is not None:
+                    warm_case(c, None, bandwidth, deadline, profiles)
+                    free(dynamo=True)
     log(f"{summary(results.added)} in {time.perf_counter() - start:.0f} s")
 
 
-def run_case(case: str, m: Matrix, bandwidth: float, deadline: float, meta: dict, results: Results,
-             profiles: Results | None, log: Callable[[str], None]) -> None:
-    """One case's rows: built once, then each batch size; a failing batch gives an error row and the next one runs;
-    the case's alarm (--case-timeout, or what is left of --time-limit) ends it, the rest skipped."""
+def warm_case(c: Case, batch: int | None, bandwidth: float, deadline: float,
+              profiles: Results | None) -> tuple[dict, torch.Tensor] | None:
+    """Phase A of one case at one batch size, under the case's alarm (--case-timeout over all its batch sizes, or what
+    is left of --time-limit) and its Inductor settings: its model built if it is not yet, the untimed decode and the
+    row's facts (warm), and at batch 1 the profile (batch None: the profile alone). Returns the row and the prompt ids
+    to time, or None where the row is final already: a failing batch is an error row and the next batch size runs;
+    an alarm ends the case, its later batch sizes skipped."""
     from automp.bench.llm_profile import profile_case
     from automp.bench.zoo_modes import time_limit
-    rows = {b: base_row(m, case, b, meta) for b in m.batches}
-    pending = list(m.batches)
-
-    def finish(row: dict, **why: str) -> None:
-        row.update(why)
-        results.add(row)
-        shown = why or {"ms/step": fmt(row["ms_per_token"], ".3f"), "tokens/s": fmt(row["tokens_per_s"], ".1f"),
-                        "roofline": fmt(row["roofline_frac"], ".2f"), "warm-up s": row.get("warmup_s"),
-                        "note": row.get("note", "")}
-        log(f"{case} batch {row['batch']}: {shown}")
-
+    m = c.m
+    row = c.row(batch or 1)
     left = deadline - time.perf_counter()
-    skip = "pip install torchao" if case.startswith("torchao-") and torchao_missing() else (
-        "time limit" if left <= 0 else None)
-    if skip:
-        for b in pending:
-            finish(rows[b], skipped=skip)
-        return
-    budget = min(m.case_timeout if m.case_timeout > 0 else math.inf, left)
-    flag = "--time-limit" if budget == left else "--case-timeout"
-    stage: tuple[str, int | None] = ("prepare", None)
-    with time_limit(budget if math.isfinite(budget) else 0) as expired, inductor_settings(case):
-        try:
-            t0 = time.perf_counter()
-            model, note = prepare(case, m)
-            log(f"{case}: model ready in {time.perf_counter() - t0:.1f} s {note}")
-            for b in list(pending):
-                stage = ("batch", b)
-                pending.remove(b)
-                row = dict(rows[b], **({"note": note} if note else {}))
+    own = m.case_timeout - c.used if m.case_timeout > 0 else math.inf
+    if c.over or left <= 0 or own <= 0:
+        if batch is not None:
+            c.finish(row, **(c.over or {"skipped": "time limit" if left <= 0 else "case timeout"}))
+        return None
+    flag, limit = ("--time-limit", m.time_limit) if left <= own else ("--case-timeout", m.case_timeout)
+    stage, warmed, expired, t0 = "prepare", None, [], time.perf_counter()
+    try:
+        with time_limit(min(left, own) if math.isfinite(min(left, own)) else 0) as expired, \
+                inductor_settings(c.name):
+            if c.model is None:
+                c.model, c.note = prepare(c.name, m)
+                c.log(f"{c.name}: model ready in {time.perf_counter() - t0:.1f} s {c.note}")
+                row = c.row(batch or 1)
+            stage = "batch"
+            if batch is not None:
                 try:
-                    measure(model, m, b, row, bandwidth, expired)
+                    warmed = row, warm(c.model, m, batch, row, bandwidth, expired)
                 except Exception as e:
                     if expired or isinstance(e, TimeoutError):
                         raise
-                    row["error"] = one_line(e)
-                finish(row)
-                stage = ("between", None)  # an alarm from here on must not turn the written row into an error
-                if profiles is not None and b == 1:
-                    stage = ("profile", None)
-                    profile_case(model, m, case, dict(rows[1], note=note), profiles, expired, log)
-            if profiles is not None and 1 not in m.batches:
-                stage = ("profile", None)
-                profile_case(model, m, case, dict(base_row(m, case, 1, meta), note=note), profiles, expired, log)
-        except Exception as e:
-            timed_out = bool(expired) or isinstance(e, TimeoutError)
-            error = f"ran past {flag} {budget:g} s" if timed_out else one_line(e)
-            if stage[0] == "batch":
-                finish(rows[stage[1]], error=error)
-            elif stage[0] == "profile" and profiles is not None:
-                profiles.add(dict(base_row(m, case, 1, meta), error=error))
-            elif stage[0] == "prepare":
-                for b in pending:
-                    finish(rows[b], error=error)
-                pending = []
-            for b in pending:
-                finish(rows[b], skipped=("case timeout" if flag == "--case-timeout" else "time limit")
-                       if timed_out else "the case failed")
+                    c.finish(row, error=one_line(e))
+            stage = "profile"  # an alarm from here on must not turn the warmed row into an error
+            if profiles is not None and batch in (1, None):
+                profile_case(c.model, m, c.name, c.row(1), profiles, expired, c.log)
+    except Exception as e:
+        timed_out = bool(expired) or isinstance(e, TimeoutError)
+        error = f"ran past {flag} {limit:g} s" if timed_out else one_line(e)
+        if stage == "profile" and profiles is not None:
+            profiles.add(dict(base_row(m, c.name, 1, c.meta), error=error))
+        elif batch is not None:
+            c.finish(row, error=error)
+        c.over = {"error": error} if stage == "prepare" else {"skipped": (
+            "case timeout" if flag == "--case-timeout" else "time limit") if timed_out else "the case failed"}
+    finally:
+        c.used += time.perf_counter() - t0
+    return warmed
+
+
+def time_batch(warmed: dict[Case, tuple[dict, torch.Tensor]], m: Matrix, batch: int, deadline: float,
+               log: Callable[[str], None]) -> None:
+    """Phase B of one batch size: the warmed cases timed in alternating rounds (automp.bench.llm_rounds), each row
+    written once its rounds are done, a case whose sample fails written at once as an error row."""
+    from automp.llm.generate import decode_info, generate
+    for c, (row, ids) in list(warmed.items()):
+        # a step that runs uncaptured through compiled code lost that code to free(dynamo=True): compile it again
+        # (and capture it, for a decode too short to have been), untimed, under the case's Inductor settings
+        for tries in range(3 if m.device == "cuda" and m.mode == "compile" else 0):
+            info = decode_info(c.model)
+            if info.get("captured") or (tries and info.get("mode") == "eager"):  # eager: it will never capture
+                break
+            try:
+                with inductor_settings(c.name):
+                    generate(c.model, ids, m.new_tokens, mode=m.mode)
+            except Exception as e:
+                c.finish(row, error=one_line(e))
+                del warmed[c]
+                break
+    if not warmed:
+        return
+    log(f"batch {batch}: {', '.join(c.name for c in warmed)} in {m.repeats} alternating rounds")
+    calls = {c: (lambda c=c, ids=ids: sample(c.model, m, ids)) for c, (_, ids) in warmed.items()}
+    steps = time_rounds(calls, m.repeats, deadline, lambda c, e: c.finish(warmed[c][0], error=one_line(e)))
+    for c, ms in steps.items():
+        if ms:
+            c.finish(timed_row(warmed[c][0], ms, batch, m.repeats))
+        else:
+            c.finish(warmed[c][0], skipped="time limit")

@@ -17,7 +17,7 @@ Accuracy: a small Llama (GPU: 4 layers, d=256; byte-level) trained here on the P
 (read with `ast` from the source files, not imported: importing the whole stdlib has side effects), then held-out
 perplexity (files split by a hash of their path) for fp16, int8, int4 and int4 + AWQ, and the change vs fp16.
 
-Speed matrix (automp.bench.llm_speed), when any of its options (--model, --layers, --batches, --cases,
+Speed matrix (automp.bench.llm_speed), when any of its options (--model, --layers, --batches, --cases, --repeats,
 --case-timeout, --time-limit, --profile) is given:
 fp16-compiled (the anchor), automp-int8/int4 and torchao-int8/int4 at each batch size on a random Llama-3-8B-shaped
 (or TinyLlama-shaped) model, rows merged into `<out>/llm-<gpu>.json`; --profile adds where one batch-1 step's kernel
@@ -285,8 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's own: 32 / 22)")
     m.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1)")
     m.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(CASES) + " (default: all)")
+    m.add_argument("--repeats", type=int, default=None,
+                   help="alternating rounds per batch size (default 5): each round times every case once, in "
+                        "reversed order every other round; a row is the median of its rounds, with their spread")
     m.add_argument("--case-timeout", type=float, default=None,
-                   help="seconds per case, all its batch sizes (default 150; 0 = none): the rest is skipped")
+                   help="seconds per case (default 150; 0 = none): its model's build and the warm-up (compile, "
+                        "capture) of all its batch sizes, not the timed rounds; the rest is skipped")
     m.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole matrix (default 0 = none): cases not started by then are skipped")
     m.add_argument("--profile", action="store_true",
@@ -313,6 +317,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
     slug = gpu_slug(device_name(cfg.device))
     case_timeout = 150.0 if args.case_timeout is None else args.case_timeout
     time_limit = args.time_limit or 0.0
+    repeats = 5 if args.repeats is None else args.repeats
     batches, error = _batches(args.batches or "1")
     model = args.model or "llama-8b-shape"
     error = error or (f"--model: unknown {model!r}; choose from {', '.join(MODELS)}" if model not in MODELS else None)
@@ -320,7 +325,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
                       if args.only == "accuracy" else None)
     error = error or usage_problem(
         [("--cases", args.cases or ",".join(CASES), CASES)],
-        [("--layers", 1 if args.layers is None else args.layers, 1),
+        [("--layers", 1 if args.layers is None else args.layers, 1), ("--repeats", repeats, 1),
          ("--case-timeout", case_timeout, 0), ("--time-limit", time_limit, 0)],
         os.path.join(args.out, f"llm-{slug}"), exts=(".json", ".md"))
     try:
@@ -336,7 +341,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
         print("automp llm bench: error: the speed matrix needs a CUDA GPU (use --quick on the CPU)", file=sys.stderr)
         return 1
     m = Matrix(model=model, layers=args.layers, batches=batches, cases=tuple((args.cases or ",".join(CASES)).split(
-        ",")), prompt=cfg.prompt, new_tokens=cfg.new_tokens, repeats=3, group=cfg.group,
+        ",")), prompt=cfg.prompt, new_tokens=cfg.new_tokens, repeats=repeats, group=cfg.group,
         device=cfg.device, tiny=args.quick, mode="eager" if cfg.device == "cpu" else args.decode,
         case_timeout=case_timeout, time_limit=time_limit, profile=args.profile)
     meta = {**provenance(cfg.device), "command": "automp llm bench " + " ".join(argv or [])}
@@ -366,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"automp llm bench: error: --new-tokens must be at least 2, got {args.new_tokens}", file=sys.stderr)
             return 2
         cfg = replace(cfg, new_tokens=args.new_tokens)
-    if args.profile or any(v is not None for v in (args.model, args.layers, args.batches, args.cases,
+    if args.profile or any(v is not None for v in (args.model, args.layers, args.batches, args.cases, args.repeats,
                                                     args.case_timeout, args.time_limit)):
         return _matrix(args, argv, cfg)
     if not args.quick and not torch.cuda.is_available():
