@@ -85,7 +85,7 @@ def _fake_warm(slow_case=None):
 
 def _fake_sample(values=None, calls=None):
     """ms per step by case: `values[case]` in turn (1.0 where none), each call recorded in `calls`."""
-    def sample(model, m, ids):
+    def sample(model, m, ids, case):
         if calls is not None:
             calls.append(ids)
         v = (values or {}).get(ids)

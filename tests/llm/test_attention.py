@@ -100,3 +100,11 @@ def test_a_failing_kernel_leaves_and_the_models_attention_runs():
     assert dec.step(torch.zeros(1, dtype=torch.long)) == "logits"
     assert seen[0] == attn.NAME and seen[-1] != attn.NAME
     assert dec.variants == ["model"] and "no kernel here" in dec.attention_note
+
+
+def test_a_kernel_that_computes_something_else_is_never_kept():
+    ref = torch.randn(2, 256)
+    assert attn.disagreement({"model": ref, "kernel": ref * (1 + 1e-3)}) is None
+    assert "differ from the model" in attn.disagreement({"model": ref, "kernel": ref + 0.5 * torch.randn(2, 256)})
+    assert attn.disagreement({"model": ref, "kernel": torch.full_like(ref, float("nan"))}) is not None
+    assert attn.disagreement({"model": ref}) is None

@@ -42,11 +42,11 @@ def category(name: str) -> str:
 
 
 @torch.no_grad()  # as generate runs it: a step under grad mode would be another compile
-def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10) -> dict:
+def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10, attention: str = "auto") -> dict:
     """Kernel time by category and wall time of one batch-1 decode step of `model`, whose last generate() made the
     decoder for batch 1 and `length` tokens (the one reused here: no new compile)."""
     from automp.llm.generate import _decoder
-    dec = _decoder(model, 1, length, mode)
+    dec = _decoder(model, 1, length, mode, attention=attention)
     device = dec.device
     tok = torch.zeros(1, dtype=torch.long, device=device)
     replays = min(replays, dec.max_len - dec.next_pos - 3)  # every step fills one more cache slot
@@ -65,14 +65,16 @@ def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10) ->
 def profile_case(model: nn.Module, m, case: str, row: dict, profiles, expired: list,
                  log: Callable[[str], None]) -> None:
     """The case's profile row at batch 1 (after a batch-1 generate: reuses the decoder if batch 1 was just timed)."""
+    from automp.bench.llm_speed import decode_args
     from automp.llm.generate import generate
+    how = decode_args(m, case)
     row = {k: v for k, v in row.items() if v is not None and v != ""}  # the speed row's unfilled keys
     ids = torch.randint(0, model.config.vocab_size, (1, m.prompt), generator=torch.Generator().manual_seed(1))
     try:
-        generate(model, ids.to(m.device), m.new_tokens, mode=m.mode)
+        generate(model, ids.to(m.device), m.new_tokens, **how)
         if expired:
             raise expired[0]
-        row.update(profile_step(model, m.prompt + m.new_tokens, m.mode))
+        row.update(profile_step(model, m.prompt + m.new_tokens, m.mode, attention=how["attention"]))
     except Exception as e:
         if expired or isinstance(e, TimeoutError):
             raise

@@ -8,7 +8,8 @@ FFN 14336, 32 heads, 8 KV heads, vocabulary 128256, untied head) with 32 decoder
 is TinyLlama-1.1B's. Both are automp.llm.store's built-in Llama with its dims overridden; --quick shrinks either to
 hidden 64 on the CPU.
 
-Cases, each through automp.llm.generate's static-cache decode (compiled and captured as a CUDA graph on a GPU):
+Cases, each through automp.llm.generate's static-cache decode (compiled and captured as a CUDA graph on a GPU; the
+attention is the model's SDPA, but for automp's cases generate's default choice: decode_args):
   fp16-compiled      fp16 weights: the anchor
   automp-int8/int4   automp.llm.quantize, group 128 (q/k/v and gate/up fused)
   torchao-int8/int4  torchao's quantize_ with Int8WeightOnlyConfig (per row) / Int4WeightOnlyConfig(group_size=128)
@@ -118,6 +119,13 @@ def inductor_settings(case: str) -> contextlib.AbstractContextManager:
     return inductor.patch({k: v for k, v in TORCHAO_INDUCTOR.items() if hasattr(inductor, k)})
 
 
+def decode_args(m: Matrix, case: str) -> dict:
+    """generate()'s decode settings for a case. automp's cases decode as automp.llm does by default (attention "auto":
+    the step captured with SDPA and with automp's decode kernel, the faster kept); the anchor and torchao's cases
+    with the model's own SDPA attention, as a user of compiled transformers or torchao decodes."""
+    return {"mode": m.mode, "attention": "auto" if case.startswith("automp-") else "model"}
+
+
 def torchao_missing() -> bool:
     try:
         importlib.import_module("torchao.quantization")
@@ -200,7 +208,8 @@ def warm(model: nn.Module, m: Matrix, batch: int, row: dict, bandwidth: float, e
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, m.prompt), generator=gen).to(device)
     t0 = time.perf_counter()
-    out = generate(model, ids, m.new_tokens, mode=m.mode)  # equal lengths: no padding, so no attention_mask
+    how = decode_args(m, row["case"])
+    out = generate(model, ids, m.new_tokens, **how)  # equal lengths: no padding, so no attention_mask
     sync(device)
     warm_s = time.perf_counter() - t0
     if expired:
@@ -208,7 +217,7 @@ def warm(model: nn.Module, m: Matrix, batch: int, row: dict, bandwidth: float, e
     if tuple(out.shape) != (batch, m.prompt + m.new_tokens):
         raise RuntimeError(f"generated {tuple(out.shape)}, expected {(batch, m.prompt + m.new_tokens)}")
     info = decode_info(model)
-    generate(model, ids, 1, mode=m.mode)  # t(1)'s call, which must keep the decoder t(N) compiled and captured
+    generate(model, ids, 1, **how)  # t(1)'s call, which must keep the decoder t(N) compiled and captured
     if decode_info(model).get("max_len") != info.get("max_len"):
         raise RuntimeError(f"prompt + 1 and prompt + {m.new_tokens} tokens need static caches of different lengths: "
                            "every sample would build its decoder again; lower --new-tokens")
@@ -229,13 +238,14 @@ def warm(model: nn.Module, m: Matrix, batch: int, row: dict, bandwidth: float, e
     return ids
 
 
-def sample(model: nn.Module, m: Matrix, ids: torch.Tensor) -> float:
+def sample(model: nn.Module, m: Matrix, ids: torch.Tensor, case: str) -> float:
     """One timed sample of a warmed case: ms of one decode step of the whole batch, (t(N) - t(1)) / (N - 1), each call
     timed alone with the device synchronized around it (so the prompt and the first token cancel)."""
     from automp.llm.generate import generate
     device = torch.device(m.device)
-    full = time_fn(lambda: generate(model, ids, m.new_tokens, mode=m.mode), warmup=0, iters=1, device=device)
-    one = time_fn(lambda: generate(model, ids, 1, mode=m.mode), warmup=0, iters=1, device=device)
+    how = decode_args(m, case)
+    full = time_fn(lambda: generate(model, ids, m.new_tokens, **how), warmup=0, iters=1, device=device)
+    one = time_fn(lambda: generate(model, ids, 1, **how), warmup=0, iters=1, device=device)
     return (full - one) / (m.new_tokens - 1)
 
 
@@ -359,7 +369,7 @@ def time_batch(warmed: dict[Case, tuple[dict, torch.Tensor]], m: Matrix, batch: 
                 break
             try:
                 with inductor_settings(c.name):
-                    generate(c.model, ids, m.new_tokens, mode=m.mode)
+                    generate(c.model, ids, m.new_tokens, **decode_args(m, c.name))
             except Exception as e:
                 c.finish(row, error=one_line(e))
                 del warmed[c]
@@ -367,7 +377,7 @@ def time_batch(warmed: dict[Case, tuple[dict, torch.Tensor]], m: Matrix, batch: 
     if not warmed:
         return
     log(f"batch {batch}: {', '.join(c.name for c in warmed)} in {m.repeats} alternating rounds")
-    calls = {c: (lambda c=c, ids=ids: sample(c.model, m, ids)) for c, (_, ids) in warmed.items()}
+    calls = {c: (lambda c=c, ids=ids: sample(c.model, m, ids, c.name)) for c, (_, ids) in warmed.items()}
     steps = time_rounds(calls, m.repeats, deadline, lambda c, e: c.finish(warmed[c][0], error=one_line(e)))
     for c, ms in steps.items():
         if ms:

@@ -24,6 +24,7 @@ import torch.nn as nn
 ATTENTIONS = ("auto", "model", "kernel")  # generate(attention=...): measured choice, the model's own, the kernel
 NAME = "automp_decode"
 MAX_HEAD_DIM = 256  # automp.kernels.decode_attention's limit (not imported here: importing automp.llm loads no Triton)
+AGREE = 0.02  # largest relative difference of the two variants' logits over one step (fp16/bf16 rounding is far below)
 ROUNDS, REPLAYS = 4, 8  # timed blocks of replays per variant, alternating (even: each leads as often as it trails)
 
 
@@ -119,3 +120,16 @@ def faster(replays: dict[str, Callable[[], None]], sync: Callable[[], None],
             samples[v].append((clock() - t0) * 1e3 / REPLAYS)
     ms = {v: round(statistics.median(s), 5) for v, s in samples.items()}
     return min(names, key=lambda v: ms[v]), ms
+
+
+def disagreement(logits: dict[str, torch.Tensor]) -> str | None:
+    """Why the kernel's logits cannot stand for the model's, or None: after one replay of each captured step (the same
+    step), ‖kernel − model‖ / ‖model‖ must stay within AGREE. A kernel that computes something else is never kept
+    for being faster."""
+    if "kernel" not in logits or "model" not in logits:
+        return None
+    ref, got = logits["model"].float(), logits["kernel"].float()
+    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    if rel <= AGREE:  # NaN fails this too
+        return None
+    return f"its logits differ from the model's attention's by {rel:.3g} (relative; at most {AGREE} is kept)"
