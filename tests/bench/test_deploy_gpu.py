@@ -88,23 +88,26 @@ def test_encoder_rows_name_the_int8_cases_and_skip_the_anchors():
 
     def row(name, ms, anchor_ms, batch, **extra):
         return Result("deploy_gpu", name, ms, "torch.compile fp16", anchor_ms,
-                      {"batch": batch, "cos_min": 0.99712, **extra})
+                      {"batch": batch, "cos_min": 0.99712, "report_batch": 16, **extra})
     timed = dict(spread=[3.0, 3.2], ratio=1.17, ratio_spread=[1.12, 1.2], rounds=6, setup_s=47.2)
     results = [row("bert-base seq128 bs64 anchor", 3.6, 3.6, 64),
-               row("bert-base seq128 bs64 int8-static", 3.1, 3.6, 64, **timed),
-               row("minilm-L6 (real weights) seq128 bs1 int8", 0.6, 0.4, 1),
+               row("bert-base seq128 bs64 int8-static", 3.1, 3.6, 64, report_speedup=1.3, **timed),
+               row("bert-base seq128 bs16 int8-static", 1.0, 1.1, 16, report_speedup=1.12, **timed),  # 1.12 / 1.17
+               row("bert-base seq128 bs16 int8", 1.0, 1.4, 16, report_speedup=1.2, **{**timed, "ratio": 1.4}),
                row("minilm-L6 (real weights) seq128 bs1 int4-weight", 0.8, 0.4, 1),
                row("bert-base seq128 bs1 int8", float("nan"), 0.8, 1)]  # skipped by the time limit
     rows = deploy_gpu.encoder_rows(results)
     where = {k: rows[0][k] for k in ("device", "torch", "date", "commit")}
-    assert rows == [
-        {"model": "bert-base", "case": "int8", "activations": "static", "batch": 64, "ms": 3.1, "anchor_ms": 3.6,
-         "cos_min": 0.99712, **timed, **where},
-        {"model": "minilm", "case": "int8", "activations": "dynamic", "batch": 1, "ms": 0.6, "anchor_ms": 0.4,
-         "cos_min": 0.99712, "ratio": round(0.4 / 0.6, 4), "spread": None, "ratio_spread": None, "rounds": None,
-         "setup_s": None, **where},
-        {"model": "minilm", "case": "int4-weight", "activations": None, "batch": 1, "ms": 0.8, "anchor_ms": 0.4,
-         "cos_min": 0.99712, "ratio": 0.5, "spread": None, "ratio_spread": None, "rounds": None, "setup_s": None,
-         **where}]
+    assert rows[0] == {"model": "bert-base", "case": "int8", "activations": "static", "batch": 64, "ms": 3.1,
+                       "anchor_ms": 3.6, "cos_min": 0.99712, **timed, "report_speedup": None, "agrees": None,
+                       **where}  # the report timed batch 16, not 64: nothing to compare
+    assert (rows[1]["report_speedup"], rows[1]["agrees"]) == (1.12, True)  # within 5% of 1.17
+    assert (rows[2]["report_speedup"], rows[2]["agrees"]) == (1.2, False)  # 1.2 against 1.4
+    assert rows[3] == {"model": "minilm", "case": "int4-weight", "activations": None, "batch": 1, "ms": 0.8,
+                       "anchor_ms": 0.4, "cos_min": 0.99712, "ratio": 0.5, "spread": None, "ratio_spread": None,
+                       "rounds": None, "setup_s": None, "report_speedup": None, "agrees": None, **where}
+    assert len(rows) == 4
     md = deploy_gpu.encoder_markdown(rows, "automp bench deploy_gpu")
-    assert "| bert-base | int8 | static | 64 | 3.100 | 3.000-3.200 | 3.600 | 1.17x | 1.12-1.20 | 47.2 | 0.99712 |" in md
+    assert ("| bert-base | int8 | static | 64 | 3.100 | 3.000-3.200 | 3.600 | 1.17x | 1.12-1.20 | 47.2 | 0.99712 |  |"
+            in md)
+    assert "| 1.12x, agrees |" in md and "| 1.20x, off by more than 5% |" in md

@@ -22,7 +22,9 @@ batch size at a fixed sequence length: ms (the median of --rounds blocks of --it
 its spread, the ratio to the anchor (the median of the rounds' paired ratios) and its spread, setup_s (the mode's
 build to its row: calibration, quantization, compiling and recording every batch size; not the accuracy pass), and
 accuracy vs fp32-eager over `--sentences` sequences: cosine of the pooled embeddings (min and mean; target >= 0.99
-on MiniLM) and relative L2 error.
+on MiniLM) and relative L2 error. The quantized modes are built at quantize_module's defaults, its own speed check
+included (set-up as a user meets it); on CUDA the calibration batch size is timed too, and its rows set the report's
+verdict beside this run's ratio (report_speedup, agrees: within AGREE of each other).
 
     automp bench deploy_gpu [--quick] [--out DIR] [--models minilm,bert-base] [--batches 1,64] [--seq 128]
 
@@ -53,6 +55,7 @@ from automp.files import write_json_and_markdown
 from automp.bench.sentences import template_sentences
 
 MODES = ("fp32-eager", "anchor", "int8", "int8-static", "int8-weight", "int4-weight")
+AGREE = 0.05  # the report's own speed verdict and this run's ratio at its batch size: within this share of each other
 MODELS = ("minilm", "bert-base")
 Inputs = dict[str, torch.Tensor]
 
@@ -132,14 +135,16 @@ def _build(mode: str, fp32: nn.Module, calib: list[Inputs], cuda: bool) -> tuple
     if mode == "anchor":
         half = copy.deepcopy(fp32).half()
         return (torch.compile(half, mode="reduce-overhead", dynamic=False) if cuda else half), {"compiled": cuda}
-    # measure=False: this benchmark times the anchor itself, in the same run
+    # measure at its default, as a user's set-up runs it: the report's own speed check (on the first calibration
+    # batch) is then compared with this run's alternating blocks at that batch size (report_speedup, agrees)
     static = mode == "int8-static"
-    config = TorchQuantConfig(compile=cuda, measure=False, activations="static" if static else "dynamic")
+    config = TorchQuantConfig(compile=cuda, activations="static" if static else "dynamic")
     model, rep = quantize_module(fp32, "int8" if static else mode, calib, config)
     counts = rep.counts()
     return model, {"compiled": cuda, "quantized_layers": counts.get("quantized", 0),
                    "fp16_layers": sum(counts.values()) - counts.get("quantized", 0),
-                   "calib_rel_err": rep.max_rel_error, "mbytes": rep.bytes["after"] / 1e6}
+                   "calib_rel_err": rep.max_rel_error, "mbytes": rep.bytes["after"] / 1e6,
+                   "report_speedup": rep.speed.get("speedup")}
 
 
 def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argparse.Namespace, device: str,
@@ -155,6 +160,8 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
     bmax = max(args.batches)
     n_acc = max(bmax, args.sentences // bmax * bmax)
     chunks = [_to(make_inputs(bmax, args.seq, seed=100 + k), device) for k in range(n_acc // bmax)]
+    if cuda and args.calib_batch not in args.batches:  # where the report's own speed check timed (see _build)
+        args.batches = [*args.batches, args.calib_batch]
     timed = {b: _to(make_inputs(b, args.seq, seed=7), device) for b in args.batches}
     calib = [_to(make_inputs(args.calib_batch, args.seq, seed=200 + k), device) for k in range(args.calib_batches)]
     with torch.no_grad():
@@ -185,7 +192,7 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
             facts = built[mode][1]
             ratios = [a / m for a, m in zip(blocks["anchor"], samples)] if "anchor" in blocks else []
             rows.append(Result("deploy_gpu", f"{name} bs{b} {mode}", statistics.median(samples), extra={
-                "batch": b, "seq": args.seq, **facts, "spread": [round(min(samples), 4), round(max(samples), 4)],
+                "batch": b, "seq": args.seq, "report_batch": args.calib_batch, **facts, "spread": [round(min(samples), 4), round(max(samples), 4)],
                 "rounds": len(samples), **({"ratio": round(statistics.median(ratios), 4),
                                             "ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)]}
                                            if ratios else {})}))
@@ -300,12 +307,21 @@ def encoder_rows(results: list[Result]) -> list[dict]:
         case, acts = ("int8", mode.removeprefix("int8").lstrip("-") or "dynamic") if mode in ("int8", "int8-static") \
             else (mode, None)
         x = r.extra
+        ratio = x.get("ratio", round(r.anchor_ms / r.ms, 4))
+        report = x.get("report_speedup") if x["batch"] == x.get("report_batch") else None
         rows.append({"model": model, "case": case, "activations": acts, "batch": x["batch"], "ms": round(r.ms, 4),
-                     "spread": x.get("spread"), "anchor_ms": round(r.anchor_ms, 4),
-                     "ratio": x.get("ratio", round(r.anchor_ms / r.ms, 4)), "ratio_spread": x.get("ratio_spread"),
-                     "rounds": x.get("rounds"), "setup_s": x.get("setup_s"), "cos_min": round(x["cos_min"], 5),
-                     **where})
+                     "spread": x.get("spread"), "anchor_ms": round(r.anchor_ms, 4), "ratio": ratio,
+                     "ratio_spread": x.get("ratio_spread"), "rounds": x.get("rounds"), "setup_s": x.get("setup_s"),
+                     "cos_min": round(x["cos_min"], 5), "report_speedup": report,
+                     "agrees": None if report is None else abs(report / ratio - 1) <= AGREE, **where})
     return rows
+
+
+def _check(r: dict) -> str:
+    """The report's own speed verdict where it timed this batch size, and whether this run's ratio agrees with it."""
+    if r.get("report_speedup") is None:
+        return ""
+    return f"{r['report_speedup']:.2f}x, " + ("agrees" if r["agrees"] else f"off by more than {AGREE:.0%}")
 
 
 def encoder_markdown(rows: list[dict], cmd: str) -> str:
@@ -313,11 +329,11 @@ def encoder_markdown(rows: list[dict], cmd: str) -> str:
     lines = [f"{time.strftime('%Y-%m-%d')} · {device_name()} · `{cmd}`", "",
              "Alternating blocks in one process: ms is the median block, vs anchor the median of the rounds' paired "
              "ratios; ranges are the fastest and slowest block or round.", "",
-             "| model | case | activations | batch | ms | range | anchor ms | vs anchor | range | set-up s | cosine min |",
-             "|---|---|---|---:|---:|---|---:|---:|---|---:|---:|"]
+             "| model | case | activations | batch | ms | range | anchor ms | vs anchor | range | set-up s | cosine min "
+             "| report's check |", "|---|---|---|---:|---:|---|---:|---:|---|---:|---:|---|"]
     lines += [f"| {r['model']} | {r['case']} | {r['activations'] or ''} | {r['batch']} | {r['ms']:.3f} | "
               f"{span(r['spread'], '.3f')} | {r['anchor_ms']:.3f} | {r['ratio']:.2f}x | {span(r['ratio_spread'], '.2f')} "
-              f"| {r['setup_s'] if r['setup_s'] is not None else ''} | {r['cos_min']:.5f} |" for r in rows]
+              f"| {r['setup_s'] if r['setup_s'] is not None else ''} | {r['cos_min']:.5f} | {_check(r)} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
