@@ -108,3 +108,20 @@ def test_a_kernel_that_computes_something_else_is_never_kept():
     assert "differ from the model" in attn.disagreement({"model": ref, "kernel": ref + 0.5 * torch.randn(2, 256)})
     assert attn.disagreement({"model": ref, "kernel": torch.full_like(ref, float("nan"))}) is not None
     assert attn.disagreement({"model": ref}) is None
+
+
+def test_a_timed_verdict_is_kept_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model()
+    assert attn.cached("gpu|k") is None  # no cache yet
+    attn.remember("gpu|k", "kernel", {"model": 0.02, "kernel": 0.015})
+    assert attn.cached("gpu|k") == "kernel" and attn.cached("gpu|other") is None
+    only, why = attn.variants(model, "auto", torch.bfloat16, graphs=True, key="gpu|k")
+    assert only == ["kernel"] and "cached verdict" in why
+    assert attn.variants(model, "model", torch.bfloat16, graphs=True, key="gpu|k") == (["model"], "")  # forced
+    assert attn.variants(model, "auto", torch.bfloat16, graphs=True, key="gpu|new")[0] == ["model", "kernel"]
+    (tmp_path / "cache" / "decode_attention.json").write_text("{torn")
+    assert attn.cached("gpu|k") is None  # a corrupt cache: timed again, never fatal
+    attn.remember("gpu|k", "model", {})
+    assert attn.cached("gpu|k") == "model"
+    assert attn.verdict_key(model, torch.bfloat16, 1, 256, torch.device("cpu")) is None  # off CUDA: nothing timed

@@ -6,6 +6,10 @@ built for long queries; automp.kernels.decode_attention reads each KV head once 
 yet written. Which is faster depends on the GPU, the batch and the cache length, so the decoder captures its step
 with each (`variants`) and keeps the one whose replays measured faster (`faster`); elsewhere the model's own runs.
 
+A verdict is kept on disk (automp's cache directory, `decode_attention.json`), keyed by what decides it: the GPU,
+torch, the attention's shapes (heads, KV heads, head dim, batch, cache length) and dtype, not the weights. A later
+decoder of the same key captures the winner alone: one compile instead of two.
+
 The kernel is reached through transformers' attention registry: the decoder switches the model's
 `config._attn_implementation` to NAME around its own calls only (`using`), so a user's forward outside generate()
 keeps the model's attention. The registered function takes the kernel for single-token steps with a boolean mask and
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 import statistics
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -62,12 +69,16 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                                   **kwargs)
 
 
-def variants(model: nn.Module, attention: str, dtype: torch.dtype, graphs: bool) -> tuple[list[str], str]:
+def variants(model: nn.Module, attention: str, dtype: torch.dtype, graphs: bool,
+             key: str | None = None) -> tuple[list[str], str]:
     """The attentions a decoder runs (timed against each other where there are two, the model's first), and why the
-    kernel is not among them where it was asked for or would have been tried ("" otherwise). dtype: the decode
-    step's activations; graphs: the step is captured (CUDA)."""
+    kernel is not among them where it was asked for or would have been tried, or that a cached verdict under `key`
+    decided ("" otherwise). dtype: the decode step's activations; graphs: the step is captured (CUDA)."""
     if attention == "model":
         return ["model"], ""
+    known = cached(key) if attention == "auto" and graphs and key else None
+    if known is not None:
+        return [known], f"decode attention {known}: the cached verdict of an earlier run"
     why = "nothing to time the kernel against without a captured step" if attention == "auto" and not graphs \
         else _kernel_unfit(model, dtype) or register()
     if why is not None:
@@ -133,3 +144,53 @@ def disagreement(logits: dict[str, torch.Tensor]) -> str | None:
     if rel <= AGREE:  # NaN fails this too
         return None
     return f"its logits differ from the model's attention's by {rel:.3g} (relative; at most {AGREE} is kept)"
+
+
+def verdict_key(model: nn.Module, dtype: torch.dtype, batch: int, max_len: int, device: torch.device) -> str | None:
+    """What decides the timed choice (see the module docstring); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    c = model.config
+    heads = getattr(c, "num_attention_heads", 0)
+    head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else 0)
+    return "|".join(str(v) for v in (
+        torch.cuda.get_device_name(device), torch.__version__, type(model).__name__, heads,
+        getattr(c, "num_key_value_heads", heads), head_dim, getattr(c, "num_hidden_layers", 0),
+        str(dtype).removeprefix("torch."), batch, max_len))
+
+
+def _verdicts() -> Path:
+    from automp.config import default_cache_dir
+    return Path(default_cache_dir(os.environ)) / "decode_attention.json"
+
+
+def _load() -> dict:
+    try:
+        data = json.loads(_verdicts().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def cached(key: str | None) -> str | None:
+    """The variant an earlier run kept for `key`, or None (none, or an unreadable cache: then the two are timed)."""
+    entry = _load().get(key) if key else None
+    chosen = entry.get("chosen") if isinstance(entry, dict) else None
+    return chosen if chosen in ("model", "kernel") else None
+
+
+def remember(key: str | None, chosen: str, ms: dict[str, float]) -> None:
+    """Keeps a timed verdict under `key` (an atomic replace; an unwritable cache costs the next run a second
+    compile, nothing else)."""
+    if not key:
+        return
+    from automp.files import atomic_output
+    path = _verdicts()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load()
+        data[key] = {"chosen": chosen, "replay_ms": ms}
+        with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+    except OSError:
+        pass

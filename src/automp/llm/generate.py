@@ -109,8 +109,9 @@ class Decoder(_Unpicklable):
         if self.mode in ("graph", "compile") and not cuda:
             self.reason = f"no CUDA graph on {self.device.type}: steps run one by one"
         # the step's attention: one variant, or two captured and timed (automp.llm.attention)
+        self.attention_key = attn.verdict_key(model, self.dtype, batch, max_len, self.device)
         self.variants, self.attention_note = attn.variants(model, attention, self.dtype,
-                                                           graphs=cuda and self.mode != "eager")
+                                                           graphs=cuda and self.mode != "eager", key=self.attention_key)
         self.attention_ms: dict[str, float] | None = None
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -281,6 +282,7 @@ class Decoder(_Unpicklable):
         if len(graphs) > 1:
             chosen, self.attention_ms = attn.faster({v: g.replay for v, (g, _) in graphs.items()},
                                                     torch.cuda.synchronize, time.perf_counter)
+            attn.remember(self.attention_key, chosen, self.attention_ms)
         else:
             chosen = next(iter(graphs))
         self.variants = [chosen]
@@ -373,7 +375,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     way padding is declared: pad ids are ordinary ids, so a padded batch without a mask decodes the pads as prompt.
 
     attention: the decode step's attention, "auto" (on CUDA the step is captured with the model's own and with
-    automp's decode kernel and the faster one's replays stay: automp.llm.attention), "model" or "kernel".
+    automp's decode kernel and the faster one's replays stay, the verdict cached for later runs: automp.llm.attention),
+    "model" or "kernel".
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long \
             or input_ids.shape[1] == 0:
