@@ -125,3 +125,24 @@ def test_a_timed_verdict_is_kept_and_read_back(tmp_path, monkeypatch):
     attn.remember("gpu|k", "model", {})
     assert attn.cached("gpu|k") == "model"
     assert attn.verdict_key(model, torch.bfloat16, 1, 256, torch.device("cpu")) is None  # off CUDA: nothing timed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: captured decode steps")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_on_a_gpu_both_captured_steps_decode_alike_and_one_is_kept(dtype, tmp_path, monkeypatch):
+    """Llama-3-8B's head layout (32 query heads on 8 KV heads, head dim 128) at two layers: the kernel's captured
+    step gives SDPA's greedy tokens, and "auto" times both, keeps one, and caches its verdict."""
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    model = build("tiny-llama", device="cuda", dtype=dtype, seed=0, hidden_size=4096, intermediate_size=1024,
+                  num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=2)
+    ids = _prompt(2, 7).cuda()
+    want = generate(model, ids, 12, attention="model")
+    assert decode_info(model)["captured"]
+    got = generate(model, ids, 12, attention="kernel")
+    assert decode_info(model)["captured"] and decode_info(model)["attention"] == "kernel"
+    assert (got == want).float().mean() > 0.9  # greedy tokens; a near-tie may round the other way in 16 bits
+    auto = generate(model, ids, 12)
+    info = decode_info(model)
+    assert info["attention"] in ("model", "kernel") and set(info["attention_ms"]) == {"model", "kernel"}, info
+    assert (auto == want).float().mean() > 0.9
+    assert attn.cached(model.__dict__["_automp_llm_decoder"].attention_key) == info["attention"]
