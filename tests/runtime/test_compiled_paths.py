@@ -390,4 +390,53 @@ def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_pol
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
     assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2
     monkeypatch.setattr(cp, "_unwrapped_policy", lambda: None)
+    monkeypatch.setattr(cp, "_post_compile_flag", lambda: False)  # neither way to leave graphs unwrapped
     assert cp.compile_patches(False, "cuda") == {}
+
+
+def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwrapped(monkeypatch, tmp_path):
+    """torch without cudagraph_policy (2.11, 2.12; here by patching it away): the plain path compiles with CUDA graphs
+    on, as the graphed one does, so that the graphed path's compile is a cache hit; `unwrapped` turns the compile's
+    cudagraphs box off as each graph is post-compiled (forward and backward), and puts CompiledFxGraph back after."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.output_code import CompiledFxGraph
+
+    from automp.runtime import compiled_paths as cp
+    monkeypatch.setattr(cp, "_unwrapped_policy", lambda: None)
+    if not cp._post_compile_flag():
+        pytest.skip("this torch's post_compile takes no cudagraphs box")
+    assert cp.compile_patches(False, "cuda") == cp.GRAPH_PATCHES == cp.compile_patches(True, "cuda")
+    assert cp.compile_patches(False, "cpu") == {}
+    original = CompiledFxGraph.__dict__["post_compile"]
+    boxes = []
+
+    def spy(self, example_inputs, constants, graph_kwargs):
+        boxes.append(bool(graph_kwargs["cudagraphs"]))
+        return original(self, example_inputs, constants, graph_kwargs)
+    monkeypatch.setattr(CompiledFxGraph, "post_compile", spy)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 24)).double(), torch.randn(10, 48).double()
+    net(x).square().sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    counters.clear()
+    seen = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        net.zero_grad(set_to_none=True)
+        boxes.clear()
+
+        def backend(gm, ex, graphs=graphs):
+            with cp.unwrapped(graphs, "cuda"):
+                return compile_fx(gm, ex, config_patches=cp.compile_patches(graphs, "cuda"))
+        compiled = torch.compile(net, backend=backend)
+        compiled(x).square().sum().backward()
+        seen[graphs] = list(boxes)
+        for p, r in zip(net.parameters(), ref):
+            assert (p.grad - r).norm() / r.norm() < 1e-10
+        assert CompiledFxGraph.__dict__["post_compile"] is spy  # put back after each compile
+    assert seen[False] and not any(seen[False])  # every graph of the plain path: its box off
+    assert seen[True][0]  # the graphed path's forward: on (torch turns it off itself for a CPU graph it cannot capture)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2

@@ -40,14 +40,60 @@ GRAPH_PATCHES = {"triton.cudagraphs": True}
 def compile_patches(graphs: bool, device_type: str) -> dict[str, Any]:
     """Inductor's config for a stock path's graphs. A trial compiles the same graphs twice, once replayed as CUDA
     graphs and once not, and Inductor's and AOTAutograd's caches key on `triton.cudagraphs`: two full compiles, most
-    of what a first run costs beyond a hand-written loop, which compiles once. On CUDA, where torch has
-    `cudagraph_policy` (2.13: not in the cache key, applied after the compile or a cache load), both paths compile with
-    CUDA graphs on and the plain one with a policy that wraps none: the second compile is a cache hit. Elsewhere, or
-    on a torch without the policy, the plain path compiles without CUDA graphs, as `torch.compile` does."""
+    of what a first run costs beyond a hand-written loop, which compiles once. On CUDA both paths compile with CUDA
+    graphs on, and the plain one's graphs are left unwrapped after the compile or a cache load, so the second compile
+    is a cache hit: by a policy that wraps none where torch has `cudagraph_policy` (2.13: not in the cache key), by
+    `unwrapped` before that. Off CUDA, or where neither is possible, the plain path compiles without CUDA graphs, as
+    `torch.compile` does."""
     if graphs:
         return dict(GRAPH_PATCHES)
-    policy = _unwrapped_policy() if device_type == "cuda" else None
-    return {} if policy is None else {**GRAPH_PATCHES, "cudagraph_policy": policy}
+    if device_type != "cuda":
+        return {}
+    policy = _unwrapped_policy()
+    if policy is not None:
+        return {**GRAPH_PATCHES, "cudagraph_policy": policy}
+    return dict(GRAPH_PATCHES) if _post_compile_flag() else {}
+
+
+@contextlib.contextmanager
+def unwrapped(graphs: bool, device_type: str) -> Iterator[None]:
+    """Around the plain path's compile on a torch without `cudagraph_policy`: every graph compiled, or loaded from the
+    caches, inside is left unwrapped. CompiledFxGraph.post_compile, which wraps a graph in CUDA graphs when its
+    `cudagraphs` flag is on, is entered with the flag turned off, what 2.13's policy does at the same place (and what
+    torch itself does to a graph it cannot capture). The flag is the compile's one box, shared by its forward and
+    backward, so a backward compiled later, at its first call, stays unwrapped too. The class is patched for the
+    compile only, and put back after it."""
+    if graphs or device_type != "cuda" or _unwrapped_policy() is not None or not _post_compile_flag():
+        yield
+        return
+    from torch._inductor.output_code import CompiledFxGraph
+    from torch._inductor.utils import BoxedBool
+    original = CompiledFxGraph.__dict__["post_compile"]
+
+    def post_compile(self: Any, example_inputs: Any, constants: Any, graph_kwargs: Any) -> Any:
+        BoxedBool.disable(graph_kwargs.get("cudagraphs"))
+        return original(self, example_inputs, constants, graph_kwargs)
+    CompiledFxGraph.post_compile = post_compile
+    try:
+        yield
+    finally:
+        CompiledFxGraph.post_compile = original
+
+
+@functools.cache
+def _post_compile_flag() -> bool:
+    """Whether this torch's CompiledFxGraph.post_compile takes the compile's `cudagraphs` box in graph_kwargs (torch
+    2.6-2.13), so that `unwrapped` can turn it off; if not, the plain path compiles on its own."""
+    import inspect
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+        from torch._inductor.utils import BoxedBool
+    except ImportError:
+        return False
+    method = CompiledFxGraph.__dict__.get("post_compile")
+    if method is None or not callable(getattr(BoxedBool, "disable", None)):
+        return False
+    return list(inspect.signature(method).parameters) == ["self", "example_inputs", "constants", "graph_kwargs"]
 
 
 @functools.cache
@@ -131,7 +177,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
         from torch._inductor.compile_fx import compile_fx
         if rewrite is not None:
             gm = rewrite(gm, example_inputs)
-        with keyed_by_autocast():
+        with keyed_by_autocast(), unwrapped(graphs, device):
             return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device))
 
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
