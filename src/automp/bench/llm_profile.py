@@ -63,11 +63,10 @@ def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10, at
 
 
 def profile_case(model: nn.Module, m, case: str, row: dict, profiles, expired: list,
-                 log: Callable[[str], None]) -> None:
-    """The case's profile row at batch 1 (after a batch-1 generate: reuses the decoder if batch 1 was just timed)."""
-    from automp.bench.llm_speed import decode_args
+                 log: Callable[[str], None], how: dict) -> None:
+    """The case's profile row at batch 1 (after a batch-1 generate: reuses the decoder if batch 1 was just timed).
+    how: generate's decode settings for the case (llm_speed.decode_args), the ones its timed decoder was made with."""
     from automp.llm.generate import generate
-    how = decode_args(m, case)
     row = {k: v for k, v in row.items() if v is not None and v != ""}  # the speed row's unfilled keys
     ids = torch.randint(0, model.config.vocab_size, (1, m.prompt), generator=torch.Generator().manual_seed(1))
     try:

@@ -340,7 +340,7 @@ def warm_case(c: Case, batch: int | None, bandwidth: float, deadline: float,
                     c.finish(row, error=one_line(e))
             stage = "profile"  # an alarm from here on must not turn the warmed row into an error
             if profiles is not None and batch in (1, None):
-                profile_case(c.model, m, c.name, c.row(1), profiles, expired, c.log)
+                profile_case(c.model, m, c.name, c.row(1), profiles, expired, c.log, decode_args(m, c.name))
     except Exception as e:
         timed_out = bool(expired) or isinstance(e, TimeoutError)
         error = f"ran past {flag} {limit:g} s" if timed_out else one_line(e)
