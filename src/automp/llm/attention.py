@@ -31,7 +31,10 @@ import torch.nn as nn
 ATTENTIONS = ("auto", "model", "kernel")  # generate(attention=...): measured choice, the model's own, the kernel
 NAME = "automp_decode"
 MAX_HEAD_DIM = 256  # automp.kernels.decode_attention's limit (not imported here: importing automp.llm loads no Triton)
-AGREE = 0.02  # largest relative difference of the two variants' logits over one step (fp16/bf16 rounding is far below)
+# Largest relative difference of the two variants' logits over one step: a kernel that computes something else is off
+# by the order of the logits themselves; two correct attentions differ by 16-bit rounding carried through the layers,
+# up to about a percent for bf16 at full depth. The bound sits between the two.
+AGREE = 0.1
 ROUNDS, REPLAYS = 4, 8  # timed blocks of replays per variant, alternating (even: each leads as often as it trails)
 
 
