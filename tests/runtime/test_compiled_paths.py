@@ -265,12 +265,13 @@ def test_a_second_module_moves_the_first_off_cuda_graphs(monkeypatch, tmp_path):
 def test_a_ddp_module_never_runs_cuda_graphs(monkeypatch, tmp_path):
     """Under DDP every rank runs rank 0's path; the memory check and the moves off CUDA graphs are a rank's own."""
     import automp.runtime.session as session
+    import automp.runtime.starts as starts
     from automp.runtime.decisions import Route
     inject(monkeypatch, candidates=lambda device, low: (
         [Route.EAGER_LOW, Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: three candidates"))
     monkeypatch.setattr(session, "distributed", lambda: True)
     monkeypatch.setattr(session, "lockstep", lambda module: type(module) is nn.Sequential)
-    monkeypatch.setattr(session, "rank0_start", lambda cached, candidates, why: (cached, candidates, why))
+    monkeypatch.setattr(starts, "rank0_start", lambda cached, candidates, why: (cached, candidates, why))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))

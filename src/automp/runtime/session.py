@@ -27,7 +27,7 @@ from automp.config import AutoMPConfig
 from automp.precision import cost
 from automp.precision.capture import make_backend, traceable_attention
 from automp.precision.paint import PrecisionConfig
-from automp.runtime import call_state, compiled_paths, graph_pool
+from automp.runtime import call_state, compiled_paths, graph_pool, starts
 from automp.runtime.guards import input_grads, rnn
 from automp.runtime.guards.oom import oom_cause
 from automp.runtime.fp8_layers import Fp8Layers
@@ -37,11 +37,11 @@ from automp.runtime.progress import trial_status
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
 from automp.runtime.paths import BUILT, CalibratedCandidates, Candidates, Root, RootPaths, as_written, built
 from automp.runtime.report import Recorder, dtype_name
-from automp.runtime.decisions import (BF16_TWIN, COMPILE_FAILED, COMPILED_PATHS, DOUBLE_BACKWARD, EAGER_PATHS,
-                                      FORCED, FP8_OFF, FP8_PATHS, FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, IN_TRANSFORM,
-                                      NO_ROOTS, SCRIPTS_AUTOCAST, WITHOUT_GRAPHS, Route, Verdict, forced)
+from automp.runtime.decisions import (COMPILE_FAILED, COMPILED_PATHS, DOUBLE_BACKWARD, EAGER_PATHS, FP8_PATHS,
+                                      FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, IN_TRANSFORM, NO_ROOTS, SCRIPTS_AUTOCAST,
+                                      Route, Verdict, forced)
 from automp.runtime.trial import TrialConfig
-from automp.runtime.ranks import lockstep, rank0_start
+from automp.runtime.ranks import lockstep
 from automp.runtime.tuning.allocator import ExpandableSegments
 from automp.runtime.tuning.conv_layout import LayoutTuning
 from automp.runtime.tuning.conv_tuning import ConvTuning
@@ -353,35 +353,11 @@ class Session:
             extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         root.key = module_key(module, args, str(root.low), f"{device.type}:{name}", extra=extra)
-        route = forced(self.config)
-        if route in FP8_PATHS and not root.fp8_layers:
-            route = BF16_TWIN[route]
-            self.recorder.add_fallback(root.label, f"path {self.config.path!r} forced, but no linear layer was chosen "
-                                                   f"for FP8: runs {route.value}", FP8_OFF)
-        if route is not None:
-            self.paths.decide(root, Verdict(route, f"path forced by configuration (path={self.config.path!r})", {},
-                                            rule=FORCED))
+        verdict = starts.forced_verdict(self.config, root, self.recorder)
+        if verdict is not None:
+            self.paths.decide(root, verdict)
             return root
-        cached = self.cache.get(root.key)
-        if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without
-            root.eager_only, cached = True, None       # them (automp.runtime.guards.input_grads)
-            self.recorder.add_fallback(root.label, input_grads.REASON_CRASHED, DOUBLE_BACKWARD)
-        if cached is not None:
-            candidates, why = [], ""
-        elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (decisions.BF16_TWIN)
-            candidates = [Route.GRAPHED, Route.FP8_GRAPHED]
-            why = (f"{len(root.fp8_layers)} linear layer(s) predicted faster in FP8 ({self.config.fp8_recipe}); "
-                   f"the whole step timed in FP8 and in bf16")
-        else:
-            candidates, why = self.candidates(device, root.low)
-        if root.eager_only and candidates:
-            candidates = [c for c in candidates if c not in COMPILED_PATHS] or [Route.EAGER_LOW]
-        # under DDP, CUDA graphs' memory check and moves would be a rank's own: every rank must run rank 0's path
-        if root.lockstep or not self.config.cuda_graphs:
-            candidates = list(dict.fromkeys(WITHOUT_GRAPHS.get(c, c) for c in candidates))
-        if root.lockstep:
-            cached, candidates, why = rank0_start(cached, candidates, why)
-        self.paths.start(root, cached, candidates, why)
+        self.paths.start(root, *starts.trial_start(self.config, root, self.cache, self.candidates, self.recorder))
         return root
 
     def _fp8_guard(self, root: Root) -> None:

@@ -1,0 +1,52 @@
+"""Where a new root's path comes from, before it runs: forced by the configuration, the verdict cache of an earlier
+run, or a trial over the candidates its device and dtype allow. Kept apart from the session, which holds the roots and
+runs them: this is the one place that says which candidates a root starts with, and why."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from automp.runtime.decisions import (BF16_TWIN, COMPILED_PATHS, DOUBLE_BACKWARD, FORCED, FP8_OFF, FP8_PATHS,
+                                      WITHOUT_GRAPHS, Route, Verdict, forced)
+from automp.runtime.guards import input_grads
+from automp.runtime.ranks import rank0_start
+
+
+def forced_verdict(config: Any, root: Any, recorder: Any) -> Verdict | None:
+    """The path the configuration forces (config.path), or None; an FP8 path forced where no layer was chosen for FP8
+    runs its bf16 twin, reported."""
+    route = forced(config)
+    if route in FP8_PATHS and not root.fp8_layers:
+        route = BF16_TWIN[route]
+        recorder.add_fallback(root.label, f"path {config.path!r} forced, but no linear layer was chosen for FP8: runs "
+                                          f"{route.value}", FP8_OFF)
+    if route is None:
+        return None
+    return Verdict(route, f"path forced by configuration (path={config.path!r})", {}, rule=FORCED)
+
+
+def trial_start(config: Any, root: Any, cache: Any, candidates: Callable[..., tuple[list[Route], str]],
+                recorder: Any) -> tuple[Verdict | None, list[Route], str]:
+    """(the cached verdict, or None; the trial's candidates, empty with a cached verdict; why those). A verdict cached
+    after a crash on a compiled path (input_grads) leaves the compiled candidates out instead; FP8 layers make the
+    trial the FP8 step against its bf16 twin; without CUDA graphs (config, or a root every rank calls in lockstep)
+    each graphed candidate becomes its plain twin; under torch.distributed rank 0's start is every rank's."""
+    cached = cache.get(root.key)
+    if cached is not None and cached.eager_only:  # an earlier run crashed on a compiled path: a trial without them
+        root.eager_only, cached = True, None
+        recorder.add_fallback(root.label, input_grads.REASON_CRASHED, DOUBLE_BACKWARD)
+    if cached is not None:
+        routes, why = [], ""
+    elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (decisions.BF16_TWIN)
+        routes = [Route.GRAPHED, Route.FP8_GRAPHED]
+        why = (f"{len(root.fp8_layers)} linear layer(s) predicted faster in FP8 ({config.fp8_recipe}); the whole step "
+               f"timed in FP8 and in bf16")
+    else:
+        routes, why = candidates(root.device, root.low)
+    if root.eager_only and routes:
+        routes = [c for c in routes if c not in COMPILED_PATHS] or [Route.EAGER_LOW]
+    # under DDP, CUDA graphs' memory check and moves would be a rank's own: every rank must run rank 0's path
+    if root.lockstep or not config.cuda_graphs:
+        routes = list(dict.fromkeys(WITHOUT_GRAPHS.get(c, c) for c in routes))
+    if root.lockstep:
+        cached, routes, why = rank0_start(cached, routes, why)
+    return cached, routes, why
