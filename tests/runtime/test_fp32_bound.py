@@ -9,7 +9,7 @@ from automp.config import AutoMPConfig
 from automp.precision.calibrate import Calibration
 from automp.runtime import fp32_bound
 from automp.runtime.fp32_bound import Fp32Floor, GemmCount
-from automp.runtime.paths import CalibratedCandidates
+from automp.runtime.starts import CalibratedCandidates
 from automp.runtime.session import Session
 from automp.runtime.decisions import Route
 from automp.runtime.trial import TrialConfig

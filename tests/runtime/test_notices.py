@@ -9,7 +9,7 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import torch
     from automp.precision import calibrate
-    from automp.runtime.paths import CalibratedCandidates
+    from automp.runtime.starts import CalibratedCandidates
 
     def doubted(device, timer=None):  # a calibration disturbed by a neighbour: used for this run, and said so
         return calibrate.Calibration("cpu: test", torch.__version__, {"float32": {"small": 1.0},

@@ -401,7 +401,7 @@ def test_a_trial_of_later_candidates_only_or_with_the_others_excluded_still_deci
 def test_a_calibration_not_cached_is_named_in_the_reason():
     """A calibration that failed its own sanity check serves this run only; the path decision it fed says so."""
     from automp.precision.calibrate import Calibration
-    from automp.runtime.paths import CalibratedCandidates
+    from automp.runtime.starts import CalibratedCandidates
 
     def calibration(doubts):
         return Calibration(device="cpu: test", torch_version=torch.__version__,

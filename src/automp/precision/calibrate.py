@@ -4,7 +4,7 @@ The built-in DeviceSpecs (cost.py) are peak numbers for a few known devices; an 
 figures and every CPU gets one guess, although CPUs range from emulated bf16 (low precision is slower than FP32) to AMX
 (much faster). A few short micro-benchmarks — GEMMs per dtype and size, one large copy, back-to-back tiny kernels — give
 the rates this device really reaches: whether low precision can pay on it at all (`low_precision_gain`, which decides
-the paths a module's trial may try: automp.runtime.paths.CalibratedCandidates) and the FP32 GEMM rate that bounds FP32
+the paths a module's trial may try: automp.runtime.starts.CalibratedCandidates) and the FP32 GEMM rate that bounds FP32
 eager's step from below (automp.runtime.fp32_bound). They are cached on disk per device and torch version, so they run
 once, not per script.
 

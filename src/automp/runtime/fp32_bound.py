@@ -157,7 +157,7 @@ class _Counting(TorchDispatchMode):
 
 class Fp32Floor:
     """The bound's collaborator in a trial (Trial.floor): opens a count per interval and judges FP32 eager by it.
-    tflops: the device's fastest calibrated FP32 GEMM rate (paths.CalibratedCandidates.fp32_tflops)."""
+    tflops: the device's fastest calibrated FP32 GEMM rate (starts.CalibratedCandidates.fp32_tflops)."""
 
     def __init__(self, tflops: float) -> None:
         self.tflops = tflops

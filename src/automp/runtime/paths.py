@@ -22,11 +22,11 @@ from automp.runtime.guards import input_grads
 from automp.runtime.guards.memory_budget import DeviceMemory, MemoryBudget, OverBudget, cuda_memory, gib
 from automp.runtime.guards.oom import oom_size
 from automp.runtime.fp32_bound import Fp32Floor
-from automp.runtime.report import Recorder, notice, notices_from_warnings
+from automp.runtime.report import Recorder, notice
 from automp.runtime.decisions import (COMPILED_PATHS, EAGER_PATHS, GRAPHED_PATHS, GRAPHS_OFF, INPUT_GRADS,
                                       ONLY_CANDIDATE, RECORD_LAST, SCALING_PAUSED, SCRIPTS_AUTOCAST, TRIAL_OOM,
                                       TRIAL_OVER_MEMORY, UNSETTLED, WITHOUT_GRAPHS, Route, Verdict, forced)
-from automp.runtime.trial import Trial, TrialConfig, candidate_paths, confirmation
+from automp.runtime.trial import Trial, TrialConfig, confirmation
 from automp.runtime.ranks import agreed, for_ranks
 from automp.runtime.guards.recompile_watch import CompileWatch, watch_for
 from automp.runtime.guards.unread_outputs import FieldReads
@@ -391,42 +391,6 @@ class RootPaths:
                            floor=self._floor(root, eager))
         root.path, root.compiled, root.stock, root.watch = None, None, None, None
         self.unfinished[root.trial] = [root.label]
-
-
-Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Route], str]"]  # (device, low dtype) -> (paths, why)
-
-
-class CalibratedCandidates:
-    """The default candidates: which paths can win on a device (trial.candidate_paths), from its GEMM rates,
-    measured once per device and cached on disk under `cache_dir` (automp.precision.calibrate)."""
-
-    def __init__(self, cache_dir: str) -> None:
-        self.cache_dir, self.calibrations = cache_dir, {}
-
-    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Route], str]:
-        from automp.precision import calibrate
-        try:
-            if device not in self.calibrations:  # once per session and device, not per module
-                with notices_from_warnings():
-                    self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
-            gain = calibrate.low_precision_gain(self.calibrations[device], low)
-        except (RuntimeError, ValueError) as e:
-            return [Route.FP32], f"could not measure this device ({e}): kept FP32"
-        paths, why = candidate_paths(device.type, gain, str(low).replace("torch.", ""))
-        doubts = self.calibrations[device].doubts
-        if doubts:  # the report says what a warning said: this run decided on figures not trusted beyond it
-            why += f" (device calibration used for this run only, not cached: {'; '.join(doubts)})"
-        return paths, why
-
-    def fp32_tflops(self, device: torch.device) -> float | None:
-        """The fastest FP32 GEMM rate this device's calibration measured (TFLOP/s, its best size): the rate that bounds
-        FP32 eager's step from below (automp.runtime.fp32_bound). None, so no bound: off CUDA (the bound is for a GPU
-        trial's peak memory; a CPU's trial times the two eager paths only), before calibration, and where the
-        calibration is doubted (a disturbed measurement reads slow, and a rate read slow would put the bound too
-        high)."""
-        cal = self.calibrations.get(device)
-        rates = cal.gemm_tflops.get("float32") if cal is not None and not cal.doubts else None
-        return max(rates.values()) if device.type == "cuda" and rates else None
 
 
 def as_written(rule: str) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from automp.runtime.guards.graph_breaks import graph_breaks, report_graph_breaks
 from automp.runtime.guards.once_logging import ignore_once_logging
 from automp.runtime.progress import trial_status
 from automp.runtime.outputs import is_lazy_candidate, restore_float32, restore_lazily
-from automp.runtime.paths import BUILT, CalibratedCandidates, Candidates, Root, RootPaths, as_written, built
+from automp.runtime.paths import BUILT, Root, RootPaths, as_written, built
+from automp.runtime.starts import CalibratedCandidates, Candidates
 from automp.runtime.report import Recorder, dtype_name
 from automp.runtime.decisions import (COMPILE_FAILED, COMPILED_PATHS, DOUBLE_BACKWARD, EAGER_PATHS, FP8_PATHS,
                                       FUNCTORCH, GRAPHED_PATHS, HALF_MODEL, IN_TRANSFORM, NO_ROOTS, SCRIPTS_AUTOCAST,

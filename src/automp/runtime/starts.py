@@ -1,14 +1,19 @@
 """Where a new root's path comes from, before it runs: forced by the configuration, the verdict cache of an earlier
-run, or a trial over the candidates its device and dtype allow. Kept apart from the session, which holds the roots and
+run, or a trial over the candidates its device and dtype allow (by default CalibratedCandidates, from the device's
+measured GEMM rates). Kept apart from the session, which holds the roots and
 runs them: this is the one place that says which candidates a root starts with, and why."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from automp.runtime.decisions import (BF16_TWIN, COMPILED_PATHS, DOUBLE_BACKWARD, FORCED, FP8_OFF, FP8_PATHS,
                                       WITHOUT_GRAPHS, Route, Verdict, forced)
 from automp.runtime.guards import input_grads
 from automp.runtime.ranks import rank0_start
+from automp.runtime.report import notices_from_warnings
+from automp.runtime.trial import candidate_paths
 
 
 def forced_verdict(config: Any, root: Any, recorder: Any) -> Verdict | None:
@@ -50,3 +55,39 @@ def trial_start(config: Any, root: Any, cache: Any, candidates: Callable[..., tu
     if root.lockstep:
         cached, routes, why = rank0_start(cached, routes, why)
     return cached, routes, why
+
+
+Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Route], str]"]  # (device, low dtype) -> (paths, why)
+
+
+class CalibratedCandidates:
+    """The default candidates: which paths can win on a device (trial.candidate_paths), from its GEMM rates,
+    measured once per device and cached on disk under `cache_dir` (automp.precision.calibrate)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir, self.calibrations = cache_dir, {}
+
+    def __call__(self, device: torch.device, low: torch.dtype) -> tuple[list[Route], str]:
+        from automp.precision import calibrate
+        try:
+            if device not in self.calibrations:  # once per session and device, not per module
+                with notices_from_warnings():
+                    self.calibrations[device] = calibrate.load_or_measure(device, self.cache_dir)
+            gain = calibrate.low_precision_gain(self.calibrations[device], low)
+        except (RuntimeError, ValueError) as e:
+            return [Route.FP32], f"could not measure this device ({e}): kept FP32"
+        paths, why = candidate_paths(device.type, gain, str(low).replace("torch.", ""))
+        doubts = self.calibrations[device].doubts
+        if doubts:  # the report says what a warning said: this run decided on figures not trusted beyond it
+            why += f" (device calibration used for this run only, not cached: {'; '.join(doubts)})"
+        return paths, why
+
+    def fp32_tflops(self, device: torch.device) -> float | None:
+        """The fastest FP32 GEMM rate this device's calibration measured (TFLOP/s, its best size): the rate that bounds
+        FP32 eager's step from below (automp.runtime.fp32_bound). None, so no bound: off CUDA (the bound is for a GPU
+        trial's peak memory; a CPU's trial times the two eager paths only), before calibration, and where the
+        calibration is doubted (a disturbed measurement reads slow, and a rate read slow would put the bound too
+        high)."""
+        cal = self.calibrations.get(device)
+        rates = cal.gemm_tflops.get("float32") if cal is not None and not cal.doubts else None
+        return max(rates.values()) if device.type == "cuda" and rates else None
