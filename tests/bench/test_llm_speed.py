@@ -38,8 +38,8 @@ def test_quick_matrix_decodes_a_batch_of_two_and_writes_finite_rows(tmp_path, ca
                                                                              2)]["weight_gib"]
     md = (tmp_path / "llm-cpu.md").read_text()
     assert "| llama-8b-shape | 2 | automp-int4 | 2 |" in md and "| ms/step | spread |" in md
-    profiles = _rows(tmp_path / "llm-profile-cpu.json")  # batch 1 was not timed: the profile decodes it itself
-    assert set(profiles) == {("llama-8b-shape", c, 1) for c in ("fp16-compiled", "automp-int4")}
+    profiles = _rows(tmp_path / "llm-profile-cpu.json")  # each timed batch size's step, profiled
+    assert set(profiles) == {("llama-8b-shape", c, 2) for c in ("fp16-compiled", "automp-int4")}
     for p in profiles.values():
         assert "error" not in p, p
         assert p["step_ms"] > 0 and p["kernels"] > 0 and p["top"]
@@ -223,6 +223,7 @@ def test_an_unreadable_results_file_is_a_usage_error(tmp_path, capsys):
 def test_kernel_names_fall_into_categories():
     cases = {"_wq_gemv_kernel": "quantized", "_split_sum_kernel": "quantized",
              "void at::native::tinygemm_m16n8k16_chunk_kernel<...>": "quantized",
+             "_decode_attention_split": "attention", "_decode_attention_combine": "attention",
              "fmha_cutlassF_f16_aligned_64x64_rf_sm80": "attention", "flash_fwd_splitkv_kernel": "attention",
              "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN": "matmul", "sm90_xmma_gemm_f16f16_f16f32": "matmul",
              "triton_tem_fused_mm_0": "matmul", "aten::mm": "matmul", "aten::addmm": "matmul",

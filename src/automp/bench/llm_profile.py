@@ -1,4 +1,4 @@
-"""`automp llm bench ... --profile`: where one batch-1 decode step's time goes, per case.
+"""`automp llm bench ... --profile`: where one decode step's time goes, per case and batch size.
 
 At batch 1 a step should cost its weight bytes over the memory bandwidth; int4 reads a quarter of fp16's bytes yet
 is not four times as fast. One step (after warm-up: compiled and replayed as a CUDA graph, as it is timed) runs under
@@ -42,13 +42,14 @@ def category(name: str) -> str:
 
 
 @torch.no_grad()  # as generate runs it: a step under grad mode would be another compile
-def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10, attention: str = "auto") -> dict:
-    """Kernel time by category and wall time of one batch-1 decode step of `model`, whose last generate() made the
-    decoder for batch 1 and `length` tokens (the one reused here: no new compile)."""
+def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10, attention: str = "auto",
+                 batch: int = 1) -> dict:
+    """Kernel time by category and wall time of one decode step of `model` for `batch` sequences, whose last
+    generate() made the decoder for that batch and `length` tokens (the one reused here: no new compile)."""
     from automp.llm.generate import _decoder
-    dec = _decoder(model, 1, length, mode, attention=attention)
+    dec = _decoder(model, batch, length, mode, attention=attention)
     device = dec.device
-    tok = torch.zeros(1, dtype=torch.long, device=device)
+    tok = torch.zeros(batch, dtype=torch.long, device=device)
     replays = min(replays, dec.max_len - dec.next_pos - 3)  # every step fills one more cache slot
     if replays < 1:
         raise RuntimeError(f"the decoder has {dec.max_len - dec.next_pos} free cache slots, need at least 4")
@@ -64,22 +65,23 @@ def profile_step(model: nn.Module, length: int, mode: str, replays: int = 10, at
 
 def profile_case(model: nn.Module, m, case: str, row: dict, profiles, expired: list,
                  log: Callable[[str], None], how: dict) -> None:
-    """The case's profile row at batch 1 (after a batch-1 generate: reuses the decoder if batch 1 was just timed).
-    how: generate's decode settings for the case (llm_speed.decode_args), the ones its timed decoder was made with."""
+    """The case's profile row at the row's batch size (after a generate of that batch: reuses the decoder the timed
+    samples use). how: generate's decode settings for the case (llm_speed.decode_args), those of its timed decoder."""
     from automp.llm.generate import generate
+    batch = row["batch"]
     row = {k: v for k, v in row.items() if v is not None and v != ""}  # the speed row's unfilled keys
-    ids = torch.randint(0, model.config.vocab_size, (1, m.prompt), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (batch, m.prompt), generator=torch.Generator().manual_seed(1))
     try:
         generate(model, ids.to(m.device), m.new_tokens, **how)
         if expired:
             raise expired[0]
-        row.update(profile_step(model, m.prompt + m.new_tokens, m.mode, attention=how["attention"]))
+        row.update(profile_step(model, m.prompt + m.new_tokens, m.mode, attention=how["attention"], batch=batch))
     except Exception as e:
         if expired or isinstance(e, TimeoutError):
             raise
         row["error"] = one_line(e)
     profiles.add(row)
-    log(f"{case} profile: " + (row.get("error") or ", ".join(
+    log(f"{case} batch {batch} profile: " + (row.get("error") or ", ".join(
         f"{k} {row[k]:.3f}" for k in ("step_ms", "kernel_ms", *(f"{c}_ms" for c in CATEGORIES)))))
 
 

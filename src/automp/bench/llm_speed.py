@@ -296,30 +296,24 @@ def run_matrix(m: Matrix, results: Results, profiles: Results | None, meta: dict
                 if c.over:
                     c.model = None  # its later batch sizes do not run
             free()
-        if profiles is not None and 1 not in m.batches:
-            for c in cases:  # the profile alone, after the case's batch sizes as before
-                if c.model is not None:
-                    warm_case(c, None, bandwidth, deadline, profiles)
-                    free(dynamo=True)
     log(f"{summary(results.added)} in {time.perf_counter() - start:.0f} s")
 
 
-def warm_case(c: Case, batch: int | None, bandwidth: float, deadline: float,
+def warm_case(c: Case, batch: int, bandwidth: float, deadline: float,
               profiles: Results | None) -> tuple[dict, torch.Tensor] | None:
     """Phase A of one case at one batch size, under the case's alarm (--case-timeout over all its batch sizes, or what
     is left of --time-limit) and its Inductor settings: its model built if it is not yet, the untimed decode and the
-    row's facts (warm), and at batch 1 the profile (batch None: the profile alone). Returns the row and the prompt ids
-    to time, or None where the row is final already: a failing batch is an error row and the next batch size runs;
-    an alarm ends the case, its later batch sizes skipped."""
+    row's facts (warm), and with --profile the profile of that batch size. Returns the row and the prompt ids to time,
+    or None where the row is final already: a failing batch is an error row and the next batch size runs; an alarm
+    ends the case, its later batch sizes skipped."""
     from automp.bench.llm_profile import profile_case
     from automp.bench.zoo_modes import time_limit
     m = c.m
-    row = c.row(batch or 1)
+    row = c.row(batch)
     left = deadline - time.perf_counter()
     own = m.case_timeout - c.used if m.case_timeout > 0 else math.inf
     if c.over or left <= 0 or own <= 0:
-        if batch is not None:
-            c.finish(row, **(c.over or {"skipped": "time limit" if left <= 0 else "case timeout"}))
+        c.finish(row, **(c.over or {"skipped": "time limit" if left <= 0 else "case timeout"}))
         return None
     flag, limit = ("--time-limit", m.time_limit) if left <= own else ("--case-timeout", m.case_timeout)
     stage, warmed, expired, t0 = "prepare", None, [], time.perf_counter()
@@ -329,24 +323,23 @@ def warm_case(c: Case, batch: int | None, bandwidth: float, deadline: float,
             if c.model is None:
                 c.model, c.note = prepare(c.name, m)
                 c.log(f"{c.name}: model ready in {time.perf_counter() - t0:.1f} s {c.note}")
-                row = c.row(batch or 1)
+                row = c.row(batch)
             stage = "batch"
-            if batch is not None:
-                try:
-                    warmed = row, warm(c.model, m, batch, row, bandwidth, expired)
-                except Exception as e:
-                    if expired or isinstance(e, TimeoutError):
-                        raise
-                    c.finish(row, error=one_line(e))
+            try:
+                warmed = row, warm(c.model, m, batch, row, bandwidth, expired)
+            except Exception as e:
+                if expired or isinstance(e, TimeoutError):
+                    raise
+                c.finish(row, error=one_line(e))
             stage = "profile"  # an alarm from here on must not turn the warmed row into an error
-            if profiles is not None and batch in (1, None):
-                profile_case(c.model, m, c.name, c.row(1), profiles, expired, c.log, decode_args(m, c.name))
+            if profiles is not None and warmed is not None:
+                profile_case(c.model, m, c.name, c.row(batch), profiles, expired, c.log, decode_args(m, c.name))
     except Exception as e:
         timed_out = bool(expired) or isinstance(e, TimeoutError)
         error = f"ran past {flag} {limit:g} s" if timed_out else one_line(e)
         if stage == "profile" and profiles is not None:
-            profiles.add(dict(base_row(m, c.name, 1, c.meta), error=error))
-        elif batch is not None:
+            profiles.add(dict(base_row(m, c.name, batch, c.meta), error=error))
+        else:
             c.finish(row, error=error)
         c.over = {"error": error} if stage == "prepare" else {"skipped": (
             "case timeout" if flag == "--case-timeout" else "time limit") if timed_out else "the case failed"}

@@ -59,7 +59,7 @@ def splits_for(b: int, hkv: int, head_blocks: int, l: int, tile: int, sms: int) 
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, L, HKV, SPLITS,
+def _decode_attention_split(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, L, HKV, SPLITS,
                   stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                   stride_vb, stride_vh, stride_vl, stride_vd, stride_mb, stride_ml,
                   G: tl.constexpr, D: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -110,7 +110,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, qk_scal
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
+def _decode_attention_combine(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
                     CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[r] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for row r = b * Hq + head, M = max_s m_s; zeros when
     no split saw a valid slot (every m_s = -inf, l_s = 0). Chunks and their sums run in a fixed order."""
@@ -151,11 +151,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     acc = torch.empty((b, hq, s, d), dtype=torch.float32, device=q.device)
     mask = valid.view(torch.uint8)  # the same bytes (any strides), loaded as bytes and compared with 0
     block_d = max(16, triton.next_power_of_2(d))
-    _split_kernel[(b * hkv * head_blocks, s)](
+    _decode_attention_split[(b * hkv * head_blocks, s)](
         q, k, v, mask, m, lse, acc, scale * _LOG2E, length, hkv, s, *q.stride(), *k.stride(), *v.stride(),
         *mask.stride(), G=g, D=d, HEAD_BLOCKS=head_blocks, BLOCK_G=_BLOCK_G, BLOCK_D=block_d, BLOCK_L=tile,
         num_warps=4)
-    _combine_kernel[(b * hq,)](m, lse, acc, out, s, D=d, BLOCK_S=max(_CHUNK_S, triton.next_power_of_2(s)),
+    _decode_attention_combine[(b * hq,)](m, lse, acc, out, s, D=d, BLOCK_S=max(_CHUNK_S, triton.next_power_of_2(s)),
                                CHUNK_S=_CHUNK_S, BLOCK_D=block_d, num_warps=4)
     return out
 

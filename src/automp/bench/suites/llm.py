@@ -20,7 +20,7 @@ perplexity (files split by a hash of their path) for fp16, int8, int4 and int4 +
 Speed matrix (automp.bench.llm_speed), when any of its options (--model, --layers, --batches, --cases, --repeats,
 --case-timeout, --time-limit, --profile) is given:
 fp16-compiled (the anchor), automp-int8/int4 and torchao-int8/int4 at each batch size on a random Llama-3-8B-shaped
-(or TinyLlama-shaped) model, rows merged into `<out>/llm-<gpu>.json`; --profile adds where one batch-1 step's kernel
+(or TinyLlama-shaped) model, rows merged into `<out>/llm-<gpu>.json`; --profile adds where one decode step's kernel
 time goes (automp.bench.llm_profile). Speed only.
 
 --quick: the same on the CPU with tiny models (Triton interpreter for the kernels), a smoke test of under a minute.
@@ -294,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole matrix (default 0 = none): cases not started by then are skipped")
     m.add_argument("--profile", action="store_true",
-                   help="also profile one batch-1 decode step per case into <out>/llm-profile-<gpu>.json")
+                   help="also profile one decode step per case and batch size (batch 1 if none is given) into "
+                        "<out>/llm-profile-<gpu>.json")
     return p
 
 
