@@ -147,3 +147,23 @@ def test_on_a_gpu_both_captured_steps_decode_alike_and_one_is_kept(dtype, tmp_pa
     assert info["attention"] in ("model", "kernel") and set(info["attention_ms"]) == {"model", "kernel"}, info
     assert (auto == want).float().mean() > 0.9
     assert attn.cached(model.__dict__["_automp_llm_decoder"].attention_key) == info["attention"]
+
+
+def test_a_forced_kernel_that_cannot_be_captured_decodes_eagerly_with_the_models_attention(monkeypatch):
+    """The CUDA branch driven with stand-ins up to the capture, which fails for the kernel, the only variant: the
+    step runs uncaptured with the model's attention, and the decoder says why."""
+    model = _model()
+    dec = GEN.Decoder(model, 1, 16, mode="compile", attention="kernel")
+    dec.device, dec.steps = torch.device("cuda"), 2  # the third step captures
+
+    class Failing:
+        def __init__(self, *a, **k):
+            raise RuntimeError("capture not allowed here")
+    monkeypatch.setattr(torch.cuda, "graph", Failing)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen = []
+    dec.fn = lambda *a: seen.append(model.config._attn_implementation) or "logits"
+    assert dec.step(torch.zeros(1, dtype=torch.long)) == "logits"
+    assert dec.mode == "eager" and dec.variants == ["model"] and "capture failed" in dec.reason
+    assert seen == [model.config._attn_implementation] != [attn.NAME]

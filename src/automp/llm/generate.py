@@ -272,6 +272,10 @@ class Decoder(_Unpicklable):
                 self.mode, self.reason, self.variants = "eager", f"CUDA graph capture failed: {e!r:.200}", ["model"]
                 return self.fn(*self.args)
             graphs[variant] = graph, logits
+        if not graphs:  # the kernel alone was asked for and could not be captured; the model's step never ran
+            torch.cuda.synchronize()
+            self.mode, self.reason = "eager", self.attention_note
+            return self.fn(*self.args)
         if len(graphs) > 1:
             for graph, _ in graphs.values():
                 graph.replay()
