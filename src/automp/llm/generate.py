@@ -26,18 +26,22 @@ model supports a static cache at all (else the model's own dynamic cache, eager)
 from __future__ import annotations
 
 import inspect
+import itertools
 import time
+import types
 import warnings
 
 import torch
 import torch.nn as nn
 
+from automp.frames import own_code
 from automp.llm import attention as attn
 from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import QuantLinear, check_backend, input_embedding
 
 MODES = ("auto", "eager", "graph", "compile")
 _ATTR = "_automp_llm_decoder"
+_decoder_ids = itertools.count()
 _LEN_STEP = 256  # cache lengths are rounded up to this, so one decoder (and its graph) serves many prompt lengths
 
 
@@ -123,8 +127,9 @@ class Decoder(_Unpicklable):
             self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)  # 1 = a real cached token
             self.args = (self.tok, self.pos, self.row_pos, self.mask)
         self.fn = self._forward
-        if self.mode == "compile":
-            self.fn = torch.compile(self._forward, dynamic=False)
+        if self.mode == "compile":  # a code object per decoder (automp.frames): each holds up to two graphs
+            step = own_code(Decoder._forward, f"automp_decode_step_{next(_decoder_ids)}")
+            self.fn = torch.compile(types.MethodType(step, self), dynamic=False)
         self.graph = self.logits = self.stream = None
         self.steps = 0
         self.next_pos = 0

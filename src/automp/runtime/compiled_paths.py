@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import types
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
+from automp.frames import own_code
 from automp.precision.fp8.layers import active as fp8_active
 from automp.runtime import graph_pool
 from automp.runtime.decisions import Route
@@ -294,11 +294,3 @@ def entry_point(module: nn.Module, root: Any) -> Callable[..., Any]:
         return detach_unread(ORIG_CALL(mod, *args, **kwargs), fields)
 
     return own_code(call, f"automp_{type(module).__name__}_{next(_entry_ids)}")
-
-
-def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """`fn` with a code object of its own, named `name`: Dynamo's compiled graphs and its recompile limit are per
-    code object. One code object shared across modules and enable() calls would share that limit (8): the ninth
-    compile of a process would run the frame uncompiled."""
-    code = fn.__code__.replace(co_name=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
