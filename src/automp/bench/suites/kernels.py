@@ -212,6 +212,48 @@ def bench_reduce(b: Bench, K, quick: bool) -> None:
           float((K.cast(x, torch.bfloat16) != x.to(torch.bfloat16)).sum().item()))
 
 
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One decode token's attention as transformers' SDPA path runs it: each KV head repeated for its query heads
+    (repeat_kv: expand, then a copy), a boolean mask [B, 1, 1, L], torch's scaled_dot_product_attention."""
+    b, hkv, length, d = k.shape
+    rep = q.shape[1] // hkv
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t[:, :, None].expand(b, hkv, rep, length, d).reshape(b, hkv * rep, length, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], repeat(k), repeat(v),
+                                                           attn_mask=valid[:, None, None, :])
+    return out[:, :, 0]
+
+
+def bench_attention(b: Bench, K, quick: bool) -> None:
+    """automp's decode attention at Llama-3-8B's heads (32 query on 8 KV heads, dim 128) against the SDPA path
+    transformers runs at a decode step, over a static cache of L slots of which the first `n` hold tokens."""
+    hq, hkv, d = 32, 8, 128
+    cases = [(1, 256, 160), (8, 256, 160), (32, 256, 160), (1, 4096, 4000), (8, 1024, 900)]
+    for bsz, length, n in cases[:2] if quick else cases:
+        def inputs(bsz=bsz, length=length, n=n):
+            valid = torch.zeros(bsz, length, dtype=torch.bool, device="cuda")
+            valid[:, :n] = True
+            return _rand(bsz, hq, d), _rand(bsz, hkv, length, d), _rand(bsz, hkv, length, d), valid
+        q, k, v, valid = inputs()
+        err = rel_err(K.decode_attention(q, k, v, valid, d ** -0.5),
+                      _sdpa_decode(q.double(), k.double(), v.double(), valid))
+
+        def ours(inputs=inputs):
+            qi, ki, vi, m = inputs()
+            return lambda: K.decode_attention(qi, ki, vi, m, d ** -0.5)
+
+        def sdpa(inputs=inputs):
+            qi, ki, vi, m = inputs()
+            return lambda: _sdpa_decode(qi, ki, vi, m)
+        b.add(f"decode attention B={bsz} L={length} tokens={n}", ours, "SDPA (repeat_kv)", sdpa,
+              2 * bsz * hkv * n * d * 2 + 2 * bsz * hq * d * 2, 4.0 * bsz * hq * n * d, err)
+
+
+PARTS = {"gemv": bench_gemv, "gemm": bench_gemm, "quant": bench_quant, "int8": bench_int8, "reduce": bench_reduce,
+         "attention": bench_attention}
+
+
 def gpu_checks(K) -> list[tuple[str, float, float]]:
     """(case, rel error, tolerance) on odd shapes against float64; a crashing case reports inf, not the run."""
     torch.manual_seed(0)
@@ -300,7 +342,11 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="automp bench kernels")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)} (default: all)")
     args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    if not parts or not set(parts) <= set(PARTS):
+        p.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         print("automp bench kernels: needs a CUDA GPU (the kernels' CPU path is the Triton interpreter)")
         return 1
@@ -317,7 +363,7 @@ def main(argv: list[str]) -> int:
     print(f"ceilings: copy {copy_gbps:.0f} GB/s (read+write), cuBLAS fp16 GEMM 8192^3 {peak:.0f} TF/s", flush=True)
     b = Bench(copy_gbps, peak)
     failed_parts = []
-    for part in (bench_gemv, bench_gemm, bench_quant, bench_int8, bench_reduce):
+    for part in (PARTS[name] for name in parts):
         try:
             part(b, K, args.quick)
         except Exception as e:  # keep the other parts' numbers
