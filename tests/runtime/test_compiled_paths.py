@@ -441,3 +441,37 @@ def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwra
     assert seen[True][0]  # the graphed path's forward: on (torch turns it off itself for a CPU graph it cannot capture)
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
     assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs")
+def test_on_a_gpu_the_plain_path_records_no_cuda_graph_and_the_graphed_one_loads_its_compile(tmp_path, monkeypatch):
+    """The plain path compiled with CUDA graphs on in its config (for the shared cache key) is not wrapped: no graph
+    function replays into the trees after it runs; the graphed path's compile is then a cache hit and it is wrapped."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    from automp.runtime import compiled_paths as cp
+    from automp.runtime import graph_pool
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+    reset_cudagraph_trees()
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 16)).cuda(), torch.randn(32, 64).cuda()
+    counters.clear()
+    functions = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+
+        def backend(gm, ex, graphs=graphs):
+            with cp.unwrapped(graphs, "cuda"):
+                return compile_fx(gm, ex, config_patches=cp.compile_patches(graphs, "cuda"))
+        compiled = torch.compile(net, backend=backend)
+        for _ in range(3):
+            net.zero_grad(set_to_none=True)
+            compiled(x).square().sum().backward()
+        functions[graphs] = graph_pool.graph_functions(0)
+    assert functions[False] == 0 and functions[True] > 0, functions
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    torch._dynamo.reset()
+    reset_cudagraph_trees()
