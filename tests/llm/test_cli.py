@@ -145,3 +145,19 @@ def test_every_option_of_quantize_and_generate_has_help():
     subs = subparsers(cli.build_parser())
     for name in ("quantize", "generate"):
         assert undocumented(subs[name]) == [], name
+
+
+def test_generate_with_the_decode_attention_kernel_gives_the_models_text(tmp_path, capsys):
+    """--attention kernel (here on the CPU: the op's reference, steps run eagerly) continues the prompt as the model's
+    own attention does, and the summary line names the attention that ran."""
+    out = tmp_path / "q"
+    assert cli.main(["quantize", "--model", "tiny-llama", *QUANT, "-o", str(out)]) == 0
+    texts, lines = {}, {}
+    for attention in ("model", "kernel"):
+        capsys.readouterr()
+        assert cli.main(["generate", str(out), "--prompt", "def f(", "--max-new-tokens", "6", "--device", "cpu",
+                         "--attention", attention]) == 0
+        got = capsys.readouterr()
+        texts[attention], lines[attention] = got.out, got.err.strip().splitlines()[-1]
+    assert texts["kernel"] == texts["model"] and texts["model"].startswith("def f(")
+    assert "attention kernel" in lines["kernel"] and "attention model" in lines["model"]

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=["auto", "compile", "graph", "eager"], default="auto",
                    help="decode step: compiled and captured as a CUDA graph, captured only, or eager; auto = compile "
                         "on CUDA, eager elsewhere")
+    g.add_argument("--attention", choices=["auto", "model", "kernel"], default="auto",
+                   help="the decode step's attention: the model's own (SDPA), automp's decode kernel, or auto = the "
+                        "faster of the two, timed on CUDA (the model's own elsewhere)")
     g.add_argument("--device", default=None, help="where to run (default: cuda if available, else cpu)")
     sub.add_parser("bench", help="speed and accuracy benchmark (see `automp llm bench -h`)", add_help=False)
     return parser
@@ -211,13 +214,14 @@ def _generate(args: argparse.Namespace) -> int:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     t0 = time.perf_counter()
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen,
-                   eos_token_id=getattr(tokenizer, "eos_token_id", None), mode=args.mode)
+                   eos_token_id=getattr(tokenizer, "eos_token_id", None), mode=args.mode, attention=args.attention)
     seconds = time.perf_counter() - t0
     print(printable(tokenizer.decode(out[0].tolist())))
     n = out.shape[1] - ids.shape[1]
     info = decode_info(model)
     print(f"[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tokens/s incl. warm-up; decode {info.get('mode')}"
-          f"{': ' + info['reason'] if info.get('reason') else ''}]", file=sys.stderr)
+          f"{': ' + info['reason'] if info.get('reason') else ''}; attention {info.get('attention') or 'model'}"
+          f"{' (' + info['attention_note'] + ')' if info.get('attention_note') else ''}]", file=sys.stderr)
     return 0
 
 
