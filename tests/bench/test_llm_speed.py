@@ -3,6 +3,7 @@ with an earlier file, skipped and failed rows instead of lost ones, and usage er
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -239,3 +240,23 @@ def test_torchao_cases_compile_under_torchaos_inductor_settings_and_only_they():
     with llm_speed.inductor_settings("automp-int8"):
         assert {k: getattr(inductor, k) for k in before} == before
     assert {k: getattr(inductor, k) for k in before} == before  # restored
+
+
+def test_vs_fp16_pairs_the_rounds_of_one_run():
+    """Rows timed in the same rounds compare round by round (a drift between rounds cancels); rows of different runs,
+    or with a round missing, by their medians."""
+    from automp.bench.llm_results import _vs_anchor
+
+    def row(case, samples, run="r1"):
+        ms = sorted(samples)[len(samples) // 2]
+        return {"model": "m", "layers": 2, "device": "d", "batch": 1, "case": case, "ms_per_token": ms,
+                "samples": samples, "run": run}
+    # the host slows down over the rounds: the int4 case is exactly half the anchor's time in every round
+    anchor, int4 = row("fp16-compiled", [2.0, 4.0, 8.0]), row("automp-int4", [1.0, 2.0, 4.0])
+    assert _vs_anchor([anchor, int4], int4) == pytest.approx(2.0)
+    skewed = row("automp-int4", [4.0, 1.0, 2.0])  # the same samples, not in round order: pairing matters
+    assert _vs_anchor([anchor, skewed], skewed) == pytest.approx(statistics.median([0.5, 4.0, 4.0]))
+    other_run = row("automp-int4", [4.0, 1.0, 2.0], run="r2")
+    assert _vs_anchor([anchor, other_run], other_run) == pytest.approx(4.0 / 2.0)  # medians
+    short = row("automp-int4", [1.0, 2.0])
+    assert _vs_anchor([anchor, short], short) == pytest.approx(4.0 / 2.0)

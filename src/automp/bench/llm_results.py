@@ -3,6 +3,8 @@ of earlier runs (runs of subsets build one file) and rendered as a markdown tabl
 row, so a run cut off keeps what it finished."""
 from __future__ import annotations
 
+import statistics
+
 import json
 import math
 import os
@@ -79,12 +81,17 @@ class Results:
 
 
 def _vs_anchor(rows: list[dict], row: dict) -> float | None:
-    """fp16-compiled's step time over this row's, same model, depth, batch and device."""
+    """fp16-compiled's step time over this row's, same model, depth, batch and device: the median of the rounds'
+    ratios where both rows hold one sample per round of the same run (llm_rounds: paired, so a drift between rounds
+    cancels), else the ratio of their medians."""
     anchor = next((r for r in rows if r.get("case") == ANCHOR and r.get("batch") == row.get("batch") and
                    r.get("model") == row.get("model") and r.get("layers") == row.get("layers") and
                    r.get("device") == row.get("device")), None)
     if not anchor or not anchor.get("ms_per_token") or not row.get("ms_per_token"):
         return None
+    a, b = anchor.get("samples"), row.get("samples")
+    if a and b and len(a) == len(b) and min(b) > 0 and anchor.get("run") and anchor.get("run") == row.get("run"):
+        return statistics.median(x / y for x, y in zip(a, b))
     return anchor["ms_per_token"] / row["ms_per_token"]
 
 
@@ -93,7 +100,8 @@ def markdown(rows: list[dict]) -> str:
         "decode step of the whole batch: (t(N new tokens) - t(1)) / (N - 1), the median of the alternating rounds "
         "(all cases of a batch size timed in each round), spread: the least and the greatest round; tokens/s = "
         "batch x 1000 / ms per step",
-        "vs fp16: fp16-compiled's step time over the row's (same model, layers, batch); roofline: bytes a step "
+        "vs fp16: fp16-compiled's step time over the row's (same model, layers, batch; the median of the rounds' "
+        "ratios where both were timed in the same rounds); roofline: bytes a step "
         "reads (weights but the input embedding, plus the KV cache) / copy bandwidth / step time"])
     lines += ["", "| model | layers | case | batch | ms/step | spread | tokens/s | vs fp16 | weights GiB | roofline "
               "| decode | notes |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]

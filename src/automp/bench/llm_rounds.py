@@ -45,7 +45,8 @@ def timed_row(row: dict, steps: list[float], batch: int, rounds: int) -> dict:
     roofline fraction from the median."""
     step = statistics.median(steps)
     notes = [row["note"]] if row.get("note") else []
-    row.update(spread=[round(min(steps), 4), round(max(steps), 4)], rounds=len(steps))
+    row.update(spread=[round(min(steps), 4), round(max(steps), 4)], rounds=len(steps),
+               samples=[round(x, 5) for x in steps])  # one per round, in round order: paired with the anchor's
     if len(steps) < rounds:
         notes.append(f"--time-limit ended the timing after {len(steps)} of {rounds} rounds")
     if step > 0:

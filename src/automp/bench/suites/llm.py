@@ -345,7 +345,8 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
         ",")), prompt=cfg.prompt, new_tokens=cfg.new_tokens, repeats=repeats, group=cfg.group,
         device=cfg.device, tiny=args.quick, mode="eager" if cfg.device == "cpu" else args.decode,
         case_timeout=case_timeout, time_limit=time_limit, profile=args.profile)
-    meta = {**provenance(cfg.device), "command": "automp llm bench " + " ".join(argv or [])}
+    meta = {**provenance(cfg.device), "command": "automp llm bench " + " ".join(argv or []),
+            "run": time.strftime("%Y-%m-%dT%H:%M:%S")}  # which rows were timed in the same rounds (llm_results)
     run_matrix(m, results, profiles, meta, _log)
     print(matrix_markdown(results.rows))
     if profiles is not None:
