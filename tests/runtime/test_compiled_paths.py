@@ -475,3 +475,27 @@ def test_on_a_gpu_the_plain_path_records_no_cuda_graph_and_the_graphed_one_loads
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
     torch._dynamo.reset()
     reset_cudagraph_trees()
+
+
+def test_a_compile_that_fails_unwrapped_compiles_as_torch_does_and_the_process_gives_the_sharing_up(monkeypatch):
+    """A torch whose post_compile is not as `unwrapped` expects costs a second compile, never the compiled path."""
+    import contextlib
+
+    from automp.runtime import compiled_paths as cp
+    monkeypatch.setattr(cp, "_unwrapped_policy", lambda: None)
+    monkeypatch.setattr(cp, "_post_compile_flag", lambda: True)
+    monkeypatch.setattr(cp, "UNWRAPPED_FAILED", [])
+
+    @contextlib.contextmanager
+    def broken(graphs, device_type):
+        raise RuntimeError("post_compile is not what it was")
+        yield
+    monkeypatch.setattr(cp, "unwrapped", broken)
+    assert cp.compile_patches(False, "cuda") == cp.GRAPH_PATCHES
+    net, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), torch.randn(4, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend=lambda gm, ex: cp.inductor_compile(gm, ex, False, "cuda"))
+    assert torch.allclose(compiled(x), net(x), atol=1e-6)
+    assert cp.UNWRAPPED_FAILED == ["RuntimeError: post_compile is not what it was"]
+    assert cp.compile_patches(False, "cuda") == {}  # given up: the plain path compiles on its own from now on
+    torch._dynamo.reset()

@@ -52,7 +52,31 @@ def compile_patches(graphs: bool, device_type: str) -> dict[str, Any]:
     policy = _unwrapped_policy()
     if policy is not None:
         return {**GRAPH_PATCHES, "cudagraph_policy": policy}
-    return dict(GRAPH_PATCHES) if _post_compile_flag() else {}
+    return dict(GRAPH_PATCHES) if _emulates(graphs, device_type) else {}
+
+
+# Why `unwrapped` was given up in this process (a compile under it failed), or None while it is in use.
+UNWRAPPED_FAILED: list[str] = []
+
+
+def _emulates(graphs: bool, device_type: str) -> bool:
+    """Whether the plain path's compile leaves its graphs unwrapped by `unwrapped` (torch 2.11-2.12 on CUDA)."""
+    return (not graphs and device_type == "cuda" and _unwrapped_policy() is None and _post_compile_flag()
+            and not UNWRAPPED_FAILED)
+
+
+def inductor_compile(gm: Any, example_inputs: Any, graphs: bool, device_type: str) -> Any:
+    """Inductor's compile of a stock path's graph (compile_patches, unwrapped). Where the compile under `unwrapped`
+    fails, it is given up for the rest of the process and the graph compiles as torch.compile compiles it: a torch whose
+    post_compile is not as `unwrapped` expects must cost a second compile, not the module's compiled path."""
+    from torch._inductor.compile_fx import compile_fx
+    if _emulates(graphs, device_type):
+        try:
+            with unwrapped(graphs, device_type):
+                return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device_type))
+        except Exception as e:  # noqa: BLE001 - see the docstring; a genuine compile error fails again below
+            UNWRAPPED_FAILED.append(f"{type(e).__name__}: {str(e).strip()[:200]}")
+    return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device_type))
 
 
 @contextlib.contextmanager
@@ -63,7 +87,7 @@ def unwrapped(graphs: bool, device_type: str) -> Iterator[None]:
     torch itself does to a graph it cannot capture). The flag is the compile's one box, shared by its forward and
     backward, so a backward compiled later, at its first call, stays unwrapped too. The class is patched for the
     compile only, and put back after it."""
-    if graphs or device_type != "cuda" or _unwrapped_policy() is not None or not _post_compile_flag():
+    if not _emulates(graphs, device_type):
         yield
         return
     from torch._inductor.output_code import CompiledFxGraph
@@ -93,7 +117,12 @@ def _post_compile_flag() -> bool:
     method = CompiledFxGraph.__dict__.get("post_compile")
     if method is None or not callable(getattr(BoxedBool, "disable", None)):
         return False
-    return list(inspect.signature(method).parameters) == ["self", "example_inputs", "constants", "graph_kwargs"]
+    try:  # the box must be the one post_compile reads before it wraps anything
+        reads_box = 'graph_kwargs["cudagraphs"]' in inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+    return reads_box and list(inspect.signature(method).parameters) == ["self", "example_inputs", "constants",
+                                                                         "graph_kwargs"]
 
 
 @functools.cache
@@ -174,11 +203,10 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     restored = own_code(restored, f"{entry.__name__}_autocast")  # the frame Dynamo compiles: see entry_point
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
-        from torch._inductor.compile_fx import compile_fx
         if rewrite is not None:
             gm = rewrite(gm, example_inputs)
-        with keyed_by_autocast(), unwrapped(graphs, device):
-            return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device))
+        with keyed_by_autocast():
+            return inductor_compile(gm, example_inputs, graphs, device)
 
     compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
     if not graphs:

@@ -165,6 +165,9 @@ class Session:
         if not self.labels and not any(f["where"] == "modules" for f in self.recorder.fallbacks):
             self.recorder.add_fallback("modules", _NO_ROOTS, NO_ROOTS)
         self.paths.report_unsettled()
+        if compiled_paths.UNWRAPPED_FAILED:  # the compiled and graphed paths each compile on their own
+            self.recorder.add_setting({"setting": "one compile for the compiled and graphed paths", "value": "off",
+                                       "reason": compiled_paths.UNWRAPPED_FAILED[0]})
 
     def compile(self, model: nn.Module, config: AutoMPConfig) -> nn.Module:
         """automp's compiled pass for one model, no trial (automp.compile), recorded in this session's report; its
