@@ -361,6 +361,21 @@ def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_fa
         assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.6, "limit": 0.7}
 
 
+def _float64_net():
+    """A small MLP in float64, an input, and its eager gradients (what both compiled paths must reproduce)."""
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 24)).double(), torch.randn(10, 48).double()
+    net(x).square().sum().backward()
+    return net, x, [p.grad.clone() for p in net.parameters()]
+
+
+def _trains_as_eager(compiled, net, x, ref):
+    net.zero_grad(set_to_none=True)
+    compiled(x).square().sum().backward()
+    for p, r in zip(net.parameters(), ref):
+        assert (p.grad - r).norm() / r.norm() < 1e-10
+
+
 def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_policies(monkeypatch, tmp_path):
     """A trial compiles the same graphs for the compiled and the graphed path. Keyed alike (CUDA graphs on for both,
     the plain path's policy wrapping none), the second compile is loaded from Inductor's and AOTAutograd's caches,
@@ -376,18 +391,12 @@ def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_pol
     plain, graphed = cp.compile_patches(False, "cuda"), cp.compile_patches(True, "cuda")
     assert plain["cudagraph_policy"].should_wrap(None) is False and "cudagraph_policy" not in graphed
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    torch.manual_seed(0)
-    net, x = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 24)).double(), torch.randn(10, 48).double()
-    net(x).square().sum().backward()
-    ref = [p.grad.clone() for p in net.parameters()]
+    net, x, ref = _float64_net()
     counters.clear()
     for patches in (plain, graphed):
         torch._dynamo.reset()
-        net.zero_grad(set_to_none=True)
         compiled = torch.compile(net, backend=lambda gm, ex, patches=patches: compile_fx(gm, ex, config_patches=patches))
-        compiled(x).square().sum().backward()
-        for p, r in zip(net.parameters(), ref):
-            assert (p.grad - r).norm() / r.norm() < 1e-10
+        _trains_as_eager(compiled, net, x, ref)
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
     assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2
     monkeypatch.setattr(cp, "_unwrapped_policy", lambda: None)
@@ -400,7 +409,6 @@ def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwra
     on, as the graphed one does, so that the graphed path's compile is a cache hit; `unwrapped` turns the compile's
     cudagraphs box off as each graph is post-compiled (forward and backward), and puts CompiledFxGraph back after."""
     from torch._dynamo.utils import counters
-    from torch._inductor.compile_fx import compile_fx
     from torch._inductor.output_code import CompiledFxGraph
 
     from automp.runtime import compiled_paths as cp
@@ -416,27 +424,19 @@ def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwra
         boxes.append(bool(graph_kwargs["cudagraphs"]))
         return original(self, example_inputs, constants, graph_kwargs)
     monkeypatch.setattr(CompiledFxGraph, "post_compile", spy)
+    monkeypatch.setattr(cp, "UNWRAPPED_FAILED", [])
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    torch.manual_seed(0)
-    net, x = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 24)).double(), torch.randn(10, 48).double()
-    net(x).square().sum().backward()
-    ref = [p.grad.clone() for p in net.parameters()]
+    net, x, ref = _float64_net()
     counters.clear()
     seen = {}
     for graphs in (False, True):
         torch._dynamo.reset()
-        net.zero_grad(set_to_none=True)
         boxes.clear()
-
-        def backend(gm, ex, graphs=graphs):
-            with cp.unwrapped(graphs, "cuda"):
-                return compile_fx(gm, ex, config_patches=cp.compile_patches(graphs, "cuda"))
-        compiled = torch.compile(net, backend=backend)
-        compiled(x).square().sum().backward()
+        compiled = torch.compile(net, backend=lambda gm, ex, graphs=graphs: cp.inductor_compile(gm, ex, graphs, "cuda"))
+        _trains_as_eager(compiled, net, x, ref)
         seen[graphs] = list(boxes)
-        for p, r in zip(net.parameters(), ref):
-            assert (p.grad - r).norm() / r.norm() < 1e-10
         assert CompiledFxGraph.__dict__["post_compile"] is spy  # put back after each compile
+    assert cp.UNWRAPPED_FAILED == []  # no compile fell back
     assert seen[False] and not any(seen[False])  # every graph of the plain path: its box off
     assert seen[True][0]  # the graphed path's forward: on (torch turns it off itself for a CPU graph it cannot capture)
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
@@ -448,7 +448,6 @@ def test_on_a_gpu_the_plain_path_records_no_cuda_graph_and_the_graphed_one_loads
     """The plain path compiled with CUDA graphs on in its config (for the shared cache key) is not wrapped: no graph
     function replays into the trees after it runs; the graphed path's compile is then a cache hit and it is wrapped."""
     from torch._dynamo.utils import counters
-    from torch._inductor.compile_fx import compile_fx
 
     from automp.runtime import compiled_paths as cp
     from automp.runtime import graph_pool
@@ -463,10 +462,7 @@ def test_on_a_gpu_the_plain_path_records_no_cuda_graph_and_the_graphed_one_loads
     for graphs in (False, True):
         torch._dynamo.reset()
 
-        def backend(gm, ex, graphs=graphs):
-            with cp.unwrapped(graphs, "cuda"):
-                return compile_fx(gm, ex, config_patches=cp.compile_patches(graphs, "cuda"))
-        compiled = torch.compile(net, backend=backend)
+        compiled = torch.compile(net, backend=lambda gm, ex, graphs=graphs: cp.inductor_compile(gm, ex, graphs, "cuda"))
         for _ in range(3):
             net.zero_grad(set_to_none=True)
             compiled(x).square().sum().backward()

@@ -93,13 +93,18 @@ def _kernel_unfit(model: nn.Module, dtype: torch.dtype) -> str | None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return "the model has no transformers config"
-    heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    head_dim = _head_dim(config)
     if not head_dim or head_dim > MAX_HEAD_DIM:
         return f"head dim {head_dim} (the kernel takes up to {MAX_HEAD_DIM})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"{str(dtype).removeprefix('torch.')} activations (the kernel takes fp16 or bf16)"
     return None
+
+
+def _head_dim(config: Any) -> int | None:
+    """A transformers config's attention head size: its head_dim, else hidden size over heads; None if neither."""
+    heads = getattr(config, "num_attention_heads", None)
+    return getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
 
 
 @contextlib.contextmanager
@@ -155,10 +160,9 @@ def verdict_key(model: nn.Module, dtype: torch.dtype, batch: int, max_len: int, 
         return None
     c = model.config
     heads = getattr(c, "num_attention_heads", 0)
-    head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else 0)
     return "|".join(str(v) for v in (
         torch.cuda.get_device_name(device), torch.__version__, type(model).__name__, heads,
-        getattr(c, "num_key_value_heads", heads), head_dim, getattr(c, "num_hidden_layers", 0),
+        getattr(c, "num_key_value_heads", heads), _head_dim(c), getattr(c, "num_hidden_layers", 0),
         str(dtype).removeprefix("torch."), batch, max_len))
 
 

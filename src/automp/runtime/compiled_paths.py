@@ -55,7 +55,7 @@ def compile_patches(graphs: bool, device_type: str) -> dict[str, Any]:
     return dict(GRAPH_PATCHES) if _emulates(graphs, device_type) else {}
 
 
-# Why `unwrapped` was given up in this process (a compile under it failed), or None while it is in use.
+# Why `unwrapped` was given up in this process (the error of the compile that failed under it); empty while in use.
 UNWRAPPED_FAILED: list[str] = []
 
 
