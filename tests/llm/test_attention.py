@@ -1,5 +1,6 @@
 """automp.llm.attention: the decode step with automp's attention kernel gives the model's tokens, the timed choice
 between two captured steps, and the decoder's way back to the model's attention when the kernel fails."""
+import contextlib
 import importlib
 
 import pytest
@@ -167,3 +168,47 @@ def test_a_forced_kernel_that_cannot_be_captured_decodes_eagerly_with_the_models
     assert dec.step(torch.zeros(1, dtype=torch.long)) == "logits"
     assert dec.mode == "eager" and dec.variants == ["model"] and "capture failed" in dec.reason
     assert seen == [model.config._attn_implementation] != [attn.NAME]
+
+
+def test_both_variants_run_and_timed_on_one_step_decode_the_models_tokens(monkeypatch, tmp_path):
+    """The CUDA branch with stand-ins for streams and graphs (a stand-in capture runs the step and puts the cache's
+    step state back, as a real capture leaves it; a replay runs it again into the captured logits): the step run once
+    per variant, captured twice, replayed for the check and for ROUNDS x REPLAYS timed replays each, still decodes the
+    model's own greedy tokens, because every further run starts from the step's marked cache state."""
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model(seed=2)
+    ids = _prompt(2, 6, seed=5)
+    want = generate(model, ids, 9, mode="eager", attention="model")
+    dec = GEN.Decoder(model, 2, 16, mode="compile", attention="auto")
+    assert attn.register() is None
+    dec.variants, dec.fn = ["model", "kernel"], dec._forward
+
+    class Graph:
+        def replay(self):
+            with attn.using(model, self.variant):
+                self.logits.copy_(dec._forward(*dec.args))
+
+    class Capture:
+        def __init__(self, graph, stream=None):
+            self.graph = graph
+
+        def __enter__(self):
+            self.marked = GEN.kv.mark(dec.cache)
+            self.graph.variant = "kernel" if model.config._attn_implementation == attn.NAME else "model"
+            dec.fn = lambda *a: setattr(self.graph, "logits", dec._forward(*a)) or self.graph.logits
+
+        def __exit__(self, *exc):
+            dec.fn = dec._forward
+            GEN.kv.rewind(self.marked)
+
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    for name, value in {"Stream": stream, "current_stream": stream, "stream": lambda s: contextlib.nullcontext(),
+                        "get_sync_debug_mode": lambda: 0, "set_sync_debug_mode": lambda m: None,
+                        "synchronize": lambda: None, "CUDAGraph": Graph, "graph": Capture}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    tokens = [dec.prefill(ids).argmax(-1)]
+    dec.device = torch.device("cuda")  # from here on the step takes its CUDA branch
+    for _ in range(8):
+        tokens.append(dec.step(tokens[-1]).argmax(-1))
+    assert dec.graph is not None and set(dec.attention_ms or ()) == {"model", "kernel"}, dec.attention_note
+    assert torch.equal(torch.stack(tokens, 1), want[:, 6:])

@@ -162,7 +162,7 @@ def test_masked_step_inputs_keep_their_addresses(monkeypatch):
 
 def test_dynamic_cache_fallback_with_a_mask(monkeypatch):
     """A model without a static cache decodes with its own growing cache: the mask is cut to the tokens seen."""
-    monkeypatch.setattr(GEN, "_static_cache", lambda *args: None)
+    monkeypatch.setattr(GEN.kv, "static_cache", lambda *args: None)
     model = build("tiny-gpt2", seed=2)
     check_rows_match_solo(model, prompts(), "eager", monkeypatch)
     assert GEN.decode_info(model)["cache"] == "dynamic"

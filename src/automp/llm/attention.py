@@ -125,8 +125,8 @@ def using(model: nn.Module, variant: str) -> Iterator[None]:
 def faster(replays: dict[str, Callable[[], None]], sync: Callable[[], None],
            clock: Callable[[], float]) -> tuple[str, dict[str, float]]:
     """The variant whose replays ran faster, and each one's median ms per replay: ROUNDS blocks of REPLAYS replays
-    each, the variants alternating (A B, B A, ...), so a drifting clock favours neither. Replaying one decode step
-    again writes the same keys and values into the same cache slots: the cache is left as one replay leaves it."""
+    each, the variants alternating (A B, B A, ...), so a drifting clock favours neither. Each replay callable
+    rewinds the cache's step state first (automp.llm.cache): the cache is left as one replay leaves it."""
     samples: dict[str, list[float]] = {v: [] for v in replays}
     names = list(replays)
     for r in range(ROUNDS):

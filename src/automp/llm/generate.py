@@ -25,6 +25,7 @@ model supports a static cache at all (else the model's own dynamic cache, eager)
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import time
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 from automp.frames import own_code
 from automp.llm import attention as attn
+from automp.llm import cache as kv
 from automp.llm.fuse import fuse_projections
 from automp.llm.quantize import QuantLinear, check_backend, input_embedding
 
@@ -54,23 +56,6 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-
-def _static_cache(model: nn.Module, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
-    """A transformers StaticCache built with whichever constructor this version has, or None if there is none."""
-    try:
-        from transformers import StaticCache
-    except ImportError:
-        return None
-    if not getattr(model, "_supports_static_cache", True):  # 4.x flag; 5.x dropped it (every model supports it)
-        return None
-    params = inspect.signature(StaticCache.__init__).parameters
-    kw = {"config": model.config, "max_cache_len": max_len}
-    batch_arg = "batch_size" if "batch_size" in params else "max_batch_size"
-    for name, value in ((batch_arg, batch), ("device", device), ("dtype", dtype)):
-        if name in params:
-            kw[name] = value
-    return StaticCache(**kw)
 
 
 def _fingerprint(model: nn.Module) -> tuple:
@@ -103,7 +88,7 @@ class Decoder(_Unpicklable):
         self.cache_position = "cache_position" in fwd
         self.cache_arg = "cache" if "cache" in fwd else "past_key_values"
         self.logits_to_keep = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in fwd), None)
-        self.cache = _static_cache(model, batch, max_len, self.device, self.dtype)
+        self.cache = kv.static_cache(model, batch, max_len, self.device, self.dtype)
         self.static = self.cache is not None
         cuda = self.device.type == "cuda"
         self.mode = ("compile" if cuda else "eager") if mode == "auto" else mode
@@ -131,6 +116,7 @@ class Decoder(_Unpicklable):
             step = own_code(Decoder._forward, f"automp_decode_step_{next(_decoder_ids)}")
             self.fn = torch.compile(types.MethodType(step, self), dynamic=False)
         self.graph = self.logits = self.stream = None
+        self.marked: tuple[list, list] = ([], [])  # the cache's step state before the step in hand (kv.mark)
         self.steps = 0
         self.next_pos = 0
 
@@ -191,6 +177,7 @@ class Decoder(_Unpicklable):
         if self.device.type != "cuda" or self.mode == "eager":
             with attn.using(self.model, self.variants[0]):
                 return self.fn(*self.args)
+        self.marked = kv.mark(self.cache)  # the steps up to the capture may run more than once (automp.llm.cache)
         if self.steps == 1:
             self._measure_kernels()
             return self._each(self._first_call)
@@ -204,6 +191,7 @@ class Decoder(_Unpicklable):
         model's own failure is handled as before. The last one's logits."""
         ran, logits = False, None
         for variant in list(self.variants):
+            kv.rewind(self.marked)
             try:
                 with attn.using(self.model, variant):
                     logits = run(variant)
@@ -216,7 +204,10 @@ class Decoder(_Unpicklable):
             if self.mode == "eager":  # the model's step synchronises: nothing is captured, nothing to time
                 self.variants = ["model"]
                 break
-        return logits if ran else run("model")  # else: the kernel alone was asked for, and it left
+        if ran:
+            return logits
+        kv.rewind(self.marked)  # the kernel alone was asked for, and it left
+        return run("model")
 
     def _drop(self, variant: str, why: str) -> None:
         self.variants = [v for v in self.variants if v != variant] or ["model"]
@@ -234,12 +225,13 @@ class Decoder(_Unpicklable):
     def _measure_kernels(self) -> None:
         """Before torch.compile traces the decode step: the same step once, eagerly, so that each weight-only layer
         measures which kernel serves this batch's rows (automp.kernels.crossover: measured outside tracing only; a
-        shape first met while tracing keeps quant_gemm). The step writes the same keys and values into the same
-        cache slots as the compiled step after it, so running it twice changes nothing."""
+        shape first met while tracing keeps quant_gemm). The cache's step state is rewound after it, so the compiled
+        step that follows writes the same keys and values into the same slots."""
         from automp.kernels.crossover import MAX_ROWS, MIN_ROWS  # here: importing automp.llm imports no Triton
         if self.mode == "compile" and MIN_ROWS <= self.batch <= MAX_ROWS and any(
                 isinstance(m, QuantLinear) for m in self.model.modules()):
             self._forward(*self.args)
+            kv.rewind(self.marked)
 
     def _checked_step(self, variant: str) -> torch.Tensor:
         """A real step on the capture stream with sync debugging: a synchronising op means no capture."""
@@ -283,21 +275,26 @@ class Decoder(_Unpicklable):
             return self.fn(*self.args)
         if len(graphs) > 1:
             for graph, _ in graphs.values():
-                graph.replay()
+                self._replay(graph)
             wrong = attn.disagreement({v: out for v, (_, out) in graphs.items()})
             if wrong:
                 self._drop("kernel", wrong)
                 del graphs["kernel"]
         if len(graphs) > 1:
-            chosen, self.attention_ms = attn.faster({v: g.replay for v, (g, _) in graphs.items()},
-                                                    torch.cuda.synchronize, time.perf_counter)
+            chosen, self.attention_ms = attn.faster({v: functools.partial(self._replay, g) for v, (g, _) in
+                                                     graphs.items()}, torch.cuda.synchronize, time.perf_counter)
             attn.remember(self.attention_key, chosen, self.attention_ms)
         else:
             chosen = next(iter(graphs))
         self.variants = [chosen]
         self.graph, self.logits = graphs[chosen]
-        self.graph.replay()
+        self._replay(self.graph)
         return self.logits
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        """One replay of the step being captured, from the cache's step state before it (each replay appends)."""
+        kv.rewind(self.marked)
+        graph.replay()
 
 
 def sync_warnings(messages) -> list[str]:
