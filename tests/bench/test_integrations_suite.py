@@ -78,9 +78,11 @@ def test_a_quick_run_times_every_mode_and_keeps_a_failing_process_as_a_row(tmp_p
         if not r.get("error"):
             assert r["steps"] == 6 and r["step_ms"] > 0 and math.isfinite(r["loss"]) and r["first_run_s"] > 0
             assert r["paths"] and set(r["paths"]) == {"GPT2LMHeadModel"}  # automp's report, read back per mode
+            with open(tmp_path / r["report"], encoding="utf-8") as f:  # and kept beside the results
+                assert [c["path"] for c in json.load(f)["choices"]] == list(r["paths"].values())
     md = (tmp_path / "integ.md").read_text()
     assert "| loop | 2 |" in md and "| trainer | 2 |" in md and "| lightning | 1 |" in md and "no GPU left" in md
-    assert "| trainer-run | 2 |" in md and "| lightning-run | 2 |" in md
+    assert "| trainer-run | 2 |" in md and "| lightning-run | 2 |" in md and "| loop-late | 2 |" in md
     losses = {m: [r["loss"] for r in rows if r["mode"] == m and not r.get("error")] for m in suite.TWIN.values()}
     for mode, twin in suite.TWIN.items():  # the integration trains as its script does under `automp run`
         for a, b in zip([r["loss"] for r in rows if r["mode"] == mode and not r.get("error")], losses[twin]):

@@ -129,24 +129,39 @@ def test_a_timed_verdict_is_kept_and_read_back(tmp_path, monkeypatch):
     assert attn.verdict_key(model, torch.bfloat16, 1, 256, torch.device("cpu")) is None  # off CUDA: nothing timed
 
 
+def _forced_logits(model, ids, tokens, attention, mode="auto"):
+    """Each decode step's logits [B, n, V] with `tokens` [B, n] fed in, whatever the step predicted (teacher forcing:
+    a near-tie that 16-bit rounding breaks the other way changes one prediction, not the rest of the sequence)."""
+    dec = GEN._decoder(model, ids.shape[0], ids.shape[1] + tokens.shape[1] + 1, mode, attention=attention)
+    dec.reset()
+    dec.prefill(ids)
+    return torch.stack([dec.step(tokens[:, t]).float().clone() for t in range(tokens.shape[1])], 1)
+
+
+def _rel(got, want):
+    return float((got - want).norm() / want.norm())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: captured decode steps")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_on_a_gpu_both_captured_steps_decode_alike_and_one_is_kept(dtype, tmp_path, monkeypatch):
-    """Llama-3-8B's head layout (32 query heads on 8 KV heads, head dim 128) at two layers: the kernel's captured
-    step gives SDPA's greedy tokens, and "auto" times both, keeps one, and caches its verdict."""
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_on_a_gpu_both_captured_steps_decode_alike_and_one_is_kept(dtype, tol, tmp_path, monkeypatch):
+    """Llama-3-8B's head layout (32 query heads on 8 KV heads, head dim 128) at two layers, every step's logits fed
+    the same tokens: the kernel's captured step gives SDPA's within 16-bit rounding carried through the layers (the
+    CPU interpreter measured 0.1% for fp16, 1% for bf16), and "auto" times both, keeps one, and caches its verdict."""
     monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
     model = build("tiny-llama", device="cuda", dtype=dtype, seed=0, hidden_size=4096, intermediate_size=1024,
                   num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=2)
     ids = _prompt(2, 7).cuda()
-    want = generate(model, ids, 12, attention="model")
+    tokens = generate(model, ids, 13, attention="model")[:, 7:]
+    want = _forced_logits(model, ids, tokens, "model")
     assert decode_info(model)["captured"]
-    got = generate(model, ids, 12, attention="kernel")
-    assert decode_info(model)["captured"] and decode_info(model)["attention"] == "kernel"
-    assert (got == want).float().mean() > 0.9  # greedy tokens; a near-tie may round the other way in 16 bits
-    auto = generate(model, ids, 12)
+    got = _forced_logits(model, ids, tokens, "kernel")
+    assert decode_info(model)["captured"] and decode_info(model)["attention"] == "kernel", decode_info(model)
+    assert _rel(got, want) < tol, _rel(got, want)
+    auto = _forced_logits(model, ids, tokens, "auto")
     info = decode_info(model)
-    assert info["attention"] in ("model", "kernel") and set(info["attention_ms"]) == {"model", "kernel"}, info
-    assert (auto == want).float().mean() > 0.9
+    assert info["attention"] in ("model", "kernel") and set(info["attention_ms"] or ()) == {"model", "kernel"}, info
+    assert _rel(auto, want) < tol, _rel(auto, want)
     assert attn.cached(model.__dict__["_automp_llm_decoder"].attention_key) == info["attention"]
 
 

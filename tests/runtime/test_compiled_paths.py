@@ -468,7 +468,8 @@ def test_on_a_gpu_the_plain_path_records_no_cuda_graph_and_the_graphed_one_loads
             compiled(x).square().sum().backward()
         functions[graphs] = graph_pool.graph_functions(0)
     assert functions[False] == 0 and functions[True] > 0, functions
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, (dict(counters["aot_autograd"]),
+                                                                 dict(counters["inductor"]))
     torch._dynamo.reset()
     reset_cudagraph_trees()
 

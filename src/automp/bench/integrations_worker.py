@@ -2,6 +2,8 @@
 trained one way, its timings and report written to --out as one JSON row.
 
     python -m automp run --quiet --report R.json integrations_worker.py --mode loop ...   # the plain loop
+    python integrations_worker.py --mode loop-late ...    # the plain loop calling automp.enable() once it has built
+                                                          # its model and optimizer, as the integrations do
     python integrations_worker.py --mode trainer ...      # transformers.Trainer + AutoMPCallback
     python integrations_worker.py --mode lightning ...    # lightning.pytorch.Trainer + the AutoMP plugin
     python -m automp run ... integrations_worker.py --mode trainer-run ...     # the Trainer script, no callback
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-MODES = ("loop", "trainer", "trainer-run", "lightning", "lightning-run")
+from automp.integrations.bracket import REPORT_NAME as REPORT  # loop-late writes it where an integration would
+
+MODES = ("loop", "loop-late", "trainer", "trainer-run", "lightning", "lightning-run")
 UNDER_RUN = ("loop", "trainer-run", "lightning-run")  # run by `automp run` around the process, not by an integration
 LR = 1e-4
 
@@ -72,9 +77,15 @@ def _loader(data: torch.utils.data.Dataset, batch: int) -> torch.utils.data.Data
 
 
 def run_loop(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str, Any] | None]:
-    """The plain FP32 loop: automp comes from `automp run` around this process, its report from --report."""
+    """The plain FP32 loop: automp comes from `automp run` around this process, its report from --report; or
+    (loop-late) from the loop's own enable() once model and optimizer exist, where a framework's integration starts
+    it, so that what that order costs is told apart from what a framework costs."""
+    import automp
     model, data, batch = _data(opts.quick, opts.device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    late = opts.mode == "loop-late"
+    if late:
+        automp.enable(quiet=True, report=os.path.join(opts.workdir, REPORT))
     loss = torch.zeros(())
     while clock.n < opts.steps:
         for b in _loader(data, batch):
@@ -86,7 +97,7 @@ def run_loop(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str, A
             clock.tick()
             if clock.n == opts.steps:
                 break
-    return float(loss), None
+    return float(loss), automp.disable() if late else None
 
 
 def run_trainer(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[str, Any] | None]:
@@ -144,7 +155,7 @@ def run_lightning(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[s
 
 
 RUNS: dict[str, Callable[[argparse.Namespace, Clock], tuple[float, dict[str, Any] | None]]] = {
-    "loop": run_loop, "trainer": run_trainer, "trainer-run": run_trainer, "lightning": run_lightning,
+    "loop": run_loop, "loop-late": run_loop, "trainer": run_trainer, "trainer-run": run_trainer, "lightning": run_lightning,
     "lightning-run": run_lightning}
 
 

@@ -3,7 +3,9 @@
 A user of transformers' Trainer adds `AutoMPCallback()`, a Lightning user the `AutoMP()` plugin; either should train
 as fast as the same script does under `automp run` (modes trainer-run, lightning-run: the script without the
 callback or the plugin), and make the same choice; the plain loop under `automp run` is the reference of all three
-(the frameworks' own work per step is in their figures, not in the loop's). Each mode is GPT-2 (124M, B8 T1024;
+(the frameworks' own work per step is in their figures, not in the loop's). An integration starts automp once the
+framework has built the model and optimizer, `automp run` before the script starts: mode loop-late is the plain loop
+calling enable() at that point, which tells what the order costs apart from what a framework costs. Each mode is GPT-2 (124M, B8 T1024;
 --quick: tiny) written one way (automp.bench.integrations_worker), each run
 in a process of its own so that every run is a first run: automp's verdict cache and Inductor's cache start empty
 in each. A framework's process cannot hold another's session, so the modes cannot alternate in one process: they take
@@ -14,7 +16,8 @@ their spread.
 Rows, one per process: {"mode", "repeat", "steps", "step_ms" (the steps of the last third, between two device
 synchronizations), "first_run_s" (from the worker's start, torch imported, to the end of step --first: the model's build, the
 framework's set-up, compilation and automp's trial),
-"loss", "peak_gib" (allocated, CUDA), "paths" (automp's choice per module), "device", "torch", "date", "commit"}, or
+"loss", "peak_gib" (allocated, CUDA), "paths" (automp's choice per module), "report" (that process's automp report,
+kept in OUT-reports/), "device", "torch", "date", "commit"}, or
 with "error" where the process failed. The markdown's summary gives each mode's median, spread, ratio against the
 loop's median and, for an integration, against its script's under `automp run` (> 1: faster)."""
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,10 +34,11 @@ from typing import Any
 
 from automp.bench import integrations_worker as worker
 from automp.bench.harness import device_name, fmt, gpu_slug, over_runs, provenance, usage_problem
-from automp.files import write_json_and_markdown
+from automp.files import atomic_output, write_json_and_markdown
 
 ANCHOR = "loop"
-TWIN = {"trainer": "trainer-run", "lightning": "lightning-run"}  # an integration -> its script under `automp run`
+# an integration -> its script under `automp run`; loop-late (enable() after the build) -> the loop
+TWIN = {"trainer": "trainer-run", "lightning": "lightning-run", "loop-late": "loop"}
 
 
 def order(modes: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -69,11 +74,24 @@ def run_one(mode: str, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
             return {**row, "error": f"exit status {done.returncode}: {tail[:300]}"}
         with open(out, encoding="utf-8") as f:
             row.update(json.load(f))
-        report = os.path.join(workdir, "report.json")
-        if "paths" not in row and os.path.exists(report):
-            with open(report, encoding="utf-8") as f:
-                row["paths"] = {c["module"]: c["path"] for c in json.load(f).get("choices", [])}
+        report = next((p for p in (os.path.join(workdir, n) for n in ("report.json", worker.REPORT))
+                       if os.path.exists(p)), None)
+        if report is not None:
+            if "paths" not in row:
+                with open(report, encoding="utf-8") as f:
+                    row["paths"] = {c["module"]: c["path"] for c in json.load(f).get("choices", [])}
+            row["report"] = keep_report(report, opts.out, f"{mode}-{repeat}.json")
     return row
+
+
+def keep_report(path: str, out: str, name: str) -> str:
+    """A process's automp report copied beside the results (OUT-reports/NAME), so that two modes that differ in
+    speed can be told apart by what automp did in each; the copy's path relative to OUT's folder."""
+    folder = f"{out}-reports"
+    os.makedirs(folder, exist_ok=True)
+    with atomic_output(os.path.join(folder, name)) as tmp:
+        shutil.copyfile(path, tmp)
+    return os.path.relpath(os.path.join(folder, name), os.path.dirname(os.path.abspath(out)))
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
