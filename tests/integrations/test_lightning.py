@@ -69,6 +69,20 @@ def test_the_plugin_trains_as_automp_run_does_and_undoes_every_patch(tmp_path):
     assert plugin.report["choices"][0]["path"] == "low-precision-eager"
 
 
+def test_automp_is_on_before_the_first_optimizer_steps_pre_hooks(tmp_path):
+    """Lightning calls the optimizer's step with the forward and backward as its closure: the session must be on
+    before that step's pre-hooks run, where automp switches Adam to its fused step (at the first step only)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _, tiny = _script(tmp_path)
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda *_: seen.append(automp.is_enabled()))
+    try:
+        tiny.fit(str(tmp_path / "hooks"), plugins=[AutoMP(dtype="bf16", path="eager")])
+    finally:
+        handle.remove()
+    assert seen and all(seen), seen
+
+
 def test_without_a_logger_the_report_lands_in_a_root_dir_lightning_never_made(tmp_path):
     """logger=False: Lightning writes nothing and makes no folder, so the report's folder is made by the plugin (the
     report is written after the last step: a missing folder must not fail the run there)."""

@@ -10,7 +10,10 @@ Why a precision plugin: Lightning users choose precision there, and the plugin o
 training steps. Lightning's own precision stays "32-true" underneath (the plugin is one, so Lightning itself refuses
 `precision=...` beside it in one line). automp is enabled when the first training step begins, so the sanity check's
 validation steps before it run as written, and disabled at the plugin's teardown, at the end of `fit`, which writes
-the report and undoes every patch. A LightningModule's `training_step` calls its networks itself: each network
+the report and undoes every patch. Under automatic optimization the step begins in `optimizer_step`: Lightning runs
+the forward and backward in a closure that the optimizer's step calls, after torch has run the step's pre-hooks, so
+a session enabled inside the closure would miss the first step's pre-hooks (automp switches Adam and AdamW to their
+fused step there, at the first step only: one step later the optimizer has state and stays as it is). A LightningModule's `training_step` calls its networks itself: each network
 called from it is one of automp's root modules, timed and chosen as in a plain loop.
 
 Fabric has no end of training to hook: AutoMPFabric enables automp when `fabric.setup` hands it the model, and
@@ -69,9 +72,14 @@ class AutoMP(_Session, Precision):
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         return module
 
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        if not self._on:  # automatic optimization: before the step's pre-hooks and the closure's forward
+            self._enable()
+        return super().optimizer_step(optimizer, model, closure, **kwargs)
+
     @contextlib.contextmanager
     def train_step_context(self) -> Iterator[None]:
-        if not self._on:
+        if not self._on:  # manual optimization: the training step calls the optimizer itself
             self._enable()
         yield
 
