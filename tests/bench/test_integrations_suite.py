@@ -87,3 +87,18 @@ def test_a_quick_run_times_every_mode_and_keeps_a_failing_process_as_a_row(tmp_p
     for mode, twin in suite.TWIN.items():  # the integration trains as its script does under `automp run`
         for a, b in zip([r["loss"] for r in rows if r["mode"] == mode and not r.get("error")], losses[twin]):
             assert abs(a - b) <= 1e-3 * abs(b), (mode, a, b)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_processes_share_one_inductor_cache_only_when_asked(tmp_path, monkeypatch, warm):
+    """--warm-inductor: every process reads and fills the run's one Inductor cache; by default each has its own."""
+    def command(mode, opts, workdir, out):
+        row = ("{'step_ms': 1.0, 'first_run_s': 1.0, 'loss': 1.0, 'steps': 3, "
+               "'dir': os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+        return [sys.executable, "-c", f"import json, os; json.dump({row}, open({out!r}, 'w'))"]
+    monkeypatch.setattr(suite, "command", command)
+    args = ["--modes", "loop,trainer", "--repeats", "2", "--out", str(tmp_path / "w")] + (["--warm-inductor"] * warm)
+    assert suite.main(args) == 0
+    rows = json.loads((tmp_path / "w.json").read_text())
+    assert len(rows) == 4 and all(r["inductor_cache"] == ("shared" if warm else "cold") for r in rows)
+    assert len({r["dir"] for r in rows}) == (1 if warm else 4)

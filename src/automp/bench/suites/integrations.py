@@ -57,13 +57,14 @@ def command(mode: str, opts: argparse.Namespace, workdir: str, out: str) -> list
 
 
 def run_one(mode: str, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
-    """One process of `mode`, cold: its own automp verdict cache and Inductor cache (a first run each time)."""
+    """One process of `mode`, cold: its own automp verdict cache and Inductor cache (a first run each time); with
+    --warm-inductor the Inductor cache is the run's one (opts.inductor_dir), automp's verdicts still start empty."""
     row: dict[str, Any] = {"mode": mode, "repeat": repeat}
     with tempfile.TemporaryDirectory() as tmp:
         out, workdir = os.path.join(tmp, "row.json"), os.path.join(tmp, "work")
         os.makedirs(workdir)
         env = {**os.environ, "AUTOMP_CACHE_DIR": os.path.join(tmp, "automp"),
-               "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
+               "TORCHINDUCTOR_CACHE_DIR": opts.inductor_dir or os.path.join(tmp, "inductor")}
         try:
             done = subprocess.run(command(mode, opts, workdir, out), env=env, capture_output=True, text=True,
                                   timeout=opts.mode_timeout or None)
@@ -139,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--first", type=int, default=20, help="first_run_s is the time to the end of this step")
     p.add_argument("--mode-timeout", type=int, default=600, help="seconds one process may take; 0: no limit")
     p.add_argument("--quick", action="store_true", help="a tiny GPT-2 (a CPU smoke run)")
+    p.add_argument("--warm-inductor", action="store_true",
+                   help="the processes share one Inductor cache (the first ones fill it): more processes per minute "
+                        "for step times; first_run_s is then not a cold start (automp's own trial still is)")
     p.add_argument("--out", default=None, help="writes OUT.json and .md (default: benchmarks/integrations-<gpu>)")
     return p
 
@@ -155,16 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     if error:
         print(f"automp bench integrations: {error}", file=sys.stderr)
         return 2
-    meta = {**provenance(), "device": device}
+    meta = {**provenance(), "device": device, "inductor_cache": "shared" if opts.warm_inductor else "cold"}
     rows: list[dict[str, Any]] = []
     out_dir, stem = os.path.split(os.path.abspath(opts.out))
-    for repeat, mode in order(opts.modes.split(","), opts.repeats):
-        rows.append({**run_one(mode, repeat, opts), **meta})
-        r = rows[-1]
-        print(f"[{mode} {repeat}] " + (r["error"] if r.get("error") else
-                                       f"{r['step_ms']} ms/step, first run {r['first_run_s']} s, paths {r.get('paths')}"),
-              flush=True)
-        # written after every process: a run cut off by a time limit keeps the processes that finished
-        write_json_and_markdown(out_dir, stem, rows, markdown(rows, device, opts))
+    with tempfile.TemporaryDirectory() as shared:
+        opts.inductor_dir = shared if opts.warm_inductor else None
+        for repeat, mode in order(opts.modes.split(","), opts.repeats):
+            rows.append({**run_one(mode, repeat, opts), **meta})
+            r = rows[-1]
+            print(f"[{mode} {repeat}] " + (r["error"] if r.get("error") else
+                                           f"{r['step_ms']} ms/step, first run {r['first_run_s']} s, "
+                                           f"paths {r.get('paths')}"), flush=True)
+            # written after every process: a run cut off by a time limit keeps the processes that finished
+            write_json_and_markdown(out_dir, stem, rows, markdown(rows, device, opts))
     print(markdown(rows, device, opts) + f"wrote {opts.out}.json, .md", flush=True)
     return 0
