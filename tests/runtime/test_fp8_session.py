@@ -13,7 +13,7 @@ from automp.runtime import session as sessions
 from automp.precision.fp8.guard import NONFINITE
 from automp.runtime.fp8_layers import Fp8Layers
 from automp.runtime.decisions import FP8_LEFT, FP8_SKIPPED, Route
-from tests.precision.fp8.test_layers import needs_scaled_mm
+from tests.precision.fp8.test_layers import cpu_scaled_mm, needs_scaled_mm
 
 
 GAIN, LOSS = Fp8Timing(2.0, 0.8, 0.2), Fp8Timing(1.0, 1.0, 0.5)  # FP8 2x bf16's time; slower than bf16
@@ -166,7 +166,7 @@ recipe_table = table_of(lambda s, recipe: (Fp8Timing(2.5, 0.8, 0.2) if s.k >= 12
                         else GAIN if s.k >= 64 else LOSS)
 
 
-@needs_scaled_mm
+@pytest.mark.skipif(not cpu_scaled_mm("rowwise"), reason="no rowwise torch._scaled_mm on this CPU build")
 def test_auto_recipe_installs_each_layer_with_its_own_recipe(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(sessions, "open_session", lambda config, recorder: sessions.Session(
         config, recorder, fp8=Fp8Layers(config, recorder, check=lambda device: None, table=recipe_table)))

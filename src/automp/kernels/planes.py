@@ -240,9 +240,14 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-    _wq_planes_kernel[grid](qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0),
-                            a.stride(1), group, bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16,
-                            use_asm)
+    args = (qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0), a.stride(1), group,
+            bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16, use_asm)
+    if INTERPRET:  # the one fitting config, launched past the autotuner: Triton 3.6's benchmarks even a single
+        # pruned config, which needs a GPU driver the interpreter does not have
+        config = _prune(_configs(), {"GROUP": group, "BITS": bits, "K_SPAN": span, "K": k})[0]
+        _wq_planes_kernel.fn[grid(config.kwargs)](*args, **config.kwargs, num_warps=config.num_warps)
+    else:
+        _wq_planes_kernel[grid](*args)
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
                                                              BLOCK=_SUM_BLOCK)
