@@ -62,4 +62,4 @@ def eager_inductor(monkeypatch):
     """Inductor's compile_fx replaced by the traced graph itself: a compiled path's logic (Dynamo, AOTAutograd, the
     session) runs in seconds on a CPU, without Inductor's code generation (nor, on CUDA, its CUDA graphs)."""
     import torch._inductor.compile_fx as compile_fx
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, **kwargs: gm.forward)

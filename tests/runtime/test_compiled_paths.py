@@ -18,7 +18,7 @@ def test_autocast_compiled_path_enters_autocast_outside_the_graph(monkeypatch):
     import torch._inductor.compile_fx as compile_fx
     graphs = []
 
-    def capture(gm, example_inputs, config_patches=None):
+    def capture(gm, example_inputs, config_patches=None, **kwargs):
         graphs.append(gm)
         return gm.forward
 
@@ -41,7 +41,7 @@ def test_the_compile_cache_key_names_the_ambient_autocast_dtype(monkeypatch):
     import torch._inductor.compile_fx as compile_fx
     tags = []
 
-    def capture(gm, example_inputs, config_patches=None):
+    def capture(gm, example_inputs, config_patches=None, **kwargs):
         tags.append(torch.compiler.config.cache_key_tag)
         return gm.forward
 
@@ -113,7 +113,7 @@ def test_graphed_path_hands_the_script_copies_of_what_the_graph_returns(monkeypa
     from automp.runtime.compiled_paths import GRAPH_PATCHES
     patches = []
 
-    def replayed(gm, example_inputs, config_patches=None):
+    def replayed(gm, example_inputs, config_patches=None, **kwargs):
         patches.append(config_patches)
         static = []
 

@@ -100,6 +100,18 @@ def test_the_calls_each_precision_ran_are_printed_with_the_choice(capsys):
     assert "CNN runs fp32-eager (trial: 12 calls bfloat16, 6 FP32; chosen: 30 calls FP32)" in out
 
 
+def test_each_paths_compile_time_and_cache_hits_are_printed(capsys):
+    from automp.runtime.report import print_report
+    times = {"GPT": {"autocast-compiled": {"graphs": 1, "backend_s": 20.0, "backward_s": 11.5, "aot_cache_hits": 0,
+                                           "fx_cache_hits": 0},
+                     "autocast-graphed": {"graphs": 1, "backend_s": 0.75, "backward_s": 0, "aot_cache_hits": 1,
+                                          "fx_cache_hits": 2}}}
+    print_report(_report(graphs=[], compile_times=times))
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("GPT compiling: autocast-compiled 31.5 s over 1 graph(s); autocast-graphed 0.8 s over 1 graph(s) "
+            "(1 AOTAutograd cache hit(s), 2 FX graph cache hit(s))") in out
+
+
 def _binary(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(range(256)) * 4)

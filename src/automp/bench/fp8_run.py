@@ -240,6 +240,8 @@ class Run:
         rules = Counter(r["rule"] for r in report.get("rewrites", []))
         if rules:  # the graph rewrites that ran (automp-bf16-siblings: how many groups were joined)
             self.row["rewrites"] = dict(rules)
+        if report.get("compile_times"):  # where the first run's compile time went, per path (runtime.compile_log)
+            self.row["compile_times"] = report["compile_times"]
 
     def finish(self) -> dict[str, Any]:
         for tmp in (self.inductor, self.cache):  # both runs done

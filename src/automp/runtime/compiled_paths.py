@@ -17,6 +17,7 @@ import torch.nn as nn
 from automp.frames import own_code
 from automp.precision.fp8.layers import active as fp8_active
 from automp.runtime import graph_pool
+from automp.runtime.compile_log import CompileLog
 from automp.runtime.decisions import Route
 from automp.runtime.outputs import out_of_pool, restore_outside_graph
 from automp.runtime.guards.unread_outputs import detach_unread
@@ -65,18 +66,21 @@ def _emulates(graphs: bool, device_type: str) -> bool:
             and not UNWRAPPED_FAILED)
 
 
-def inductor_compile(gm: Any, example_inputs: Any, graphs: bool, device_type: str) -> Any:
-    """Inductor's compile of a stock path's graph (compile_patches, unwrapped). Where the compile under `unwrapped`
-    fails, it is given up for the rest of the process and the graph compiles as torch.compile compiles it: a torch whose
-    post_compile is not as `unwrapped` expects must cost a second compile, not the module's compiled path."""
-    from torch._inductor.compile_fx import compile_fx
+def inductor_compile(gm: Any, example_inputs: Any, graphs: bool, device_type: str,
+                     inner: Callable[..., Any] | None = None) -> Any:
+    """Inductor's compile of a stock path's graph (compile_patches, unwrapped; `inner`: compile_fx's per-graph
+    compile, default its own). Where the compile under `unwrapped` fails, it is given up for the rest of the process
+    and the graph compiles as torch.compile compiles it: a torch whose post_compile is not as `unwrapped` expects must
+    cost a second compile, not the module's compiled path."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    kw = {"inner_compile": inner or compile_fx_inner, "config_patches": compile_patches(graphs, device_type)}
     if _emulates(graphs, device_type):
         try:
             with unwrapped(graphs, device_type):
-                return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device_type))
+                return compile_fx(gm, example_inputs, **kw)
         except Exception as e:  # noqa: BLE001 - see the docstring; a genuine compile error fails again below
             UNWRAPPED_FAILED.append(f"{type(e).__name__}: {str(e).strip()[:200]}")
-    return compile_fx(gm, example_inputs, config_patches=compile_patches(graphs, device_type))
+    return compile_fx(gm, example_inputs, **kw)
 
 
 @contextlib.contextmanager
@@ -202,13 +206,16 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
         return restore_outside_graph(entry(mod, *args, **kwargs))
     restored = own_code(restored, f"{entry.__name__}_autocast")  # the frame Dynamo compiles: see entry_point
 
+    log = CompileLog(root, ((Route.FP8_GRAPHED if graphs else Route.FP8_COMPILED) if fp8
+                            else (Route.GRAPHED if graphs else Route.COMPILED_AUTOCAST)).value)
+
     def inductor(gm: Any, example_inputs: Any) -> Any:
         if rewrite is not None:
             gm = rewrite(gm, example_inputs)
         with keyed_by_autocast():
-            return inductor_compile(gm, example_inputs, graphs, device)
+            return inductor_compile(gm, example_inputs, graphs, device, inner=log.inner)
 
-    compiled = bound(torch.compile(restored, backend=counted(root, inductor)), module)
+    compiled = bound(torch.compile(restored, backend=counted(root, log.backend(inductor))), module)
     if not graphs:
         def autocast_call(*args: Any, **kwargs: Any) -> Any:
             with torch.autocast(device, dtype=low), switch():

@@ -54,6 +54,7 @@ class Root:
     fp8_graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Route.FP8_GRAPHED)
     fp8_layers: tuple[str, ...] = ()  # its linear layers that run FP8 on the FP8 paths (automp.precision.fp8.choice)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
+    compile_log: dict[str, dict[str, float]] = field(default_factory=dict)  # per stock path (runtime.compile_log)
     aside: str | None = None  # why automp leaves this module as written
     fields: FieldReads = field(default_factory=FieldReads)  # its output fields the script reads (unread_outputs)
     params: list[torch.Tensor] | None = None  # its parameters, for the eager path's shared weight casts

@@ -81,6 +81,8 @@ class Recorder:
     loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "overflow_steps": 0, "steps": 0})
     choices: list[dict[str, Any]] = field(default_factory=list)  # per root module: the path it runs and why
     compiles: dict[str, int] = field(default_factory=dict)  # per root module: graphs compiled (recompiles included)
+    # per root module and stock path: seconds compiling and cache hits (automp.runtime.compile_log)
+    compile_times: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     optimizers: list[dict[str, Any]] = field(default_factory=list)  # optimizers automp switched to fused
     # per root module: {"detached": output fields its compiled graphs detach because the script did not read them,
     # "reattached": why that stopped, if it did} (automp.runtime.guards.unread_outputs)
@@ -148,6 +150,7 @@ class Recorder:
                    if c["module"] in self.calls else c for c in self.choices]
         return {"device": self.device, "dtype": self.dtype, "graphs": self.graphs, "loss_scale": self.loss_scale,
                 "fallbacks": self.fallbacks, "choices": choices, "compiles": self.compiles,
+                "compile_times": self.compile_times,
                 "optimizers": self.optimizers, "unread_outputs": self.unread_outputs, "settings": self.settings,
                 "fp8": self.fp8, "fp8_fallback": self.fp8_fallback, "rewrites": self.rewrites}
 
@@ -177,6 +180,14 @@ def _check_entries(items: Any, where: str, keys: tuple[str, ...], strings: tuple
                      + (f" ({', '.join(strings)} strings)" if strings else ""))
 
 
+def compile_in_words(path: str, t: dict[str, float]) -> str:
+    """One path's compile log (automp.runtime.compile_log) as a phrase."""
+    hits = [f"{int(t[k])} {name} cache hit(s)" for k, name in (("aot_cache_hits", "AOTAutograd"),
+                                                              ("fx_cache_hits", "FX graph")) if t.get(k)]
+    return (f"{path} {t.get('backend_s', 0) + t.get('backward_s', 0):.1f} s over {int(t.get('graphs', 0))} graph(s)"
+            + (f" ({', '.join(hits)})" if hits else ""))
+
+
 def check_report(report: Any) -> None:
     """Raise ValueError naming the first part of `report` that is not what summarize and print_report read. A saved
     file can hold anything (another tool's JSON, a hand-edited or truncated report), and a KeyError from deep in the
@@ -189,7 +200,7 @@ def check_report(report: Any) -> None:
         _check_entries(g["nodes"], f"graphs[{i}].nodes", _NODE_KEYS, strings=_NODE_KEYS)
         _require(isinstance(g["casts"], dict) and all(k in g["casts"] for k in _CAST_KEYS),
                  f"graphs[{i}].casts is not an object with keys {', '.join(_CAST_KEYS)}")
-    for key in ("loss_scale", "compiles"):
+    for key in ("loss_scale", "compiles", "compile_times"):
         _require(isinstance(report.get(key, {}), dict), f"{key} is not an object")
     _check_entries(report.get("fallbacks", []), "fallbacks", ("where", "reason"))
     _check_entries(report.get("choices", []), "choices", ("module", "path", "reason"), strings=("module",))
@@ -263,6 +274,9 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
                           for phase, n in (c.get("calls") or {}).items() if n)
         console.print(f"[cyan]{e(c['module'])}[/cyan] runs [bold]{e(c['path'])}[/bold]{cached}{graphs}"
                       + (f" ({e(calls)})" if calls else "") + f": {e(c['reason'])}")
+    for module, paths in report.get("compile_times", {}).items():
+        console.print(f"[cyan]{e(module)}[/cyan] compiling: " + "; ".join(e(compile_in_words(p, t))
+                                                                         for p, t in paths.items()))
     for o in report.get("optimizers", []):
         console.print(f"[cyan]{e(o['optimizer'])}[/cyan]: {e(o['change'])}")
     for s in report.get("settings", []):

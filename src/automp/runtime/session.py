@@ -162,6 +162,7 @@ class Session:
             self.recorder.loss_scale = self.scaling.scaler.summary()
         report_graph_breaks(self.recorder, self.roots.values(), self.breaks_before)
         self.recorder.compiles = {r.label: r.graphs for r in self.roots.values() if r.graphs}
+        self.recorder.compile_times = {r.label: r.compile_log for r in self.roots.values() if r.compile_log}
         if not self.labels and not any(f["where"] == "modules" for f in self.recorder.fallbacks):
             self.recorder.add_fallback("modules", _NO_ROOTS, NO_ROOTS)
         self.paths.report_unsettled()
