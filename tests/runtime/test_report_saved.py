@@ -138,7 +138,7 @@ def test_files_that_are_no_report_are_one_plain_line_rc_2(tmp_path, capsys, make
     path = make(tmp_path)
     assert main(["report", str(path)]) == 2
     captured = capsys.readouterr()
-    assert captured.err.startswith(f"automp report: ") and str(path) in captured.err and says in captured.err
+    assert captured.err.startswith("automp report: ") and str(path) in captured.err and says in captured.err
     assert captured.err.count("\n") == 1 and "char" not in captured.err and captured.out == ""
 
 

@@ -251,8 +251,8 @@ def print_report(report: dict[str, Any], show_nodes: bool = False) -> None:
 
     console = Console()
     if not report.get("graphs"):  # every module ran eagerly (its measured winner, or automp stepped aside)
-        console.print(f"automp precision report — {e(report['dtype'])} on {e(report['device'])}: no graph went through "
-                      f"automp's precision pass (each module's path and why: below)")
+        console.print(f"automp precision report — {e(report['dtype'])} on {e(report['device'])}: no graph went "
+                      f"through automp's precision pass (each module's path and why: below)")
     t = Table(title=f"automp precision report — {e(report['dtype'])} on {e(report['device'])}")
     for col in ("graph", "nodes", "low", "fp32", "casts +/-/=", "kept FP32 (unknown/unsupported)"):
         t.add_column(col)
