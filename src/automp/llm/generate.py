@@ -220,6 +220,7 @@ class Decoder(_Unpicklable):
             if self.mode != "compile" or variant != "model":
                 raise
             self.fn, self.mode, self.reason = self._forward, "graph", f"torch.compile failed: {e!r:.200}"
+            kv.rewind(self.marked)  # a compile can fail after running part of the step (a graph break before it)
             return self.fn(*self.args)
 
     def _measure_kernels(self) -> None:
