@@ -155,8 +155,8 @@ def run_lightning(opts: argparse.Namespace, clock: Clock) -> tuple[float, dict[s
 
 
 RUNS: dict[str, Callable[[argparse.Namespace, Clock], tuple[float, dict[str, Any] | None]]] = {
-    "loop": run_loop, "loop-late": run_loop, "trainer": run_trainer, "trainer-run": run_trainer, "lightning": run_lightning,
-    "lightning-run": run_lightning}
+    "loop": run_loop, "loop-late": run_loop, "trainer": run_trainer, "trainer-run": run_trainer,
+    "lightning": run_lightning, "lightning-run": run_lightning}
 
 
 def main(argv: list[str] | None = None) -> int:

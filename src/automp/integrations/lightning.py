@@ -13,8 +13,9 @@ validation steps before it run as written, and disabled at the plugin's teardown
 the report and undoes every patch. Under automatic optimization the step begins in `optimizer_step`: Lightning runs
 the forward and backward in a closure that the optimizer's step calls, after torch has run the step's pre-hooks, so
 a session enabled inside the closure would miss the first step's pre-hooks (automp switches Adam and AdamW to their
-fused step there, at the first step only: one step later the optimizer has state and stays as it is). A LightningModule's `training_step` calls its networks itself: each network
-called from it is one of automp's root modules, timed and chosen as in a plain loop.
+fused step there, at the first step only: one step later the optimizer has state and stays as it is). A
+LightningModule's `training_step` calls its networks itself: each network called from it is one of automp's root
+modules, timed and chosen as in a plain loop.
 
 Fabric has no end of training to hook: AutoMPFabric enables automp when `fabric.setup` hands it the model, and
 disables it (writing the report, default `automp-report.json` in the working directory, and printing the summary

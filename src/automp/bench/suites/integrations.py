@@ -5,17 +5,17 @@ as fast as the same script does under `automp run` (modes trainer-run, lightning
 callback or the plugin), and make the same choice; the plain loop under `automp run` is the reference of all three
 (the frameworks' own work per step is in their figures, not in the loop's). An integration starts automp once the
 framework has built the model and optimizer, `automp run` before the script starts: mode loop-late is the plain loop
-calling enable() at that point, which tells what the order costs apart from what a framework costs. Each mode is GPT-2 (124M, B8 T1024;
---quick: tiny) written one way (automp.bench.integrations_worker), each run
-in a process of its own so that every run is a first run: automp's verdict cache and Inductor's cache start empty
-in each. A framework's process cannot hold another's session, so the modes cannot alternate in one process: they take
-turns across processes instead, in alternating order (loop trainer lightning, then lightning trainer loop, ...), so
-a host that drifts over the run biases none, and each mode's figure is the median over --repeats processes with
-their spread.
+calling enable() at that point, which tells what the order costs apart from what a framework costs. Each mode is
+GPT-2 (124M, B8 T1024; --quick: tiny) written one way (automp.bench.integrations_worker), each run in a process of
+its own so that every run is a first run: automp's verdict cache and Inductor's cache start empty in each
+(--warm-inductor: one Inductor cache for the run). A framework's process cannot hold another's session, so the modes
+cannot alternate in one process: they take turns across processes instead, in alternating order (loop trainer
+lightning, then lightning trainer loop, ...), so a host that drifts over the run biases none, and each mode's figure
+is the median over --repeats processes with their spread.
 
 Rows, one per process: {"mode", "repeat", "steps", "step_ms" (the steps of the last third, between two device
-synchronizations), "first_run_s" (from the worker's start, torch imported, to the end of step --first: the model's build, the
-framework's set-up, compilation and automp's trial),
+synchronizations), "first_run_s" (from the worker's start, torch imported, to the end of step --first: the model's
+build, the framework's set-up, compilation and automp's trial),
 "loss", "peak_gib" (allocated, CUDA), "paths" (automp's choice per module), "report" (that process's automp report,
 kept in OUT-reports/), "device", "torch", "date", "commit"}, or
 with "error" where the process failed. The markdown's summary gives each mode's median, spread, ratio against the
