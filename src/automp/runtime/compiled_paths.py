@@ -18,7 +18,7 @@ from automp.frames import own_code
 from automp.precision.fp8.layers import active as fp8_active
 from automp.runtime import graph_pool
 from automp.runtime.compile_log import CompileLog
-from automp.runtime.decisions import Route
+from automp.runtime.decisions import FP8_PATHS, GRAPHED_PATHS, Route
 from automp.runtime.outputs import out_of_pool, restore_outside_graph
 from automp.runtime.guards.unread_outputs import detach_unread
 
@@ -176,9 +176,9 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
 
 
-def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
+def stock(module: nn.Module, root: Any, path: Route = Route.COMPILED_AUTOCAST,
           rewrite: Callable[[Any, Any], Any] | None = None) -> Callable[..., Any]:
-    """torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
+    """`path` (one of AUTOCAST_PATHS): torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
     compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
     region is part of the traced graph and compiles to different kernels: the BERT-base MLM step ran GEMMs in FP32
     that the hand-written loop runs in bf16, its GEMM kernels taking several times as long (kernel profiles); around
@@ -186,7 +186,7 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     function (Inductor fuses the cast), as on every other path: the script sees its own dtypes; a ModelOutput's fields
     only when read (automp.runtime.outputs).
 
-    graphs=True (Route.GRAPHED): the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
+    Route.GRAPHED: the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
     a few hundred kernels, and on a fast GPU the step takes longer than its kernels: the rest is host work, and how
     much depends on the host (the same step varied widely between hosts of one kind). Replayed, the step runs at about
     its kernels' time, without that spread (BENCHMARKS.md, "Host-bound anchors"). What the call returns is copied
@@ -194,20 +194,18 @@ def stock(module: nn.Module, root: Any, graphs: bool = False, fp8: bool = False,
     (graph_pool.GradRescue, the root's: shared by its paths); the returned function's `pool` gives the graphs' memory
     back once the session leaves them (graph_pool.PoolRelease).
 
-    fp8=True (Route.FP8_COMPILED, Route.FP8_GRAPHED): the same with the module's FP8 layers switched on around the call
+    Route.FP8_COMPILED, Route.FP8_GRAPHED: the same with the module's FP8 layers switched on around the call
     (automp.precision.fp8.active): its graphs are compiled, and guarded, with FP8 GEMMs in those layers.
 
     rewrite: `rewrite(gm, example_inputs) -> gm`, applied to each graph Dynamo captures before Inductor compiles it
     (the session's graph rewrites: `rewrites`)."""
     entry, device, low, fields = entry_point(module, root), root.device.type, root.low, root.fields
-    switch = fp8_active if fp8 else contextlib.nullcontext  # FP8 layers are off outside fp8.active()
+    graphs, log = path in GRAPHED_PATHS, CompileLog(root, path.value)
+    switch = fp8_active if path in FP8_PATHS else contextlib.nullcontext  # FP8 layers are off outside fp8.active()
 
     def restored(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return restore_outside_graph(entry(mod, *args, **kwargs))
     restored = own_code(restored, f"{entry.__name__}_autocast")  # the frame Dynamo compiles: see entry_point
-
-    log = CompileLog(root, ((Route.FP8_GRAPHED if graphs else Route.FP8_COMPILED) if fp8
-                            else (Route.GRAPHED if graphs else Route.COMPILED_AUTOCAST)).value)
 
     def inductor(gm: Any, example_inputs: Any) -> Any:
         if rewrite is not None:

@@ -282,7 +282,7 @@ class Session:
             if compiled is None:
                 self._before_compile(root, module, kwargs)
                 compiled = (self._compile(module, root) if path is Route.COMPILED else
-                            compiled_paths.stock(module, root, graphs=path in GRAPHED_PATHS, fp8=path in FP8_PATHS,
+                            compiled_paths.stock(module, root, path=path,
                                                  rewrite=compiled_paths.rewrites(self.config, self.recorder, root.label)))
                 setattr(root, BUILT[path], compiled)
             try:
