@@ -63,6 +63,11 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype) for t in list(model.parameters()) + list(model.buffers()))
 
 
+def _key(model: nn.Module, batch: int, max_len: int, mode: str, masked: bool, attention: str) -> tuple:
+    """What a decoder serves: a call that differs in any of it needs another decoder."""
+    return batch, max_len, mode, masked, attention, _fingerprint(model)
+
+
 class _Unpicklable:
     """Decoders hold CUDA graphs: a deep copy or a pickle of the model leaves them behind."""
 
@@ -83,7 +88,7 @@ class Decoder(_Unpicklable):
         self.model, self.batch, self.max_len = model, batch, max_len
         fuse_projections(model)  # a model moved since quantize() lost its fused groups; before the fingerprint
         self.device, self.dtype, _, _ = input_embedding(model)
-        self.key = (batch, max_len, mode, masked, attention, _fingerprint(model))
+        self.key = _key(model, batch, max_len, mode, masked, attention)
         fwd = inspect.signature(model.forward).parameters
         self.cache_position = "cache_position" in fwd
         self.cache_arg = "cache" if "cache" in fwd else "past_key_values"
@@ -317,7 +322,7 @@ def _decoder(model: nn.Module, batch: int, length: int, mode: str, masked: bool 
                              f"max_position_embeddings {limit}")
         max_len = min(max_len, limit)
     dec = model.__dict__.get(_ATTR)
-    if dec is None or dec.key != (batch, max_len, mode, masked, attention, _fingerprint(model)):
+    if dec is None or dec.key != _key(model, batch, max_len, mode, masked, attention):
         model.__dict__.pop(_ATTR, None)
         dec = Decoder(model, batch, max_len, mode, masked, attention)
         model.__dict__[_ATTR] = dec
