@@ -33,7 +33,7 @@ import tempfile
 from typing import Any
 
 from automp.bench import integrations_worker as worker
-from automp.bench.harness import device_name, fmt, gpu_slug, over_runs, provenance, usage_problem
+from automp.bench.harness import block_order, device_name, fmt, gpu_slug, over_runs, provenance, usage_problem
 from automp.files import atomic_output, write_json_and_markdown
 
 ANCHOR = "loop"
@@ -43,7 +43,7 @@ TWIN = {"trainer": "trainer-run", "lightning": "lightning-run", "loop-late": "lo
 
 def order(modes: list[str], repeats: int) -> list[tuple[int, str]]:
     """(repeat, mode) in the order the processes run: the modes in turn, every other repeat reversed."""
-    return [(r, m) for r in range(repeats) for m in (modes if r % 2 == 0 else modes[::-1])]
+    return [(r, m) for r, ms in enumerate(block_order(modes, repeats)) for m in ms]
 
 
 def command(mode: str, opts: argparse.Namespace, workdir: str, out: str) -> list[str]:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from automp.bench.fp8_run import Peak
-from automp.bench.harness import command_line, cpu_refusal, fmt, free, provenance, usage_problem
+from automp.bench.harness import block_order, command_line, cpu_refusal, fmt, free, provenance, usage_problem
 from automp.files import write_json_and_markdown
 from automp.precision import linear_ce
 from automp.timing import time_fn
@@ -85,8 +85,8 @@ def run(tokens: int, hidden: int, vocab: int, rounds: int, iters: int, device: s
     losses = {m: float(steps[m]()) for m in modes}  # compiles each, outside the timed blocks
     peaks = {m: _peak_gib(steps[m], device) for m in modes}
     times: dict[str, list[float]] = {m: [] for m in modes}
-    for r in range(rounds):
-        for m in (modes if r % 2 == 0 else modes[::-1]):
+    for order in block_order(modes, rounds):
+        for m in order:
             times[m].append(time_fn(steps[m], warmup=2, iters=iters, device=device))
     meta = provenance(device)
     anchor = statistics.median(times[ANCHOR]) if ANCHOR in times else None

@@ -27,7 +27,7 @@ import torch
 from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODELS, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
-from automp.bench.harness import cpu_refusal, fmt, free, gpu_slug, one_line, provenance, ratio_bars
+from automp.bench.harness import block_order, cpu_refusal, fmt, free, gpu_slug, one_line, provenance, ratio_bars
 from automp.files import write_json_and_markdown
 from automp.timing import time_fn
 
@@ -129,8 +129,8 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
         return add_ratios([{"model": name, "mode": mode, "step_ms": None, "peak_gib": None, "loss": None,
                             "error": f"{SKIP_HINT} ({', '.join(missing)} not installed)"} for mode in modes])
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-    for p in range(passes):
-        for mode in (modes if p % 2 == 0 else modes[::-1]):
+    for order in block_order(modes, passes):
+        for mode in order:
             print(f"[{name}] {mode} ...", flush=True)
             # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
             limit = timeout * COMPILE_TIMEOUT_FACTOR if mode.startswith("automp") else timeout

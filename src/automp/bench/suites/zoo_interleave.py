@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from automp.bench import zoo_modes as zoo
-from automp.bench.harness import block_ms, free
+from automp.bench.harness import block_ms, block_order, free
 
 ROUNDS = 6  # even: each side leads in half of them
 # The bar a model's automp row is held to: the hand-written autocast + compile loop for the large models,
@@ -70,8 +70,8 @@ def interleaved(name: str, quick: bool, device: str, steps: int, warmup: int, ma
         for side in steps_of:  # the anchor's first calls under the session: automp notes it and steps aside
             timer(steps_of[side], 1, device)
         blocks: dict[str, list[float]] = {"anchor": [], "automp": []}
-        for r in range(rounds):
-            for side in (("anchor", "automp") if r % 2 == 0 else ("automp", "anchor")):
+        for order in block_order(["anchor", "automp"], rounds):
+            for side in order:
                 chosen = torch.backends.cudnn.benchmark
                 if side == "anchor":  # the anchor runs as its own script would: with the flag it set
                     torch.backends.cudnn.benchmark = scripts_flag
