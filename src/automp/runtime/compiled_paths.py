@@ -178,16 +178,16 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
 
 def stock(module: nn.Module, root: Any, path: Route = Route.COMPILED_AUTOCAST,
           rewrite: Callable[[Any, Any], Any] | None = None) -> Callable[..., Any]:
-    """`path` (one of AUTOCAST_PATHS): torch.autocast + stock torch.compile, what a careful user writes by hand: the autocast region around the
-    compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled function instead, the
-    region is part of the traced graph and compiles to different kernels: the BERT-base MLM step ran GEMMs in FP32
-    that the hand-written loop runs in bf16, its GEMM kernels taking several times as long (kernel profiles); around
-    the call it matches the hand-written loop kernel for kernel. The outputs go back to FP32 inside the compiled
-    function (Inductor fuses the cast), as on every other path: the script sees its own dtypes; a ModelOutput's fields
-    only when read (automp.runtime.outputs).
+    """`path` (one of AUTOCAST_PATHS): torch.autocast + stock torch.compile, what a careful user writes by hand: the
+    autocast region around the compiled call, as a user's `with autocast(): model(x)` is. Entered inside the compiled
+    function instead, the region is part of the traced graph and compiles to different kernels: the BERT-base MLM
+    step ran GEMMs in FP32 that the hand-written loop runs in bf16, its GEMM kernels taking several times as long
+    (kernel profiles); around the call it matches the hand-written loop kernel for kernel. The outputs go back to
+    FP32 inside the compiled function (Inductor fuses the cast), as on every other path: the script sees its own
+    dtypes; a ModelOutput's fields only when read (automp.runtime.outputs).
 
-    Route.GRAPHED: the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches
-    a few hundred kernels, and on a fast GPU the step takes longer than its kernels: the rest is host work, and how
+    Route.GRAPHED: the same graphs replayed as CUDA graphs. A transformer step of 110M parameters launches a few
+    hundred kernels, and on a fast GPU the step takes longer than its kernels: the rest is host work, and how
     much depends on the host (the same step varied widely between hosts of one kind). Replayed, the step runs at about
     its kernels' time, without that spread (BENCHMARKS.md, "Host-bound anchors"). What the call returns is copied
     out of the graph's memory (outputs.out_of_pool), and so are gradients the next replay would free

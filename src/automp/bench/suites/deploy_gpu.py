@@ -192,11 +192,11 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
         for mode, samples in blocks.items():
             facts = built[mode][1]
             ratios = [a / m for a, m in zip(blocks["anchor"], samples)] if "anchor" in blocks else []
+            paired = {"ratio": round(statistics.median(ratios), 4),
+                      "ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)]} if ratios else {}
             rows.append(Result("deploy_gpu", f"{name} bs{b} {mode}", statistics.median(samples), extra={
                 "batch": b, "seq": args.seq, "report_batch": args.calib_batch, **facts,
-                "spread": [round(min(samples), 4), round(max(samples), 4)], "rounds": len(samples), **({"ratio": round(statistics.median(ratios), 4),
-                                            "ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)]}
-                                           if ratios else {})}))
+                "spread": [round(min(samples), 4), round(max(samples), 4)], "rounds": len(samples), **paired}))
             print(f"{rows[-1].name:40s} {rows[-1].ms:9.3f} ms ({min(samples):.3f}-{max(samples):.3f})  cos min "
                   f"{facts['cos_min']:.5f}  rel err {facts['rel_err']:.2e}  set-up {facts['setup_s']:.1f} s",
                   flush=True)
