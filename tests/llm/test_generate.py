@@ -125,3 +125,21 @@ def test_only_real_sync_warnings_block_capture():
     sync = "called a synchronizing CUDA operation (Triggered internally at Module.cpp:1003.)"
     assert sync_warnings([notice]) == []
     assert sync_warnings([notice, sync]) == [sync]
+
+
+def test_a_decoder_driven_under_grad_mode_builds_no_autograd_graph():
+    """The decoder's own entry points run without grad whoever calls them: a float model's parameters require grad,
+    and a step traced with grad on would compile a backward (which the decode-attention op does not have)."""
+    torch.manual_seed(0)
+    model = build("tiny-llama", device=DEVICE, dtype=torch.float32, seed=0)
+    assert any(p.requires_grad for p in model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), device=DEVICE)
+    dec = _decoder(model, 2, 9, "eager")
+    dec.reset()
+    with torch.enable_grad():
+        first = dec.prefill(ids)
+        nxt = dec.step(first.argmax(-1))
+    assert not first.requires_grad and not nxt.requires_grad
+    with torch.no_grad():
+        want = model(torch.cat([ids, first.argmax(-1)[:, None]], 1)).logits[:, -1]
+    assert float((nxt - want).norm() / want.norm()) < 1e-4

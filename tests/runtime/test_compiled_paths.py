@@ -468,8 +468,10 @@ def test_on_a_gpu_the_plain_path_records_no_cuda_graph_and_the_graphed_one_loads
             compiled(x).square().sum().backward()
         functions[graphs] = graph_pool.graph_functions(0)
     assert functions[False] == 0 and functions[True] > 0, functions
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, (dict(counters["aot_autograd"]),
-                                                                 dict(counters["inductor"]))
+    # the graphed compile loads the plain one's: AOTAutograd's cache where it takes the entry, else (torch 2.11
+    # bypasses it under CUDA graphs) Inductor's FX cache for the forward and the backward
+    loaded = counters["aot_autograd"]["autograd_cache_hit"] == 1 or counters["inductor"]["fxgraph_cache_hit"] >= 2
+    assert loaded, (dict(counters["aot_autograd"]), dict(counters["inductor"]))
     torch._dynamo.reset()
     reset_cudagraph_trees()
 

@@ -151,6 +151,10 @@ class Decoder(_Unpicklable):
             self.cache = None
         self.next_pos = 0
 
+    # Both entry points hold grad mode off themselves, whoever calls them: a step traced under grad mode would compile
+    # an autograd graph (the kernel's op has no backward: the compile fails and the step falls back to the model's
+    # attention) and keep every step's activations alive.
+    @torch.no_grad()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] after the prompt (eager: prompts vary in length). mask [B, P]: a checked left-padding mask,
         given exactly when this decoder is a masked one."""
@@ -167,6 +171,7 @@ class Decoder(_Unpicklable):
         self.next_pos = prompt
         return logits
 
+    @torch.no_grad()
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] after appending tok [B]; valid until the next step (a graph's output buffer)."""
         self.tok.copy_(tok[:, None])
