@@ -77,7 +77,7 @@ def inductor_compile(gm: Any, example_inputs: Any, graphs: bool, device_type: st
     if _emulates(graphs, device_type):
         try:
             with unwrapped(graphs, device_type):
-                return compile_fx(gm, example_inputs, **kw)
+                return compile_fx(gm, example_inputs, **{**kw, "inner_compile": _unwrapped_inner(kw["inner_compile"])})
         except Exception as e:  # noqa: BLE001 - see the docstring; a genuine compile error fails again below
             UNWRAPPED_FAILED.append(f"{type(e).__name__}: {str(e).strip()[:200]}")
     return compile_fx(gm, example_inputs, **kw)
@@ -87,25 +87,40 @@ def inductor_compile(gm: Any, example_inputs: Any, graphs: bool, device_type: st
 def unwrapped(graphs: bool, device_type: str) -> Iterator[None]:
     """Around the plain path's compile on a torch without `cudagraph_policy`: every graph compiled, or loaded from the
     caches, inside is left unwrapped. CompiledFxGraph.post_compile, which wraps a graph in CUDA graphs when its
-    `cudagraphs` flag is on, is entered with the flag turned off, what 2.13's policy does at the same place (and what
-    torch itself does to a graph it cannot capture). The flag is the compile's one box, shared by its forward and
-    backward, so a backward compiled later, at its first call, stays unwrapped too. The class is patched for the
-    compile only, and put back after it."""
+    `cudagraphs` flag is on, is given a flag of its own turned off, what 2.13's policy does at the same place. The
+    compile's own flag, one box shared by its forward and backward, stays on: a graph compiled with it off would be
+    cached without what wrapping it needs (2.11 asserts `cudagraph_info` when the graphed path loads such a backward
+    from AOTAutograd's cache, and compiles both again). The class is patched for the compile only, and put back after
+    it; a backward compiled later, at its first call, is compiled inside the same patch (`_unwrapped_inner`)."""
     if not _emulates(graphs, device_type):
         yield
         return
+    with _post_compile_unwrapped():
+        yield
+
+
+@contextlib.contextmanager
+def _post_compile_unwrapped() -> Iterator[None]:
     from torch._inductor.output_code import CompiledFxGraph
     from torch._inductor.utils import BoxedBool
     original = CompiledFxGraph.__dict__["post_compile"]
 
     def post_compile(self: Any, example_inputs: Any, constants: Any, graph_kwargs: Any) -> Any:
-        BoxedBool.disable(graph_kwargs.get("cudagraphs"))
-        return original(self, example_inputs, constants, graph_kwargs)
+        return original(self, example_inputs, constants, {**graph_kwargs, "cudagraphs": BoxedBool(False)})
     CompiledFxGraph.post_compile = post_compile
     try:
         yield
     finally:
         CompiledFxGraph.post_compile = original
+
+
+def _unwrapped_inner(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """compile_fx's per-graph compile for the plain path, inside `unwrapped`: AOTAutograd compiles a backward at its
+    first call, after the backend (and its patch) has returned."""
+    def compile_graph(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        with _post_compile_unwrapped():  # whatever UNWRAPPED_FAILED says by then: its forward was left unwrapped
+            return inner(gm, example_inputs, **kwargs)
+    return compile_graph
 
 
 @functools.cache
