@@ -71,3 +71,29 @@ def test_block_ms_is_the_mean_of_its_calls_on_the_host_clock(monkeypatch):
     calls = []
     assert harness.block_ms(lambda: calls.append(1), 3, "cpu") == pytest.approx(2.0)
     assert len(calls) == 3
+
+
+def test_a_mode_compiles_on_an_empty_cache_of_its_own_with_the_caches_on(tmp_path, monkeypatch):
+    """Within cold_compiles a compile misses (nothing of an earlier mode, on disk or in memory, serves it) and is
+    written to the mode's own directory; a second compile of the same graph inside it is a hit, as in a user's run;
+    the directory before it is put back after."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    net, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+
+    def compile_once():
+        torch._dynamo.reset()
+        torch.compile(net)(x).sum().backward()
+
+    compile_once()  # an earlier mode's compile of the same graph
+    for mode in ("a", "b"):
+        counters.clear()
+        with harness.cold_compiles(str(tmp_path / mode)):
+            assert harness.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / mode)
+            compile_once()
+            assert counters["inductor"]["fxgraph_cache_hit"] == 0 and counters["inductor"]["fxgraph_cache_miss"] > 0
+            compile_once()
+            assert counters["inductor"]["fxgraph_cache_hit"] > 0
+        assert any((tmp_path / mode).iterdir())
+        assert harness.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "before")
+    torch._dynamo.reset()

@@ -12,13 +12,13 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from automp.bench import kernel_profile
 from automp.bench.fp8_workloads import LOOPS, MODELS, automp_options
-from automp.bench.harness import free, one_line
+from automp.bench.harness import cold_compiles, free, one_line
 from automp.bench.harness import block_ms
 from automp.bench.zoo_modes import time_limit
 
@@ -95,8 +95,8 @@ class Run:
         self.loss: torch.Tensor | None = None
         self.means: list[float] = []
         self.cache: tempfile.TemporaryDirectory | None = None  # automp modes: their verdict cache
-        # --second-run: this mode's Inductor cache directory, for both of its runs
-        self.inductor = tempfile.TemporaryDirectory(prefix="automp-bench-inductor-") if opts.second_run else None
+        # this mode's Inductor cache directory (both of its runs with --second-run): empty at its first build
+        self.inductor: tempfile.TemporaryDirectory | None = tempfile.TemporaryDirectory(prefix="automp-bench-inductor-")
 
     @property
     def live(self) -> bool:
@@ -130,21 +130,9 @@ class Run:
         if self.n == self.common:  # a copy: a CUDA graph's replay overwrites its output
             self.loss = loss.clone()
 
-    @contextlib.contextmanager
-    def compiling(self) -> Iterator[None]:
-        """Inductor's cache directory for this mode's compiles (--second-run), else as it is."""
-        if self.inductor is None:
-            yield
-            return
-        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.inductor.name
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    def compiling(self) -> contextlib.AbstractContextManager[None]:
+        """This mode's compiles on its own caches (harness.cold_compiles)."""
+        return cold_compiles(self.inductor.name) if self.inductor is not None else contextlib.nullcontext()
 
     def build(self, quick: bool, layers: int) -> None:
         """Build the loop and warm it up (automp: until settled); first_run_s at --first-steps steps."""

@@ -5,6 +5,7 @@ so ratios are meaningful even when clocks or neighbours change between runs.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -37,6 +38,26 @@ class Result:
         if self.anchor_ms is None or self.ms <= 0:
             return None
         return self.anchor_ms / self.ms
+
+
+@contextlib.contextmanager
+def cold_compiles(directory: str) -> Iterator[None]:
+    """One mode's compiles on caches of its own, as on a machine that never compiled the model: Inductor's cache
+    directory (and Triton's under it) set to `directory`, and Inductor's in-process caches (compiled modules, Triton
+    kernels) emptied first, so no mode is served another's graphs or kernels (torch 2.11's key also ignores the
+    autocast dtype: an fp16 mode could be served bf16 graphs). The caches stay on, torch's default, so what a mode
+    compiles twice (automp's trial: the plain and the graphed path) is loaded the second time, as in a user's run."""
+    from torch._inductor import utils as inductor_utils
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    try:
+        getattr(inductor_utils, "clear_caches", lambda: None)()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:

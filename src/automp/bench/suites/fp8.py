@@ -43,12 +43,13 @@ and spread over the passes (`across_repeats`), which the plot then shows.
 warmup_peaks_gib (CUDA): each warm-up step's own peak allocated above the same start, so the step that set
 peak_gib, and with it the trial's candidate or aborted call, can be named; warmup_paths (automp modes): the path or
 paths each warm-up step ran, joined by '+'.
-Inductor's and AOTAutograd's caches are off and automp's verdicts start empty: every mode compiles cold and automp
-runs its trial, so first_run_s compares like with like. --second-run measures what a user's next run of the same
-script pays instead: the caches are on, each mode with an Inductor cache directory of its own (empty at its first
-run, so no mode is served another's graphs), and after its timed blocks each mode is built again from nothing and
-runs its first --first-steps steps once more (second_run_s, second_peak_gib); automp's modes keep their verdict
-cache, so their second run starts on the verdict and skips the trial, as `automp run` does.
+Inductor's and AOTAutograd's caches are on, torch's default, each mode with a cache directory of its own, empty at
+its first build, and Inductor's in-process caches emptied before it (fp8_run.Run.compiling): every mode compiles
+cold, as on a machine that never compiled the model, and no mode is served another's graphs or kernels; automp's
+verdicts start empty, so it runs its trial, and first_run_s compares like with like. --second-run measures what a
+user's next run of the same script pays: after its timed blocks each mode is built again from nothing, on its own
+warm caches, and runs its first --first-steps steps once more (second_run_s, second_peak_gib); automp's modes keep
+their verdict cache, so their second run starts on the verdict and skips the trial, as `automp run` does.
 
 --profile explains a ratio: after its timed blocks each mode runs one more step under torch.profiler, and its row
 gets that step's kernel time by category (attention, matmul, optimizer, other; fp8_run.PROFILE) and its largest
@@ -307,9 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"automp bench fp8: {device}, torch {torch.__version__}", flush=True)
     # Every mode compiles the same model class's forward (automp's trial two paths of its own): the default limit of
     # 8 compiled versions per frame would let a later mode run eager unnoticed
-    cached = args.second_run  # caches on, a directory per mode (Run.compiling), for the second runs to hit
-    with torch._inductor.config.patch(fx_graph_cache=cached), \
-            torch._functorch.config.patch(enable_autograd_cache=cached), torch._dynamo.config.patch(recompile_limit=64):
+    with torch._dynamo.config.patch(recompile_limit=64):
         for repeat, name in ((r, n) for r in range(args.repeats) for n in args.models.split(",")):
             modes = []
             for m in args.modes.split(","):  # a missing library skips its rows, not the run

@@ -4,9 +4,10 @@ writes by hand (the modes: automp.bench.zoo_modes).
 Each model trains in every mode in one process, from the same seed on the same fixed batch. TF32 stays off in every
 mode, so the FP32 parts of mixed-precision modes are as in the fp32 baseline. automp measures candidate execution
 paths in its first steps, so its warmup runs until `automp.settled()` (up to --max-warmup steps); every mode's warmup
-(compilation included) is reported as compile_s, the first-run cost. Inductor's and AOTAutograd's compile caches are
-off: every mode compiles cold (torch 2.11's cache key ignores the autocast dtype, so an fp16 compile could be served
-bf16 graphs), so compile_s compares like with like. A mode that runs past --mode-timeout ends with an error row.
+(compilation included) is reported as compile_s, the first-run cost. Inductor's and AOTAutograd's caches are on,
+torch's default, each mode run on an empty cache directory of its own with Inductor's in-process caches emptied
+(harness.cold_compiles): every mode compiles cold and none is served another's graphs, so compile_s compares like
+with like. A mode that runs past --mode-timeout ends with an error row.
 
 Results go to <out>/zoo-<gpu>.json (rows merged by model, so runs of model subsets build one file), .md and .png.
 On a CPU the suite runs only with --quick (tiny configs, a smoke run): the full-size models take minutes per step there.
@@ -19,6 +20,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -27,7 +29,8 @@ import torch
 from automp.bench.suites import zoo_interleave
 from automp.bench.zoo_modes import (ANCHOR, EXTRA_MODELS, EXTRA_MODES, MODELS, MODES, STRONGEST, ModeLoop,
                                      missing_libraries, time_limit)
-from automp.bench.harness import block_order, cpu_refusal, fmt, free, gpu_slug, one_line, provenance, ratio_bars
+from automp.bench.harness import (block_order, cold_compiles, cpu_refusal, fmt, free, gpu_slug, one_line, provenance,
+                                  ratio_bars)
 from automp.files import write_json_and_markdown
 from automp.timing import time_fn
 
@@ -134,7 +137,8 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
             print(f"[{name}] {mode} ...", flush=True)
             # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
             limit = timeout * COMPILE_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
-            row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
+            with tempfile.TemporaryDirectory(prefix="automp-bench-inductor-") as cache, cold_compiles(cache):
+                row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
             free(dynamo=True)  # this mode's model, optimizer state and compiled graphs, before the next one
             runs[mode].append(row)
             shown = row.get("error") or (f"{row['step_ms']:.2f} ms/step, loss {row['loss']}, peak {row['peak_gib']} "
@@ -307,12 +311,10 @@ def main(argv: list[str]) -> int:
     stem = f"zoo-{gpu_slug(meta['device'])}" + ("-quick" if args.quick else "")
     md = ""
     try:
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            for name in models:  # written after each model: a run cut off by a time limit keeps what it measured
-                rows = run_model(name, modes, args.quick, args.device, args.steps, args.warmup, args.max_warmup,
-                                 args.mode_timeout, args.passes, args.interleave)
-                _, md = write_outputs([dict(r, **meta) for r in rows], args.out, stem)
+        for name in models:  # written after each model: a run cut off by a time limit keeps what it measured
+            rows = run_model(name, modes, args.quick, args.device, args.steps, args.warmup, args.max_warmup,
+                             args.mode_timeout, args.passes, args.interleave)
+            _, md = write_outputs([dict(r, **meta) for r in rows], args.out, stem)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     print(md)
