@@ -263,8 +263,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="after its timed blocks, one more step of each mode under torch.profiler: kernel time by "
                         "category (attention, matmul, optimizer, other) in its row and a table of its own")
     p.add_argument("--second-run", action="store_true",
-                   help="compile caches on (a directory per mode); each mode's first steps run again after its "
-                        "blocks, from a new model, on its warm caches and (automp) its verdicts: second_run_s")
+                   help="each mode's first steps run again after its blocks, from a new model, on its own warm "
+                        "caches and (automp) its verdicts: second_run_s")
     return p
 
 
