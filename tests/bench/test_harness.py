@@ -79,6 +79,7 @@ def test_a_mode_compiles_on_an_empty_cache_of_its_own_with_the_caches_on(tmp_pat
     the directory before it is put back after."""
     from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    triton_before = harness.os.environ.get("TRITON_CACHE_DIR")
     net, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
 
     def compile_once():
@@ -90,10 +91,12 @@ def test_a_mode_compiles_on_an_empty_cache_of_its_own_with_the_caches_on(tmp_pat
         counters.clear()
         with harness.cold_compiles(str(tmp_path / mode)):
             assert harness.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / mode)
+            assert harness.os.environ["TRITON_CACHE_DIR"] == str(tmp_path / mode / "triton")
             compile_once()
             assert counters["inductor"]["fxgraph_cache_hit"] == 0 and counters["inductor"]["fxgraph_cache_miss"] > 0
             compile_once()
             assert counters["inductor"]["fxgraph_cache_hit"] > 0
         assert any((tmp_path / mode).iterdir())
         assert harness.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "before")
+        assert harness.os.environ.get("TRITON_CACHE_DIR") == triton_before
     torch._dynamo.reset()

@@ -43,21 +43,25 @@ class Result:
 @contextlib.contextmanager
 def cold_compiles(directory: str) -> Iterator[None]:
     """One mode's compiles on caches of its own, as on a machine that never compiled the model: Inductor's cache
-    directory (and Triton's under it) set to `directory`, and Inductor's in-process caches (compiled modules, Triton
-    kernels) emptied first, so no mode is served another's graphs or kernels (torch 2.11's key also ignores the
-    autocast dtype: an fp16 mode could be served bf16 graphs). The caches stay on, torch's default, so what a mode
-    compiles twice (automp's trial: the plain and the graphed path) is loaded the second time, as in a user's run."""
+    directory set to `directory` and Triton's to a folder in it (Inductor pins Triton's to the first directory it
+    sees, for the rest of the process: a later mode would load an earlier one's kernel binaries), and Inductor's
+    in-process caches (compiled modules, Triton kernels) emptied first. So no mode is served another's graphs or
+    kernels (torch 2.11's key also ignores the autocast dtype: an fp16 mode could be served bf16 graphs). The caches
+    stay on, torch's default, so what a mode compiles twice (automp's trial: the plain and the graphed path) is loaded
+    the second time, as in a user's run."""
     from torch._inductor import utils as inductor_utils
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update(zip(names, (directory, os.path.join(directory, "triton"))))
     try:
         getattr(inductor_utils, "clear_caches", lambda: None)()
         yield
     finally:
-        if before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def block_ms(step: Callable[[], Any], steps: int, device: str) -> float:
