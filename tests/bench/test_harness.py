@@ -100,3 +100,10 @@ def test_a_mode_compiles_on_an_empty_cache_of_its_own_with_the_caches_on(tmp_pat
         assert harness.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "before")
         assert harness.os.environ.get("TRITON_CACHE_DIR") == triton_before
     torch._dynamo.reset()
+
+
+def test_cold_compiles_without_a_directory_uses_a_temporary_one_and_removes_it():
+    with harness.cold_compiles():
+        made = harness.os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert harness.os.path.isdir(made) and harness.os.environ["TRITON_CACHE_DIR"].startswith(made)
+    assert not harness.os.path.exists(made)

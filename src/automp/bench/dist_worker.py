@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from automp.bench import fp8_workloads as wl
 from automp.bench.fp8_run import cold_cache
-from automp.bench.harness import block_ms, free, one_line
+from automp.bench.harness import block_ms, cold_compiles, free, one_line
 from automp.bench.kernel_profile import comm_overlap, kernel_spans
 from automp.bench.zoo_modes import fuse_adam, time_limit
 from automp.files import atomic_output
@@ -276,13 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = Rank(opts.collective_timeout)
     rows: list[dict[str, Any]] = []
     # Every mode compiles the same model class's forward (automp's trial two paths of its own): the default limit of
-    # 8 compiled versions per frame would let a later mode run eager unnoticed. Caches off: every mode compiles cold
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False), torch._dynamo.config.patch(recompile_limit=64):
+    # 8 compiled versions per frame would let a later mode run eager unnoticed. Each mode of each rank compiles on
+    # empty caches of its own (harness.cold_compiles)
+    with torch._dynamo.config.patch(recompile_limit=64):
         for model in opts.models.split(","):
             for mode in opts.modes.split(","):
                 dist.barrier()
-                row = Mode(model, mode, rank, opts).run()
+                with cold_compiles():
+                    row = Mode(model, mode, rank, opts).run()
                 free(dynamo=True)
                 if rank.rank == 0:
                     rows.append(row)

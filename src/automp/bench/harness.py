@@ -11,6 +11,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,14 +42,18 @@ class Result:
 
 
 @contextlib.contextmanager
-def cold_compiles(directory: str) -> Iterator[None]:
+def cold_compiles(directory: str | None = None) -> Iterator[None]:
     """One mode's compiles on caches of its own, as on a machine that never compiled the model: Inductor's cache
-    directory set to `directory` and Triton's to a folder in it (Inductor pins Triton's to the first directory it
+    directory set to `directory` (None: a temporary one, removed after) and Triton's to a folder in it (Inductor pins Triton's to the first directory it
     sees, for the rest of the process: a later mode would load an earlier one's kernel binaries), and Inductor's
     in-process caches (compiled modules, Triton kernels) emptied first. So no mode is served another's graphs or
     kernels (torch 2.11's key also ignores the autocast dtype: an fp16 mode could be served bf16 graphs). The caches
     stay on, torch's default, so what a mode compiles twice (automp's trial: the plain and the graphed path) is loaded
     the second time, as in a user's run."""
+    if directory is None:
+        with tempfile.TemporaryDirectory(prefix="automp-bench-inductor-") as tmp, cold_compiles(tmp):
+            yield
+        return
     from torch._inductor import utils as inductor_utils
     names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
     before = {name: os.environ.get(name) for name in names}

@@ -21,10 +21,11 @@ slowest rank's time counts; step_ms is the median block's mean step time, spread
 tokens_per_s_per_gpu = one rank's tokens per step / step time; scaling_eff = that at N GPUs / at 1 GPU (same model
 and mode); loss: after the same number of optimizer steps in every mode, averaged over the ranks; peak_gib: the
 largest rank's torch.cuda.max_memory_allocated; first_run_s: build to the end of --first-steps steps, compilation and
-automp's trial included (caches off, automp's verdicts cold). With --profile, one more step per mode under
-torch.profiler adds comm_ms (the time any NCCL kernel runs), comm_exposed_ms (the part of it no other kernel hides)
-and comm_overlap (1 - exposed / comm): FSDP2's next-layer all-gathers should run under the current layer's compute
-(automp.bench.kernel_profile.comm_overlap); the longest times and the lowest overlap over the ranks.
+automp's trial included (each mode on empty compile caches of its own, automp's verdicts cold). With --profile, one
+more step per mode under torch.profiler adds comm_ms (the time any NCCL kernel runs), comm_exposed_ms (the part of it
+no other kernel hides) and comm_overlap (1 - exposed / comm): FSDP2's next-layer all-gathers should run under the
+current layer's compute (automp.bench.kernel_profile.comm_overlap); the longest times and the lowest overlap over the
+ranks.
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -137,7 +136,7 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
             print(f"[{name}] {mode} ...", flush=True)
             # automp's warm-up compiles up to two paths (its pass and stock Inductor) before its trial settles
             limit = timeout * COMPILE_TIMEOUT_FACTOR if mode.startswith("automp") else timeout
-            with tempfile.TemporaryDirectory(prefix="automp-bench-inductor-") as cache, cold_compiles(cache):
+            with cold_compiles():
                 row = run_mode(name, mode, quick, device, steps, warmup, max_warmup, limit)
             free(dynamo=True)  # this mode's model, optimizer state and compiled graphs, before the next one
             runs[mode].append(row)
@@ -146,9 +145,10 @@ def run_model(name: str, modes: list[str], quick: bool, device: str, steps: int,
             print(f"[{name}] {mode}: {shown}", flush=True)
     rows = add_ratios([_median_pass(r) for r in runs.values()])
     if interleave and "automp-bf16" in modes:
-        zoo_interleave.add_to_row(next(r for r in rows if r["mode"] == "automp-bf16"), name, quick, device, steps,
-                                  warmup, max_warmup, timeout * (1 + COMPILE_TIMEOUT_FACTOR),
-                                  strongest=STRONGEST in modes)
+        with cold_compiles():
+            zoo_interleave.add_to_row(next(r for r in rows if r["mode"] == "automp-bf16"), name, quick, device,
+                                      steps, warmup, max_warmup, timeout * (1 + COMPILE_TIMEOUT_FACTOR),
+                                      strongest=STRONGEST in modes)
     return rows
 
 
