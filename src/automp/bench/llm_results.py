@@ -3,11 +3,10 @@ of earlier runs (runs of subsets build one file) and rendered as a markdown tabl
 row, so a run cut off keeps what it finished."""
 from __future__ import annotations
 
-import statistics
-
 import json
 import math
 import os
+import statistics
 from typing import Any, Callable
 
 import torch

@@ -126,7 +126,7 @@ def _unwrapped_inner(inner: Callable[..., Any]) -> Callable[..., Any]:
 @functools.cache
 def _post_compile_flag() -> bool:
     """Whether this torch's CompiledFxGraph.post_compile takes the compile's `cudagraphs` box in graph_kwargs (torch
-    2.6-2.13), so that `unwrapped` can turn it off; if not, the plain path compiles on its own."""
+    2.6-2.13), so that `unwrapped` can hand it a box of its own, off; if not, the plain path compiles on its own."""
     import inspect
     try:
         from torch._inductor.output_code import CompiledFxGraph
@@ -134,7 +134,7 @@ def _post_compile_flag() -> bool:
     except ImportError:
         return False
     method = CompiledFxGraph.__dict__.get("post_compile")
-    if method is None or not callable(getattr(BoxedBool, "disable", None)):
+    if method is None or not isinstance(BoxedBool, type):
         return False
     try:  # the box must be the one post_compile reads before it wraps anything
         reads_box = 'graph_kwargs["cudagraphs"]' in inspect.getsource(method)
