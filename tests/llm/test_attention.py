@@ -129,6 +129,22 @@ def test_a_timed_verdict_is_kept_and_read_back(tmp_path, monkeypatch):
     assert attn.verdict_key(model, torch.bfloat16, 1, 256, torch.device("cpu")) is None  # off CUDA: nothing timed
 
 
+def test_a_cached_kernel_verdict_registers_the_kernel_in_a_fresh_process(tmp_path, monkeypatch):
+    """A later run that reads "kernel" from the cache has not timed anything, so nothing has registered the kernel's
+    attention with transformers in that process yet: the decoder's step would then fail to find it."""
+    from transformers import AttentionInterface
+    monkeypatch.setenv("AUTOMP_CACHE_DIR", str(tmp_path / "cache"))
+    attn.remember("gpu|k", "kernel", {"model": 0.02, "kernel": 0.015})
+    monkeypatch.delitem(AttentionInterface._global_mapping, attn.NAME, raising=False)
+    attn.register.cache_clear()  # as in a process that has registered nothing
+    try:
+        only, why = attn.variants(_model(), "auto", torch.bfloat16, graphs=True, key="gpu|k")
+        assert only == ["kernel"] and "cached verdict" in why
+        assert attn.NAME in AttentionInterface._global_mapping
+    finally:
+        attn.register.cache_clear()
+
+
 def _forced_logits(model, ids, tokens, attention, mode="auto"):
     """Each decode step's logits [B, n, V] with `tokens` [B, n] fed in, whatever the step predicted (teacher forcing:
     a near-tie that 16-bit rounding breaks the other way changes one prediction, not the rest of the sequence)."""
