@@ -43,8 +43,8 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
                         "model and device; default: the environment's, else auto); or force one")
     p.add_argument("--fuse-siblings", dest="fuse_siblings", action="store_true", default=None,
                    help="run linear layers that read the same input (query/key/value, gate/up) as one GEMM on the "
-                        "compiled paths (experimental, not yet measured; default: the environment's "
-                        "AUTOMP_FUSE_SIBLINGS, else off)")
+                        "compiled paths (experimental: slower than unjoined where measured, BENCHMARKS.md; default: "
+                        "the environment's AUTOMP_FUSE_SIBLINGS, else off)")
     p.add_argument("--fuse-linear-ce", dest="fuse_linear_ce", action="store_true", default=None,
                    help="compute an output layer and its cross-entropy a block of rows at a time on the "
                         "compiled paths (experimental: slower than Inductor's own graph where measured, BENCHMARKS.md; "
