@@ -44,8 +44,9 @@ class Result:
 @contextlib.contextmanager
 def cold_compiles(directory: str | None = None) -> Iterator[None]:
     """One mode's compiles on caches of its own, as on a machine that never compiled the model: Inductor's cache
-    directory set to `directory` (None: a temporary one, removed after) and Triton's to a folder in it (Inductor pins Triton's to the first directory it
-    sees, for the rest of the process: a later mode would load an earlier one's kernel binaries), and Inductor's
+    directory set to `directory` (None: a temporary one, removed after) and Triton's to a folder in it (Inductor
+    pins Triton's to the first directory it sees, for the rest of the process: a later mode would load an earlier
+    one's kernel binaries), and Inductor's
     in-process caches (compiled modules, Triton kernels) emptied first. So no mode is served another's graphs or
     kernels (torch 2.11's key also ignores the autocast dtype: an fp16 mode could be served bf16 graphs). The caches
     stay on, torch's default, so what a mode compiles twice (automp's trial: the plain and the graphed path) is loaded

@@ -80,13 +80,12 @@ def variants(model: nn.Module, attention: str, dtype: torch.dtype, graphs: bool,
     if attention == "model":
         return ["model"], ""
     known = cached(key) if attention == "auto" and graphs and key else None
-    if known == "model":
-        return [known], f"decode attention {known}: the cached verdict of an earlier run"
-    why = "nothing to time the kernel against without a captured step" if attention == "auto" and not graphs \
-        else _kernel_unfit(model, dtype) or register()  # a cached "kernel" needs its registration in this process too
+    # a cached "kernel" came from another process: it is checked and registered in this one too
+    why = None if known == "model" else "nothing to time the kernel against without a captured step" \
+        if attention == "auto" and not graphs else _kernel_unfit(model, dtype) or register()
     if why is not None:
         return ["model"], f"decode attention kernel not used: {why}"
-    if known == "kernel":
+    if known is not None:
         return [known], f"decode attention {known}: the cached verdict of an earlier run"
     return (["model", "kernel"] if attention == "auto" else ["kernel"]), ""
 
