@@ -318,11 +318,11 @@ def test_each_steps_peak_is_its_own_and_the_modes_peak_keeps_the_highest(monkeyp
 
 
 def test_profile_adds_each_modes_kernel_time_by_category(tmp_path, cache, fake_models, monkeypatch):
-    def matmuls(work, device):
-        w = torch.randn(64, 64)
+    def matmuls(work, device):  # on the device the suite runs and profiles (a GPU host's: CUDA kernels)
+        w = torch.randn(64, 64, device=device)
 
         def step():
-            return (torch.randn(32, 64) @ w).relu().sum()
+            return (torch.randn(32, 64, device=device) @ w).relu().sum()
         return step
 
     monkeypatch.setitem(wl.LOOPS, "bf16-reduce-overhead", matmuls)

@@ -67,6 +67,7 @@ def test_a_quick_run_times_every_mode_and_keeps_a_failing_process_as_a_row(tmp_p
     seen = []
     monkeypatch.setattr(suite, "command", lambda mode, *a: seen.append(mode) or command(mode, *a))
     monkeypatch.setattr(suite, "gpu_slug", lambda name: "cpu")  # a GPU host runs this on its CPU too: no matter
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # its processes as well (on a GPU: compiles past the time limit)
     out = tmp_path / "integ"
     assert suite.main(["--quick", "--repeats", "2", "--steps", "6", "--first", "2", "--out", str(out)]) == 0
     rows = json.loads((tmp_path / "integ.json").read_text())
