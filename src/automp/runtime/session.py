@@ -229,9 +229,8 @@ class Session:
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
             current = root.trial.current if root.trial.verdict is None else None
-            # once per trial, before they record: the graphed paths of a root share one memory pool (cudagraph trees
-            # keep one per device); their early warm-up records nothing, and comes before anything was measured
-            if current in GRAPHED_PATHS and not root.trial.graphs_checked and not root.trial.warming_early:
+            # once per trial: the graphed paths of a root share one memory pool (cudagraph trees keep one per device)
+            if current in GRAPHED_PATHS and not any(built(root, p) is not None for p in GRAPHED_PATHS):
                 self.paths.check_graphs_fit(root)
             if root.trial.verdict is not None:
                 self.paths.settle(root.trial)
