@@ -209,7 +209,33 @@ def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_the
     inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
     built, rep = _settle_mlp(tmp_path)
     assert (Route.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
-    assert built == (2 if tried else 1)  # never compiled when it does not fit
+    assert built == 2  # compiled for its early warm-up either way: recorded and timed only where it fits
+    assert ("autocast-graphed not tried: the script has reserved" in rep["choices"][0]["reason"]) != tried
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_graphs_whose_early_warmup_leaves_no_room_go_before_any_other_candidate_runs(monkeypatch, tmp_path):
+    """The graphs' early warm-up peaked above the share of the device graphs are tried under: they go at the next
+    call, before the compiled candidate runs beside their pool, the gradients in it copied out and the pool given
+    back (on the H200, a script at 70% of the card ran out of memory in a later candidate beside that pool)."""
+    from automp.runtime import compiled_paths, graph_pool
+    from automp.runtime.decisions import Route
+    from automp.runtime.session import Session
+    total, ran, evacuated, released = 80 * 2**30, [], [], []
+    monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int((0.8 if ran else 0.1) * total), total))
+    run = Session._run
+    monkeypatch.setattr(Session, "_run", lambda self, module, root, path, *a: ran.append(path) or run(
+        self, module, root, path, *a))
+    evacuate = graph_pool.GradRescue.evacuate
+    monkeypatch.setattr(graph_pool.GradRescue, "evacuate", lambda self: evacuated.append(len(ran)) or evacuate(self))
+    monkeypatch.setattr(graph_pool.PoolRelease, "attempt",
+                        lambda self: released.append(len(ran)) or graph_pool.Release.RELEASED)
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
+    _, rep = _settle_mlp(tmp_path)
+    assert ran[0] is Route.GRAPHED and Route.GRAPHED not in ran[1:]
+    assert evacuated == [1] and released[:1] == [1]  # at the second call, before it ran
+    assert rep["choices"][0]["path"] == "autocast-compiled" and "not tried: the script has reserved" in rep[
+        "choices"][0]["reason"]
 
 
 def test_graphs_fit_names_the_memory_it_found():
@@ -334,8 +360,9 @@ def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeyp
 def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_far_ahead_of_the_device(
         monkeypatch, tmp_path, host_ms, tried):
     """A device-bound step (the host done issuing it long before the device is done running it) gains nothing from
-    CUDA graphs, which shorten only the launches: they are neither compiled nor timed, and the verdict's bounds say why, with the
-    measured share. A step whose host work is most of it keeps them in the trial."""
+    CUDA graphs, which shorten only the launches: they are neither recorded nor timed (compiled for their early
+    warm-up only), and the verdict's bounds say why, with the measured share. A step whose host work is most of it
+    keeps them in the trial."""
     from automp.runtime import paths
     from automp.runtime.decisions import GRAPHS_DEVICE_BOUND, Route
     from automp.runtime.session import Session
@@ -355,7 +382,7 @@ def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_fa
     built, rep = _settle_mlp(tmp_path)
     (choice,) = rep["choices"]
     assert (Route.GRAPHED.value in choice["timings_ms"]) == tried
-    assert built == (2 if tried else 1)
+    assert built == 2  # the graphed path's early warm-up compiled it either way
     if not tried:
         assert choice["path"] == Route.COMPILED_AUTOCAST.value
         assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.6, "limit": 0.7}
@@ -376,7 +403,8 @@ def _trains_as_eager(compiled, net, x, ref):
         assert (p.grad - r).norm() / r.norm() < 1e-10
 
 
-def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_policies(monkeypatch, tmp_path):
+@pytest.mark.parametrize("first", ["graphed", "plain"])  # a trial warms the graphed path up first (early_warmup)
+def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_policies(monkeypatch, tmp_path, first):
     """A trial compiles the same graphs for the compiled and the graphed path. Keyed alike (CUDA graphs on for both,
     the plain path's policy wrapping none), the second compile is loaded from Inductor's and AOTAutograd's caches,
     and it computes what the eager model does; where torch has no policy, or off CUDA, the plain path compiles as
@@ -393,18 +421,19 @@ def test_the_plain_and_graphed_paths_share_one_compile_where_torch_has_graph_pol
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     net, x, ref = _float64_net()
     counters.clear()
-    for patches in (plain, graphed):
+    for patches in (graphed, plain) if first == "graphed" else (plain, graphed):
         torch._dynamo.reset()
         compiled = torch.compile(net, backend=lambda gm, ex, patches=patches: compile_fx(gm, ex, config_patches=patches))
         _trains_as_eager(compiled, net, x, ref)
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the second path's forward and backward: loaded
     assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2
     monkeypatch.setattr(cp, "_unwrapped_policy", lambda: None)
     monkeypatch.setattr(cp, "_post_compile_flag", lambda: False)  # neither way to leave graphs unwrapped
     assert cp.compile_patches(False, "cuda") == {}
 
 
-def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwrapped(monkeypatch, tmp_path):
+@pytest.mark.parametrize("order", [(True, False), (False, True)])  # graphed first: a trial's early warm-up
+def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwrapped(monkeypatch, tmp_path, order):
     """torch without cudagraph_policy (2.11, 2.12; here by patching it away): the plain path compiles with CUDA graphs
     on, as the graphed one does, so that the graphed path's compile is a cache hit; `unwrapped` turns the compile's
     cudagraphs box off as each graph is post-compiled (forward and backward), and puts CompiledFxGraph back after."""
@@ -429,7 +458,7 @@ def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwra
     net, x, ref = _float64_net()
     counters.clear()
     seen = {}
-    for graphs in (False, True):
+    for graphs in order:
         torch._dynamo.reset()
         boxes.clear()
         compiled = torch.compile(net, backend=lambda gm, ex, graphs=graphs: cp.inductor_compile(gm, ex, graphs, "cuda"))
@@ -438,8 +467,9 @@ def test_before_graph_policies_the_plain_path_compiles_graphed_and_is_left_unwra
         assert CompiledFxGraph.__dict__["post_compile"] is spy  # put back after each compile
     assert cp.UNWRAPPED_FAILED == []  # no compile fell back
     assert seen[False] and not any(seen[False])  # every graph of the plain path: post-compiled with a box off
-    assert seen[True][0]  # the graphed path's forward: on (torch turns it off itself for a CPU graph it cannot capture)
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the graphed path's forward and backward: loaded
+    # the graphed path's forward loaded from the cache: on (compiled, torch turns it off itself for a CPU graph)
+    assert seen[True][0] or order[0]
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the second path's forward and backward: loaded
     assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 2
 
 

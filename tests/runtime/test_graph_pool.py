@@ -54,6 +54,21 @@ def test_unknown_pool_state_copies_every_gradient(monkeypatch):
     assert all(p.grad is not old and torch.equal(p.grad, old) for p, old in zip(ps, before))
 
 
+def test_evacuate_copies_the_pools_gradients_out_even_after_copies_stopped(monkeypatch):
+    """Graphs dropped after their warm-up: their pool goes back at once, so whatever the loop was learned to do, the
+    gradients in it are copied out (values kept) and the others left as they are."""
+    ps = _params()
+    rescue = graph_pool.GradRescue(0, ps)
+    rescue.copying = False  # the loop was learned to drop them: before_replay would copy nothing
+    _pool_holds(monkeypatch, [p.grad for p in ps[:2]])
+    before = [p.grad for p in ps]
+    assert rescue.before_replay() == 0 and rescue.evacuate() == 2
+    for p, old in zip(ps[:2], before):
+        assert p.grad is not old and torch.equal(p.grad, old)
+        assert p.grad.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+    assert ps[2].grad is before[2]
+
+
 def test_sparse_gradients_are_left_alone(monkeypatch):
     """nn.Embedding(sparse=True) gives a sparse gradient: it has no storage to look up, and the pool holds none."""
     ps = _params()
@@ -241,7 +256,7 @@ def test_disable_gives_back_the_pool_of_a_module_still_on_cuda_graphs(monkeypatc
 @pytest.mark.usefixtures("eager_inductor")
 def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(monkeypatch, tmp_path):
     """The caching allocator keeps the other candidates' activations; CUDA graphs' pool cannot reuse them, so they are
-    given back before the graphs' first call in a trial, and again once the graphs win (they do not come back)."""
+    given back before the graphs record in a trial, and again once the graphs win (they do not come back)."""
     from automp.runtime import compiled_paths
     from automp.runtime.decisions import Route
     from automp.runtime.trial import TrialConfig
@@ -256,14 +271,15 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
                       trial_config=TrialConfig(), clock=lambda: now[0], candidates=candidates(cost))
     session.install()
     net, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
-    first_graphed, decided_at = None, None
+    graphed, decided_at = 0, None
     try:
         for i in range(80):
             out = net(x)
             root = session.roots[net]
             path = root.trial.current if root.path is None else root.path
-            if path is Route.GRAPHED and first_graphed is None:
-                first_graphed, before = i, len(released)
+            graphed += path is Route.GRAPHED
+            if path is Route.GRAPHED and graphed == 2:  # its recording (the first call: the early warm-up)
+                before = len(released)
             if root.path is not None and decided_at is None:
                 decided_at, at_verdict = i, len(released)
             now[0] += cost[path]
@@ -271,5 +287,5 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
     finally:
         session.uninstall()
     assert root.path is Route.GRAPHED
-    assert before == 1  # on the graphed candidate's first call, before it ran
+    assert before == 1  # on the graphed candidate's recording call, before it ran
     assert at_verdict == 2 and len(released) == 2  # once more at its verdict, and never again

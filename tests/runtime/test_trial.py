@@ -40,6 +40,17 @@ def run_until_verdict(cost: dict[Route, float], config: TrialConfig | None = Non
     return trial, ran
 
 
+def iterations(cost, config=None, order=None):
+    """The path each iteration of a trial with RECORD_LAST ran, as a session runs it (the path after the tick)."""
+    clock = FakeClock(cost)
+    trial = Trial(order or list(cost), config or TrialConfig(), clock, lambda: None, later=RECORD_LAST)
+    ran = []
+    while trial.verdict is None and len(ran) < 100:
+        clock.run(trial)
+        ran.append(trial.current)
+    return trial, ran[:-1]  # the last: the verdict's path, after the trial
+
+
 def test_fastest_path_wins_and_timings_are_the_measured_ones():
     cost = {Route.EAGER_LOW: 0.010, Route.COMPILED: 0.007, Route.FP32: 0.012}
     trial, _ = run_until_verdict(cost, TrialConfig(give_up=10.0))
@@ -331,10 +342,11 @@ RESNET = {Route.EAGER_LOW: 0.0347, Route.COMPILED: 0.0300, Route.COMPILED_AUTOCA
 
 def test_cuda_graphs_are_recorded_after_the_first_round_has_dropped_fp32():
     """RECORD_LAST: the graphs' pool must not sit beside FP32 eager's activations. FP32 is timed and dropped before
-    autocast-graphed's first (warm-up) iteration, and autocast-graphed still wins on the samples it got."""
-    trial, ran = run_until_verdict(RESNET, later=RECORD_LAST)
-    first_graphed = ran.index(Route.GRAPHED)
-    assert Route.FP32 in ran[:first_graphed] and Route.FP32 not in ran[first_graphed:]
+    autocast-graphed's recording (its second iteration; the first, the graph trees' warm-up, runs before everything:
+    TrialConfig.early_warmup), and autocast-graphed still wins on the samples it got."""
+    trial, ran = iterations(RESNET)
+    recording = ran.index(Route.GRAPHED, 1)
+    assert Route.FP32 in ran[:recording] and Route.FP32 not in ran[recording:]
     assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 1
     assert trial.verdict.path is Route.GRAPHED
     assert len(trial.samples[Route.GRAPHED]) == TrialConfig().measure - 1  # timed from the second round on
@@ -350,9 +362,9 @@ def test_an_eager_loser_is_dropped_by_the_later_rounds_margin_before_the_graphs_
     round 1, 2x the best drops it then, before the graph pool exists (T5's trial had reserved 7.1 GiB beside FP32's
     4.7). A compiled path at 1.8x the best on its first sample stays: its first timed iteration can be that slow.
     Without graphs to come, the eager path keeps the first round's wider margin too."""
-    trial, ran = run_until_verdict(T5, later=RECORD_LAST)
+    trial, ran = iterations(T5)
     assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 1
-    assert Route.FP32 not in ran[ran.index(Route.GRAPHED):]
+    assert Route.FP32 not in ran[ran.index(Route.GRAPHED, 1):]  # after the first (early warm-up) iteration
     assert Route.EAGER_LOW in trial.abandoned and len(trial.samples[Route.EAGER_LOW]) == 1  # 1.33x > give_up 1.3
     assert trial.verdict.path is Route.GRAPHED
     unrecorded = {p: c for p, c in T5.items() if p is not Route.GRAPHED}
@@ -361,6 +373,25 @@ def test_an_eager_loser_is_dropped_by_the_later_rounds_margin_before_the_graphs_
     assert max(trial.samples[Route.COMPILED]) == pytest.approx(1.8 * 0.030)
     assert len(trial.samples[Route.COMPILED]) > 1 and trial.verdict.path is Route.COMPILED
     assert Route.FP32 in trial.abandoned and len(trial.samples[Route.FP32]) == 2  # dropped after round 2, not 1
+
+
+def test_a_later_paths_first_warmup_iteration_runs_before_every_other_candidate():
+    """The graph trees' warm-up run while the process holds the least (TrialConfig.early_warmup): the graphed path's
+    first iteration comes first, the rest of its warm-up (recording) after the first round, its warm-up as long as
+    before in all; a path with one warm-up iteration, or early_warmup 0, keeps all of it for later."""
+    order = [Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.GRAPHED, Route.FP32]
+    _, ran = iterations(RESNET, TrialConfig(), order)
+    warmup = TrialConfig().warmup[Route.GRAPHED]
+    graphed = [i for i, p in enumerate(ran) if p is Route.GRAPHED]
+    assert graphed[0] == 0 and ran[1] is Route.COMPILED_AUTOCAST
+    first_round_end = max(i for i, p in enumerate(ran) if p is Route.FP32)
+    assert all(i > first_round_end for i in graphed[1:warmup])  # recorded after the first round, as before
+    assert ran[graphed[warmup - 1] + 1:].count(Route.GRAPHED) == len(graphed) - warmup  # then timed
+    _, late = iterations(RESNET, TrialConfig(early_warmup=0), order)
+    assert late[0] is Route.COMPILED_AUTOCAST and late.index(Route.GRAPHED) > late.index(Route.FP32)
+    one = {**TrialConfig().warmup, Route.GRAPHED: 1}
+    _, once = iterations(RESNET, TrialConfig(warmup=one), order)
+    assert once[0] is Route.COMPILED_AUTOCAST and once.count(Route.GRAPHED) == len(graphed) - warmup + 1
 
 
 def test_without_later_the_graphs_are_recorded_before_fp32_is_timed():

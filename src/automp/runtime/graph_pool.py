@@ -123,6 +123,16 @@ class GradRescue:
             if self._learn(with_grad):
                 self._remember(with_grad)
 
+    def evacuate(self) -> int:
+        """Copies every gradient that lives in the pool out of it, whatever the loop was learned to do: the pool is
+        about to be given back (graphs dropped after their warm-up) and no replay will copy them. Returns how many."""
+        live, copied = live_storages(self.device_index), 0
+        for p in self._with_grad():
+            if p.grad.layout is torch.strided and (live is None or p.grad.untyped_storage().data_ptr() in live):
+                p.grad = p.grad.clone()
+                copied += 1
+        return copied
+
     def before_replay(self) -> int:
         """Copies out what the replay would free (after `observe` for the same call); returns how many it copied."""
         if not self.copying:

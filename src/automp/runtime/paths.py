@@ -187,11 +187,13 @@ class RootPaths:
 
     def check_graphs_fit(self, root: Root) -> None:
         """Before CUDA graphs are built in a trial: the script's memory so far must leave room for their pool, and the
-        step must leave the host launch work for them to take away (Trial.launch_bound)."""
+        step must leave the host launch work for them to take away (Trial.launch_bound). Where they do not, graphs
+        built for the trial's early warm-up go, with their pool."""
+        root.trial.graphs_checked = True
         memory = compiled_paths.device_memory(root.device)
         why = (None if memory is None else compiled_paths.graphs_fit(*memory)) or root.trial.launch_bound()
         if why is not None:
-            self._without_graphs(root.trial, why)
+            self._drop_graphs(root, why)
         else:
             compiled_paths.release_cached(root.device)
 
@@ -212,6 +214,31 @@ class RootPaths:
                 self._without_graphs(root.trial, why)
             if root.path in GRAPHED_PATHS and forced(self.config) is None:
                 self.leave_graphs(root, why)
+
+    def check_early_pool(self, root: Root) -> None:
+        """Right after the graphs' early warm-up (TrialConfig.early_warmup), before any other candidate: its pool stays
+        reserved beside them until the graphs record, so the script's peak so far (that warm-up's) must leave room
+        for it, by the rule graphs are tried by (compiled_paths.graphs_fit). Where it does not, the graphs go now,
+        their pool given back with the gradients it holds copied out first (on the H200 an MLP whose loop fills 70%
+        of the card ran out of memory in its next candidate beside the 66 GiB its warm-up's pool kept reserved)."""
+        root.trial.pool_checked = True
+        memory = compiled_paths.device_memory(root.device)
+        why = None if memory is None else compiled_paths.graphs_fit(*memory)
+        if why is not None:
+            self._drop_graphs(root, why)
+
+    def _drop_graphs(self, root: Root, why: str) -> None:
+        """The trial goes on without CUDA graphs; graphs built for its early warm-up go, with their pool (the
+        gradients in it copied out first, so that it can be given back at once)."""
+        root.trial.graphs_checked = True
+        if root.rescue is not None and any(built(root, p) is not None for p in GRAPHED_PATHS):
+            root.rescue.evacuate()
+        self._without_graphs(root.trial, why)
+        graphed = [built(root, p) for p in GRAPHED_PATHS if built(root, p) is not None]
+        for path in GRAPHED_PATHS:
+            setattr(root, BUILT[path], None)
+        if graphed:  # one pool for all of a root's graphed paths
+            self.release_graphs(graphed[0].pool)
 
     @staticmethod
     def _without_graphs(trial: Trial, why: str) -> None:
@@ -351,17 +378,26 @@ class RootPaths:
         the device's cached blocks go back, so that the call can run again on the next candidate (True). False where
         the error is the script's to see: the trial has no other candidate, or the module runs in lockstep on several
         ranks, whose trials must take the same turns on every rank (one rank alone leaving a candidate would stall
-        the others in their collectives)."""
+        the others in their collectives). Where CUDA graphs were warmed up early (TrialConfig.early_warmup) and not
+        yet checked, their pool is what this candidate ran out of memory beside: the graphs leave instead, and the
+        call runs again on the same candidate."""
         trial = root.trial
         if trial is None or trial.verdict is not None or path not in trial.alive or len(trial.alive) < 2 \
                 or root.lockstep:
             return False
         asked = oom_size(error)
         why = f"{path.value} ran out of device memory in the trial{f' (it asked for {asked} more)' if asked else ''}"
-        trial.exclude({path}, why)
-        self.recorder.add_fallback(root.label, why, TRIAL_OOM)
-        notice(f"automp: {root.label}: {why}; the trial goes on without it")
-        if path in BUILT:  # no reference to the compiled function outlives this, so gc can free it
+        early = [p for p in GRAPHED_PATHS if built(root, p) is not None and p is not path]
+        if early and not trial.graphs_checked:  # beside the pool of the graphs' early warm-up: they leave first
+            why = f"{why}, beside the CUDA graph pool of {early[0].value}'s warm-up"
+            self._drop_graphs(root, why)
+            self.recorder.add_fallback(root.label, why, TRIAL_OOM)
+            notice(f"automp: {root.label}: {why}; the trial goes on without CUDA graphs")
+        else:
+            trial.exclude({path}, why)
+            self.recorder.add_fallback(root.label, why, TRIAL_OOM)
+            notice(f"automp: {root.label}: {why}; the trial goes on without it")
+        if path in BUILT and path not in trial.alive:  # no reference to its compiled function outlives this: gc frees it
             pool = getattr(built(root, path), "pool", None)
             setattr(root, BUILT[path], None)
             if pool is not None:

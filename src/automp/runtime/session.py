@@ -228,9 +228,14 @@ class Session:
             self.paths.keep_eager(root, IN_TRANSFORM, FUNCTORCH)  # a compiled candidate would time FP32 eager there
         if root.path is None:
             root.trial.tick(id(module), torch.is_grad_enabled())
+            # graphs built by the early warm-up (not by a checked recording): their pool, before anything else runs
+            if not (root.trial.pool_checked or root.trial.graphs_checked or root.trial.warming_early) \
+                    and any(built(root, p) is not None for p in GRAPHED_PATHS):
+                self.paths.check_early_pool(root)
             current = root.trial.current if root.trial.verdict is None else None
-            # once per trial: the graphed paths of a root share one memory pool (cudagraph trees keep one per device)
-            if current in GRAPHED_PATHS and not any(built(root, p) is not None for p in GRAPHED_PATHS):
+            # once per trial, before they record: the graphed paths of a root share one memory pool (cudagraph trees
+            # keep one per device); their early warm-up records nothing, and comes before anything was measured
+            if current in GRAPHED_PATHS and not root.trial.graphs_checked and not root.trial.warming_early:
                 self.paths.check_graphs_fit(root)
             if root.trial.verdict is not None:
                 self.paths.settle(root.trial)

@@ -54,7 +54,12 @@ class TrialConfig:
     also shorten stay small. The share is set between two measured models (BENCHMARKS.md, "Against the strongest
     loop"): Llama-3.2-1B dims issued its compiled samples in about 0.6 of their time and its graphs gained less than
     anchor_margin while their pool lifted the trial's memory; GPT-2 issued them in 0.8-0.9 and its graphs gained
-    several times anchor_margin."""
+    several times anchor_margin. early_warmup: iterations of each `later` path's warm-up that run first, before any
+    other candidate (taken from its warm-up, never all of it): a CUDA-graph path's first call is the graph trees'
+    warm-up run, which records nothing and replays nothing, but allocates in the graph pool; run while the process
+    holds the least (no other path's activations or compile), it peaks like the hand-written loop's own first step,
+    where after the compiled candidates' steps it lifted GPT-2's trial 0.7 GiB above them and left 1 GiB allocated
+    (BENCHMARKS.md, "Trial memory")."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
@@ -70,6 +75,7 @@ class TrialConfig:
     confirm_within: float = 0.25
     churn: int = 3
     graphs_host_share: float = 0.7
+    early_warmup: int = 1
 
 
 class Trial:
@@ -107,13 +113,15 @@ class Trial:
         self.host_shares: dict[Route, list[float]] = {}  # per timed sample: the share of it the host took to issue it
         self.alive = list(candidates)
         self.abandoned: set[Route] = set()
-        self._warmup = warmup
         later = set(later)
         # not warmed up yet; with nothing else to time first, nothing waits
         self._later = [] if all(c in later for c in candidates) else [c for c in candidates if c in later]
-        # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each
-        self._queue: list[tuple[Route, bool, int]] = [(c, False, warmup.get(c, 1)) for c in candidates
-                                                     if c not in self._later and warmup.get(c, 1) > 0]
+        # (path, timed, iterations): a warm-up or a timed sample, one synchronized interval each; the later paths'
+        # early warm-up first (TrialConfig.early_warmup), the rest of it when they are warmed up after the first round
+        early = {c: min(config.early_warmup, warmup.get(c, 1) - 1) for c in self._later}
+        self._warmup = {**warmup, **{c: warmup.get(c, 1) - n for c, n in early.items() if n > 0}}
+        self._queue: list[tuple[Route, bool, int]] = [(c, False, n) for c, n in early.items() if n > 0] + [
+            (c, False, warmup.get(c, 1)) for c in candidates if c not in self._later and warmup.get(c, 1) > 0]
         self.floor = floor
         self.bounds: dict[str, dict[str, Any]] = {}  # Verdict.bounds
         # the device's peak allocated bytes so far (None off CUDA), and by each path's value the peak it rose to in
@@ -133,11 +141,19 @@ class Trial:
         self._start: float | None = None  # when the queue head's interval began
         self._done = 0  # iterations of the queue head finished
         self.verdict: Verdict | None = None
+        self.graphs_checked = False  # its CUDA graphs passed automp.runtime.paths.RootPaths.check_graphs_fit
+        self.pool_checked = False  # the pool of their early warm-up passed RootPaths.check_early_pool
         self._refill()
 
     @property
     def current(self) -> Route:
         return self.verdict.path if self.verdict else self._queue[0][0]
+
+    @property
+    def warming_early(self) -> bool:
+        """The queue head is a later path's early warm-up (TrialConfig.early_warmup): its graphs' checks (memory,
+        launch-bound) wait for its recording, when the other candidates have been measured."""
+        return self.verdict is None and bool(self._queue) and self._queue[0][0] in self._later
 
     def progress(self) -> tuple[Route, int | None]:
         """The path running now and the round its timed sample belongs to (of config.measure), None in a warm-up:
@@ -369,8 +385,9 @@ def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Rou
     return list(GPU_CANDIDATES), rate
 
 
-# A GPU trial's candidates, in the order they first run. The anchor's path first: its iteration's peak memory is the
-# budget of the eager candidates after it (automp.runtime.guards.memory_budget). Not automp's own graph pass
+# A GPU trial's candidates, in the order they first run, after the graphed path's first warm-up iteration
+# (TrialConfig.early_warmup). The anchor's path first: its iteration's peak memory is the budget of the eager
+# candidates after it (automp.runtime.guards.memory_budget). Not automp's own graph pass
 # (Route.COMPILED, still there as path="compile"): interleaved with other paths in a trial, its step computed a wrong
 # loss on a GPU, tenths above plain autocast eager's from the same weights (forced from the first call, or left out,
 # every path tracked the plain loop; tests/runtime/test_trial_parity_gpu.py), and it led the anchor by noise at best

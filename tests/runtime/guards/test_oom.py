@@ -89,3 +89,34 @@ def test_the_error_is_read_for_its_size_and_found_inside_a_compile_failure():
     except RuntimeError as outer:
         assert oom_cause(outer) is inner
     assert oom_cause(RuntimeError("other")) is None
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_out_of_memory_beside_the_graphs_early_warmup_drops_the_graphs_not_the_candidate(monkeypatch):
+    """The graphed path warms up first (TrialConfig.early_warmup), before its memory check: a candidate that runs out
+    of memory beside its pool stays in the trial, and the graphs leave instead (their pool was what came on top)."""
+    real, failed = compiled_paths.stock, []
+
+    def stock(module, root, path=Route.COMPILED_AUTOCAST, **kwargs):
+        compiled = real(module, root, path=path, **kwargs)
+        if path is not Route.COMPILED_AUTOCAST:
+            return compiled
+
+        def call(*args, **kw):
+            if not failed:
+                failed.append(path)
+                raise _oom()
+            return compiled(*args, **kw)
+        return call
+    monkeypatch.setattr(compiled_paths, "stock", stock)
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"))
+    automp.enable(dtype="bf16")
+    net = _net()
+    losses = _train(net, steps=12)
+    root = automp._session.roots[net]
+    report = automp.disable()
+    assert failed == [Route.COMPILED_AUTOCAST] and all(torch.isfinite(torch.tensor(losses)))
+    assert root.graphed is None and root.path is Route.COMPILED_AUTOCAST
+    (oom,) = [f for f in report["fallbacks"] if f.get("rule") == TRIAL_OOM]
+    assert "beside the CUDA graph pool of autocast-graphed's warm-up" in oom["reason"]
+    assert report["choices"][0]["path"] == "autocast-compiled"

@@ -6,8 +6,10 @@ trial's peak was the eager candidate's, well above the reduce-overhead loop's (B
 script that fits under the strongest loop could then run out of memory in automp's trial, before automp had chosen
 anything.
 
-How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate.
-The peak allocated memory of its first iteration (forward, backward and optimizer step) is the budget. It is read at
+How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate
+after the CUDA-graph path's warm-up run (automp.runtime.trial.TrialConfig.early_warmup; the reduce-overhead loop's own
+first step). The peak allocated memory of the process up to the end of its first iteration (forward, backward and
+optimizer step) is the budget. It is read at
 the end of the forward, when the backward has run through the forward's outputs, and when the next call begins, and
 the highest reading counts: a script (or a benchmark) that resets torch's peak statistics at each step would
 otherwise leave only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under the
