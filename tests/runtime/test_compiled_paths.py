@@ -221,8 +221,8 @@ def test_graphs_whose_early_warmup_leaves_no_room_go_before_any_other_candidate_
     from automp.runtime import compiled_paths, graph_pool
     from automp.runtime.decisions import Route
     from automp.runtime.session import Session
-    total, ran, evacuated, released = 80 * 2**30, [], [], []
-    monkeypatch.setattr(compiled_paths, "device_memory", lambda device: (int((0.8 if ran else 0.1) * total), total))
+    ran, evacuated, released = [], [], []
+    monkeypatch.setattr(compiled_paths, "early_pool_fits", lambda device: "autocast-graphed not tried: its warm-up")
     run = Session._run
     monkeypatch.setattr(Session, "_run", lambda self, module, root, path, *a: ran.append(path) or run(
         self, module, root, path, *a))
@@ -234,8 +234,25 @@ def test_graphs_whose_early_warmup_leaves_no_room_go_before_any_other_candidate_
     _, rep = _settle_mlp(tmp_path)
     assert ran[0] is Route.GRAPHED and Route.GRAPHED not in ran[1:]
     assert evacuated == [1] and released[:1] == [1]  # at the second call, before it ran
-    assert rep["choices"][0]["path"] == "autocast-compiled" and "not tried: the script has reserved" in rep[
-        "choices"][0]["reason"]
+    assert rep["choices"][0]["path"] == "autocast-compiled" and "not tried: its warm-up" in rep["choices"][0]["reason"]
+
+
+@pytest.mark.parametrize("peak, pool, fits", [(40, 30, True), (71, 66, False), (10, 0, True), (130, 0, False)])
+def test_the_early_warmups_pool_must_leave_room_for_another_step(monkeypatch, peak, pool, fits):
+    """The process's peak so far (the warm-up's), once more beside the pool that stays reserved, within
+    EARLY_POOL_SHARE of the device: the near-limit MLP that ran out of memory (71 GiB peak, a 66 GiB pool of 140)
+    does not pass; the pool is read from the allocator's segments of private pools on that device."""
+    from automp.runtime import compiled_paths as cp
+    G, total = 2**30, 140 * 2**30
+    monkeypatch.setattr(cp, "device_memory", lambda device: (peak * G, total))
+    segments = [{"device": 0, "segment_pool_id": (0, 0), "total_size": 50 * G},  # the general pool: not counted
+                {"device": 1, "segment_pool_id": (1, 2), "total_size": 99 * G},  # another device's graphs
+                {"device": 0, "segment_pool_id": (1, 1), "total_size": pool * G}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    why = cp.early_pool_fits(torch.device("cuda", 0))
+    assert (why is None) == fits
+    assert fits or f"keeps {pool:.1f} of the device's 140.0 GiB" in why
+    assert cp.early_pool_fits(torch.device("cpu")) is None
 
 
 def test_graphs_fit_names_the_memory_it_found():

@@ -176,6 +176,26 @@ def graphs_fit(peak_bytes: int, total_bytes: int) -> str | None:
             f"{total_bytes / 2**30:.1f} GiB, and CUDA graphs keep a memory pool of their own")
 
 
+# After the graphs' early warm-up (automp.runtime.trial.TrialConfig.early_warmup) their pool stays reserved until they
+# record, and the next candidate's step needs about the warm-up's peak again beside it: both must fit in this share.
+EARLY_POOL_SHARE = 0.9
+
+
+def early_pool_fits(device: torch.device) -> str | None:
+    """Why the pool the graphs' early warm-up left reserved leaves no room for another candidate's step on `device`
+    (the process's peak reserved so far, the warm-up's, once more beside the pool), or None where it does."""
+    if device.type != "cuda":
+        return None
+    peak, total = device_memory(device)
+    pool = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if s.get("device") == graph_pool.device_index(device) and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+    if peak + pool <= EARLY_POOL_SHARE * total:
+        return None
+    return (f"{Route.GRAPHED.value} not tried: its warm-up peaked at {peak / 2**30:.1f} GiB reserved and its pool keeps "
+            f"{pool / 2**30:.1f} of the device's {total / 2**30:.1f} GiB: another candidate's step would not fit "
+            f"beside it")
+
+
 def release_cached(device: torch.device) -> None:
     """Gives back the device memory torch's caching allocator keeps for tensors that are gone, around CUDA graphs in a
     trial: their pool cannot reuse it, so before their recording it would sit beside the pool (the other candidates'

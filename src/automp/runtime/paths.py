@@ -217,13 +217,12 @@ class RootPaths:
 
     def check_early_pool(self, root: Root) -> None:
         """Right after the graphs' early warm-up (TrialConfig.early_warmup), before any other candidate: its pool stays
-        reserved beside them until the graphs record, so the script's peak so far (that warm-up's) must leave room
-        for it, by the rule graphs are tried by (compiled_paths.graphs_fit). Where it does not, the graphs go now,
-        their pool given back with the gradients it holds copied out first (on the H200 an MLP whose loop fills 70%
-        of the card ran out of memory in its next candidate beside the 66 GiB its warm-up's pool kept reserved)."""
+        reserved beside them until the graphs record (compiled_paths.early_pool_fits). Where another candidate's step
+        would not fit beside it, the graphs go now, their pool given back with the gradients it holds copied out
+        first (on the H200 an MLP whose loop fills 70% of the card ran out of memory in its next candidate beside the
+        66 GiB its warm-up's pool kept reserved)."""
         root.trial.pool_checked = True
-        memory = compiled_paths.device_memory(root.device)
-        why = None if memory is None else compiled_paths.graphs_fit(*memory)
+        why = compiled_paths.early_pool_fits(root.device)
         if why is not None:
             self._drop_graphs(root, why)
 
