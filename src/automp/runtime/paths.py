@@ -219,8 +219,8 @@ class RootPaths:
         """Right after the graphs' early warm-up (TrialConfig.early_warmup), before any other candidate: its pool stays
         reserved beside them until the graphs record (compiled_paths.early_pool_fits). Where another candidate's step
         would not fit beside it, the graphs go now, their pool given back with the gradients it holds copied out
-        first (on the H200 an MLP whose loop fills 70% of the card ran out of memory in its next candidate beside the
-        66 GiB its warm-up's pool kept reserved)."""
+        first (BENCHMARKS.md: a script near the card's limit ran out of memory in its next candidate beside that
+        pool)."""
         root.trial.pool_checked = True
         why = compiled_paths.early_pool_fits(root.device)
         if why is not None:

@@ -58,8 +58,8 @@ class TrialConfig:
     other candidate (taken from its warm-up, never all of it): a CUDA-graph path's first call is the graph trees'
     warm-up run, which records nothing and replays nothing, but allocates in the graph pool; run while the process
     holds the least (no other path's activations or compile), it peaks like the hand-written loop's own first step,
-    where after the compiled candidates' steps it lifted GPT-2's trial 0.7 GiB above them and left 1 GiB allocated
-    (BENCHMARKS.md, "Trial memory")."""
+    where after the compiled candidates' steps it lifted GPT-2's trial above them (BENCHMARKS.md, "Against the
+    strongest loop"). Its pool then stays reserved until the recording: RootPaths.check_early_pool."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
