@@ -237,6 +237,7 @@ class RootPaths:
         for path in GRAPHED_PATHS:
             setattr(root, BUILT[path], None)
         if graphed:  # one pool for all of a root's graphed paths
+            graphed[0].pool.seen()  # the warm-up's backward graph, compiled after its call: automp's own
             self.release_graphs(graphed[0].pool)
 
     @staticmethod
