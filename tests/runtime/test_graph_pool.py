@@ -289,3 +289,33 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
     assert root.path is Route.GRAPHED
     assert before == 1  # on the graphed candidate's recording call, before it ran
     assert at_verdict == 2 and len(released) == 2  # once more at its verdict, and never again
+
+
+@pytest.mark.usefixtures("eager_inductor")
+def test_graphs_dropped_after_their_one_warmup_call_give_their_pool_back(monkeypatch, resets, tmp_path):
+    """The early warm-up is the graphs' only call: its forward's graph exists when the call returns, its backward's is
+    compiled after it. Dropped at the next call (no room beside their pool), both are counted as automp's and the
+    pool goes back (counted by the call alone, the backward's graph looked like the script's, and the pool stayed:
+    on the H200 the near-limit test then ran out of memory beside it)."""
+    from automp.runtime import compiled_paths
+    from automp.runtime.decisions import Route
+    state = {"n": 0}  # graph functions replaying into the tree
+    monkeypatch.setattr(graph_pool, "graph_functions", lambda index: state["n"])
+    node = types.SimpleNamespace(current_node=_Node([]))
+    monkeypatch.setattr(graph_pool, "_containers", lambda: {0: types.SimpleNamespace(
+        live_cudagraphify_fns=state["n"], tree_manager=node)})
+    monkeypatch.setattr(compiled_paths, "early_pool_fits", lambda device: "autocast-graphed not tried: no room")
+    before_replay = graph_pool.GradRescue.before_replay
+    monkeypatch.setattr(graph_pool.GradRescue, "before_replay",
+                        lambda self: state.update(n=max(state["n"], 1)) or before_replay(self))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    automp.enable(dtype="bf16", cache_dir=str(tmp_path))
+    for _ in range(3):
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+        state["n"] = 2 if state["n"] else 0  # the backward's graph, compiled at its first call
+    rep = automp.disable()
+    assert resets == ["reset"]
+    (setting,) = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
+    assert setting["value"] == "released"
