@@ -380,13 +380,14 @@ def test_a_later_paths_first_warmup_iteration_runs_before_every_other_candidate(
     first iteration comes first, the rest of its warm-up (recording) after the first round, its warm-up as long as
     before in all; a path with one warm-up iteration, or early_warmup 0, keeps all of it for later."""
     order = [Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.GRAPHED, Route.FP32]
-    _, ran = iterations(RESNET, TrialConfig(), order)
+    trial, ran = iterations(RESNET, TrialConfig(), order)
     warmup = TrialConfig().warmup[Route.GRAPHED]
     graphed = [i for i, p in enumerate(ran) if p is Route.GRAPHED]
     assert graphed[0] == 0 and ran[1] is Route.COMPILED_AUTOCAST
     first_round_end = max(i for i, p in enumerate(ran) if p is Route.FP32)
     assert all(i > first_round_end for i in graphed[1:warmup])  # recorded after the first round, as before
-    assert ran[graphed[warmup - 1] + 1:].count(Route.GRAPHED) == len(graphed) - warmup  # then timed
+    samples = trial.samples[Route.GRAPHED]  # then timed; its warm-up as long as before in all
+    assert samples and len(graphed) == warmup + TrialConfig().block * len(samples)
     _, late = iterations(RESNET, TrialConfig(early_warmup=0), order)
     assert late[0] is Route.COMPILED_AUTOCAST and late.index(Route.GRAPHED) > late.index(Route.FP32)
     one = {**TrialConfig().warmup, Route.GRAPHED: 1}

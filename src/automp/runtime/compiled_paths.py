@@ -187,13 +187,14 @@ def early_pool_fits(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     peak, total = device_memory(device)
+    index = graph_pool.device_index(device)
     pool = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-               if s.get("device") == graph_pool.device_index(device) and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+               if s.get("device") == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
     if peak + pool <= EARLY_POOL_SHARE * total:
         return None
-    return (f"{Route.GRAPHED.value} not tried: its warm-up peaked at {peak / 2**30:.1f} GiB reserved and its pool keeps "
-            f"{pool / 2**30:.1f} of the device's {total / 2**30:.1f} GiB: another candidate's step would not fit "
-            f"beside it")
+    return (f"{Route.GRAPHED.value} not tried: its warm-up peaked at {peak / 2**30:.1f} GiB reserved and its pool "
+            f"keeps {pool / 2**30:.1f} of the device's {total / 2**30:.1f} GiB: another candidate's step would not "
+            f"fit beside it")
 
 
 def release_cached(device: torch.device) -> None:

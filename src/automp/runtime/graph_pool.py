@@ -123,21 +123,8 @@ class GradRescue:
             if self._learn(with_grad):
                 self._remember(with_grad)
 
-    def evacuate(self) -> int:
-        """Copies every gradient that lives in the pool out of it, whatever the loop was learned to do: the pool is
-        about to be given back (graphs dropped after their warm-up) and no replay will copy them. Returns how many."""
-        live, copied = live_storages(self.device_index), 0
-        for p in self._with_grad():
-            if p.grad.layout is torch.strided and (live is None or p.grad.untyped_storage().data_ptr() in live):
-                p.grad = p.grad.clone()
-                copied += 1
-        return copied
-
-    def before_replay(self) -> int:
-        """Copies out what the replay would free (after `observe` for the same call); returns how many it copied."""
-        if not self.copying:
-            return 0
-        with_grad = self._with_grad()
+    def _copy_out(self, with_grad: list[torch.Tensor]) -> int:
+        """Replaces each of these gradients that lives in the pool by a copy of its own; returns how many."""
         live, copied = live_storages(self.device_index), 0
         for p in with_grad:
             if p.grad.layout is not torch.strided:  # a sparse gradient has no storage, and the pool holds none
@@ -145,6 +132,19 @@ class GradRescue:
             if live is None or p.grad.untyped_storage().data_ptr() in live:
                 p.grad = p.grad.clone()
                 copied += 1
+        return copied
+
+    def evacuate(self) -> int:
+        """Copies every gradient that lives in the pool out of it, whatever the loop was learned to do: the pool is
+        about to be given back (graphs dropped after their warm-up) and no replay will copy them. Returns how many."""
+        return self._copy_out(self._with_grad())
+
+    def before_replay(self) -> int:
+        """Copies out what the replay would free (after `observe` for the same call); returns how many it copied."""
+        if not self.copying:
+            return 0
+        with_grad = self._with_grad()
+        copied = self._copy_out(with_grad)
         if copied:
             self._remember(with_grad)  # the copies are what the loop keeps or drops now
         return copied

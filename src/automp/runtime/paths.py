@@ -230,10 +230,10 @@ class RootPaths:
         """The trial goes on without CUDA graphs; graphs built for its early warm-up go, with their pool (the
         gradients in it copied out first, so that it can be given back at once)."""
         root.trial.graphs_checked = True
-        if root.rescue is not None and any(built(root, p) is not None for p in GRAPHED_PATHS):
+        graphed = [built(root, p) for p in GRAPHED_PATHS if built(root, p) is not None]
+        if graphed and root.rescue is not None:
             root.rescue.evacuate()
         self._without_graphs(root.trial, why)
-        graphed = [built(root, p) for p in GRAPHED_PATHS if built(root, p) is not None]
         for path in GRAPHED_PATHS:
             setattr(root, BUILT[path], None)
         if graphed:  # one pool for all of a root's graphed paths
@@ -391,13 +391,13 @@ class RootPaths:
         if early and not trial.graphs_checked:  # beside the pool of the graphs' early warm-up: they leave first
             why = f"{why}, beside the CUDA graph pool of {early[0].value}'s warm-up"
             self._drop_graphs(root, why)
-            self.recorder.add_fallback(root.label, why, TRIAL_OOM)
-            notice(f"automp: {root.label}: {why}; the trial goes on without CUDA graphs")
+            without = "CUDA graphs"
         else:
             trial.exclude({path}, why)
-            self.recorder.add_fallback(root.label, why, TRIAL_OOM)
-            notice(f"automp: {root.label}: {why}; the trial goes on without it")
-        if path in BUILT and path not in trial.alive:  # no reference to its compiled function outlives this: gc frees it
+            without = "it"
+        self.recorder.add_fallback(root.label, why, TRIAL_OOM)
+        notice(f"automp: {root.label}: {why}; the trial goes on without {without}")
+        if path in BUILT and path not in trial.alive:  # no reference to its compiled function outlives this
             pool = getattr(built(root, path), "pool", None)
             setattr(root, BUILT[path], None)
             if pool is not None:
