@@ -238,3 +238,27 @@ def test_siblings_that_gain_only_joined_go_fp8_as_one_gemm(monkeypatch, tmp_path
         assert fused == ([[64, 32, 32]] if fuse else [])
     assert rules[False] == {"q": fp8_choice.FP8, "k": fp8_choice.NO_GAIN, "v": fp8_choice.NO_GAIN}
     assert rules[True] == {n: fp8_choice.FP8_GROUP for n in ("q", "k", "v")}
+
+
+@needs_scaled_mm
+def test_the_trial_forecasts_the_bf16_twin_from_the_fp8_layers_predicted_saving(fp8_device, tmp_path) -> None:
+    """The saving the device table predicts for the installed layers reaches the trial, which judges the twin on the
+    FP8 step's last warm-up iteration; a twin ruled out is never compiled (its time here depends on the host, so
+    either outcome may come: both are checked for what they must hold)."""
+    from automp.runtime.decisions import TWIN_FORECAST
+    model, x = net(), torch.randn(48, 32)
+    automp.enable(dtype="fp8", cache_dir=str(tmp_path), cuda_graphs=False, fp8_output=True)
+    try:
+        for _ in range(4):
+            model(x).sum().backward()
+        root = next(iter(automp._session.roots.values()))
+        bound = (root.trial or root.verdict).bounds[Route.COMPILED_AUTOCAST.value]  # the trial's, or its verdict's
+    finally:
+        report = automp.disable()
+    layers = report["fp8"]["Sequential"]["layers"]
+    # GAIN: bf16 2.0 ms against FP8 0.8 + cast 0.2, at shapes that are their own buckets
+    assert [layers[n]["predicted_saving_ms"] for n in ("2", "4")] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert root.fp8_saving_ms == pytest.approx(2.0) and bound["saving_ms"] == pytest.approx(2.0)
+    assert bound["forecast_ms"] == pytest.approx(bound["fp8_ms"] + 2.0, abs=1e-3) and bound["fp8_ms"] > 0
+    if bound["rule"] == TWIN_FORECAST:
+        assert root.stock is None and root.verdict.path is Route.FP8_COMPILED

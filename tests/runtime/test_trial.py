@@ -5,7 +5,8 @@ import torch
 
 from automp.runtime.decisions import (ANCHOR_KEPT, AS_WRITTEN, CONFIRMED, FORCED, MEASURED, ONLY_LEFT,
                                       RECORD_LAST, REMEASURED, Route, Verdict)
-from automp.runtime.trial import Trial, TrialConfig, candidate_paths
+from automp.runtime.starts import candidate_paths
+from automp.runtime.trial import Trial, TrialConfig
 
 
 class FakeClock:

@@ -48,6 +48,7 @@ ONLY_LEFT = "only-candidate-left"  # every other candidate was taken out of the 
 ANCHOR_KEPT = "anchor-kept"  # automp-compiled or autocast-graphed led autocast-compiled by noise only: the anchor kept
 AS_WRITTEN = "as-written-kept"  # the winner led the script as written (FP32 eager, a setting's own value) by noise only
 TWIN_KEPT = "bf16-twin-kept"  # an FP8 path led its bf16 twin by noise only: the step stays bf16
+TWIN_FORECAST = "bf16-twin-forecast-slower"  # an FP8 path kept: its bf16 twin forecast slower, never run (trial)
 CONFIRMED = "confirmed"  # re-measured in steady state (trial.confirmation): the verdict's path stood
 REMEASURED = "remeasured-faster"  # re-measured in steady state: an eager path beat the verdict's path
 ONLY_CANDIDATE = "only-candidate"  # the device offers one path (low precision does not pay there, or no calibration)

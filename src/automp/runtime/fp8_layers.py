@@ -52,9 +52,10 @@ class Fp8Layers:
             raise Fp8Unavailable(f"dtype fp8 is not available: {why}. Use --dtype bf16 (or auto).")
 
     def prepare(self, module: nn.Module, label: str, device: torch.device, run: Callable[[], Any],
-                shared: bool = False) -> tuple[str, ...]:
+                shared: bool = False) -> tuple[tuple[str, ...], float | None]:
         """Choose and install the FP8 layers of a new root; `run()` calls it once on the script's first batch, as
-        written. Returns the chosen layers' names (empty: the root runs bf16, and the report says why).
+        written. Returns the chosen layers' names (empty: the root runs bf16, and the report says why) and the
+        milliseconds per step they are predicted to save (fp8.Conversion.saving_ms; the trial's twin forecast).
 
         shared: a root every rank calls in lockstep (DDP, FSDP): every rank installs rank 0's choice. Each rank
         measures its own batch and (without a cached table) its own GEMM times; ranks that chose apart would run
@@ -62,7 +63,7 @@ class Fp8Layers:
         why = self.check(device)
         if why is not None:
             self.recorder.add_fallback(label, f"FP8 not used: {why}; runs bf16", FP8_OFF)
-            return ()
+            return (), None
         config = self.config
         with notices_from_warnings():  # the FP8 timing table's doubts and cache trouble: one line each
             conversion = fp8.convert(module, run, device=device, recipe=config.fp8_recipe,
@@ -77,7 +78,7 @@ class Fp8Layers:
         if conversion.all_gather is not None:
             self.gathers[label] = conversion.all_gather
         self.recorder.fp8[label] = conversion.as_dict()
-        return conversion.chosen
+        return conversion.chosen, conversion.saving_ms
 
     def gather(self, label: str, on: bool) -> None:
         """At each call of a root, on every rank alike: FSDP2 all-gathers the root's FP8 layers' weights in FP8 while

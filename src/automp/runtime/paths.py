@@ -53,6 +53,7 @@ class Root:
     fp8_stock: Callable[..., Any] | None = None  # stock with its FP8 layers on (Route.FP8_COMPILED)
     fp8_graphed: Callable[..., Any] | None = None  # the same, replayed as CUDA graphs (Route.FP8_GRAPHED)
     fp8_layers: tuple[str, ...] = ()  # its linear layers that run FP8 on the FP8 paths (automp.precision.fp8.choice)
+    fp8_saving_ms: float | None = None  # what they are predicted to save per step (the trial's twin forecast)
     graphs: int = 0  # graphs compiled for this root (recompiles included)
     compile_log: dict[str, dict[str, float]] = field(default_factory=dict)  # per stock path (runtime.compile_log)
     aside: str | None = None  # why automp leaves this module as written
@@ -110,7 +111,7 @@ class RootPaths:
             memory = self.memory(root.device)
             self.trial = Trial(candidates, for_ranks(self.trial_config), self.clock, sync_for(root.device), note=why,
                                later=RECORD_LAST, floor=self._floor(root, candidates),
-                               peak=memory.peak if memory is not None else None)
+                               peak=memory.peak if memory is not None else None, saving_ms=root.fp8_saving_ms)
             self.unfinished[self.trial] = []
             if (memory is not None and Route.COMPILED_AUTOCAST in candidates and set(EAGER_PATHS) & set(candidates)
                     and not distributed()):  # ranks must take the same turns: no rank leaves a candidate alone

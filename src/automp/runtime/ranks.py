@@ -57,7 +57,7 @@ def for_ranks(config: TrialConfig) -> TrialConfig:
     rank's own timings, and a rank whose trial ran longer would meet that broadcast with its gradient all-reduce."""
     if not distributed():
         return config
-    return replace(config, give_up=math.inf, give_up_first=math.inf)
+    return replace(config, give_up=math.inf, give_up_first=math.inf, twin_margin=math.inf)
 
 
 def rank0_start(cached: Verdict | None, candidates: list[Route], why: str

@@ -357,9 +357,9 @@ class Session:
         # before the key: the FP8 layers' classes are part of it. Not for a root the script calls under its own
         # autocast: automp steps aside there (call), and the probe would run the script's own (maybe compiled) model
         if self.fp8 is not None and not torch.is_autocast_enabled(device.type):
-            root.fp8_layers = self.fp8.prepare(module, root.label, device,
-                                               lambda: self._run(module, root, Route.FP32, args, kwargs, count=False),
-                                               shared=root.lockstep)
+            root.fp8_layers, root.fp8_saving_ms = self.fp8.prepare(
+                module, root.label, device, lambda: self._run(module, root, Route.FP32, args, kwargs, count=False),
+                shared=root.lockstep)
             extra += ":" + self.fp8.key(root.fp8_layers, self.config.fp8_recipe)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         root.key = module_key(module, args, str(root.low), f"{device.type}:{name}", extra=extra)

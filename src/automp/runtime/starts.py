@@ -13,7 +13,45 @@ from automp.runtime.decisions import (BF16_TWIN, COMPILED_PATHS, DOUBLE_BACKWARD
 from automp.runtime.guards import input_grads
 from automp.runtime.ranks import rank0_start
 from automp.runtime.report import notices_from_warnings
-from automp.runtime.trial import candidate_paths
+
+
+# A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
+MIN_GAIN = 1.2
+
+
+def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Route], str]:
+    """Which paths can win on a device whose `dtype` GEMMs run `gain` times FP32's rate, and why. A device where low
+    precision is not clearly faster gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
+    compiled graphs can save, so only the eager paths are timed. The GEMM rate alone does not decide: a step is more
+    than its GEMMs (casts, launches, the rest of the model), so the trial times whole steps and may still keep FP32."""
+    rate = gemm_speed(dtype, gain, {"cpu": "CPU", "cuda": "GPU"}.get(device_type, device_type))
+    if gain < MIN_GAIN:
+        return [Route.FP32], (f"{rate}: low precision does not pay here (it needs GEMMs at least {MIN_GAIN}x as "
+                              f"fast), kept FP32")
+    if device_type != "cuda":
+        return [Route.FP32, Route.EAGER_LOW], (f"{rate}; whole steps timed as written and in low precision eager "
+                                             f"(GEMMs are only part of a step); compiled graphs not tried on a CPU "
+                                             f"(compile time)")
+    return list(GPU_CANDIDATES), rate
+
+
+# A GPU trial's candidates, in the order they first run, after the graphed path's first warm-up iteration
+# (TrialConfig.early_warmup). The anchor's path first: its iteration's peak memory is the budget of the eager
+# candidates after it (automp.runtime.guards.memory_budget). Not automp's own graph pass
+# (Route.COMPILED, still there as path="compile"): interleaved with other paths in a trial, its step computed a wrong
+# loss on a GPU, tenths above plain autocast eager's from the same weights (forced from the first call, or left out,
+# every path tracked the plain loop; tests/runtime/test_trial_parity_gpu.py), and it led the anchor by noise at best
+# (BENCHMARKS.md, "Loss parity of the trial").
+GPU_CANDIDATES = (Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.GRAPHED, Route.FP32)
+
+
+def gemm_speed(dtype: str, gain: float, where: str) -> str:
+    """`gain` (low precision's GEMM rate over FP32's) in words that say which way it goes."""
+    if gain <= 0:
+        return f"{dtype} GEMMs were not measured on this {where}"
+    if gain >= 1:
+        return f"{dtype} GEMMs ran {gain:.1f}x as fast as FP32 on this {where}"
+    return f"{dtype} GEMMs took {1 / gain:.1f}x as long as FP32 on this {where}"
 
 
 def forced_verdict(config: Any, root: Any, recorder: Any) -> Verdict | None:
@@ -61,7 +99,7 @@ Candidates = Callable[[torch.device, torch.dtype], "tuple[list[Route], str]"]  #
 
 
 class CalibratedCandidates:
-    """The default candidates: which paths can win on a device (trial.candidate_paths), from its GEMM rates,
+    """The default candidates: which paths can win on a device (candidate_paths), from its GEMM rates,
     measured once per device and cached on disk under `cache_dir` (automp.precision.calibrate)."""
 
     def __init__(self, cache_dir: str) -> None:

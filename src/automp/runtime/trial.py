@@ -14,13 +14,17 @@ script starts on the winner and pays nothing.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from automp.runtime.decisions import (ANCHOR_KEPT, AS_WRITTEN, BF16_TWIN, COMPILED_PATHS, CONFIRMED, EAGER_PATHS,
-                                      GRAPHS_DEVICE_BOUND, MEASURED, ONLY_LEFT, REMEASURED, TWIN_KEPT, Route, Verdict)
+                                      GRAPHS_DEVICE_BOUND, MEASURED, ONLY_LEFT, REMEASURED, TWIN_FORECAST, TWIN_KEPT,
+                                      Route, Verdict)
 from automp.runtime.fp32_bound import RULED_OUT, Fp32Floor
+
+TWIN_CLOSE = "bf16-twin-forecast-close"  # Verdict.bounds: the twin's forecast was not clear enough, it is timed
 
 
 @dataclass
@@ -59,7 +63,14 @@ class TrialConfig:
     warm-up run, which records nothing and replays nothing, but allocates in the graph pool; run while the process
     holds the least (no other path's activations or compile), it peaks like the hand-written loop's own first step,
     where after the compiled candidates' steps it lifted GPT-2's trial above them (BENCHMARKS.md, "Against the
-    strongest loop"). Its pool then stays reserved until the recording: RootPaths.check_early_pool."""
+    strongest loop"). Its pool then stays reserved until the recording: RootPaths.check_early_pool. twin_margin: an
+    FP8 step whose own warm-up time plus the milliseconds its FP8 layers are predicted to save (the device table's
+    GEMM times, automp.precision.fp8.choice.saving_ms) forecasts its bf16 twin slower by more than this share is kept
+    without compiling or timing the twin (`_judge_twin`): at Llama-3.2-1B dims the twin's compile was the whole of
+    the FP8 first run's excess over torchao's, and its recording step the trial's peak memory (BENCHMARKS.md, "FP8
+    training"). Over three times anchor_margin: on ViT-L/16 the table's predicted saving, a few percent of the step,
+    did not hold on the whole step (the FP8 step measured slower), so only a clear forecast skips the measurement;
+    inf: the twin is always timed (under torch.distributed, ranks.for_ranks)."""
 
     warmup: dict[Route, int] = field(default_factory=lambda: {Route.FP32: 1, Route.EAGER_LOW: 1, Route.COMPILED: 2,
                                                              Route.COMPILED_AUTOCAST: 2, Route.GRAPHED: 3,
@@ -76,6 +87,7 @@ class TrialConfig:
     churn: int = 3
     graphs_host_share: float = 0.7
     early_warmup: int = 1
+    twin_margin: float = 0.10
 
 
 class Trial:
@@ -102,7 +114,7 @@ class Trial:
                  sync: Callable[[], None], note: str = "", incumbent: Route | None = None,
                  warmup: Mapping[Route, int] | None = None, clock_member: int | None = None,
                  later: Iterable[Route] = (), floor: Fp32Floor | None = None,
-                 peak: Callable[[], int] | None = None):
+                 peak: Callable[[], int] | None = None, saving_ms: float | None = None):
         if not candidates:
             raise ValueError("a trial needs at least one candidate path")
         self.candidates, self.config, self.clock, self.sync = list(candidates), config, clock, sync
@@ -134,6 +146,15 @@ class Trial:
             self._queue = [q for p, timed, n in self._queue for q in (
                 [(p, timed, 1), (p, timed, max(1, n - 1))] if p is Route.EAGER_LOW and not timed else [(p, timed, n)])]
             self._queue.sort(key=lambda q: q[0] is Route.FP32)
+        # saving_ms: what the FP8 path's layers are predicted to save per step. Its warm-up then runs before its bf16
+        # twin's, the last iteration alone: the twin's forecast (TrialConfig.twin_margin, _judge_twin)
+        fp8 = next((p for p in candidates if BF16_TWIN.get(p) in candidates), None)
+        warming = [q for q in self._queue if q[0] is fp8 and not q[1]]
+        self.saving_ms = saving_ms if warming and config.twin_margin < math.inf else None
+        if self.saving_ms is not None:
+            n = warming[0][2]
+            others = [q for q in self._queue if q[0] is not fp8]
+            self._queue = [(fp8, False, n - 1)] * (n > 1) + [(fp8, False, 1)] + others
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
@@ -202,6 +223,8 @@ class Trial:
             self._counted, self._count = (self._count, iterations), None
         elif self._counted is not None and path is Route.EAGER_LOW:
             self._judge_fp32(now - self._start, iterations)
+        elif self.saving_ms is not None and len(self._queue) > 1 and self._queue[1][0] is BF16_TWIN.get(path):
+            self._judge_twin(path, (now - self._start) / iterations)
         self._queue.pop(0)
         self._done = 0
         if not self._queue:
@@ -234,6 +257,20 @@ class Trial:
             self.exclude({Route.FP32}, why)
         elif why:
             self._add_note(why)
+
+    def _judge_twin(self, path: Route, seconds: float) -> None:
+        """The FP8 step's last warm-up iteration ended, its bf16 twin's warm-up next: the twin out of the trial, never
+        compiled, where the forecast of its step, this iteration plus the FP8 layers' predicted saving, is slower by
+        more than twin_margin. The figures go into the verdict's bounds either way."""
+        twin, saving, self.saving_ms = BF16_TWIN[path], self.saving_ms, None
+        ms, margin = 1e3 * seconds, self.config.twin_margin
+        ruled_out = saving > margin * ms
+        self.bounds[twin.value] = {"rule": TWIN_FORECAST if ruled_out else TWIN_CLOSE, "fp8_ms": round(ms, 3),
+                                   "saving_ms": saving, "forecast_ms": round(ms + saving, 3), "margin": margin}
+        if ruled_out:
+            self.exclude({twin}, f"{twin.value} not run: its step is forecast at {ms + saving:.1f} ms, {path.value}'s "
+                                 f"{ms:.1f} ms plus the {saving:.1f} ms its FP8 layers are predicted to save, over "
+                                 f"{100 * margin:g}% slower")
 
     def launch_bound(self) -> str | None:
         """Why CUDA graphs are not worth recording in this trial, or None: every timed sample of the compiled paths
@@ -352,7 +389,7 @@ class Trial:
                     f"measurement's noise), so the script runs as written")
             winner, rule = Route.FP32, AS_WRITTEN
         if not parts:
-            rule = ONLY_LEFT
+            rule = TWIN_FORECAST if any(b.get("rule") == TWIN_FORECAST for b in self.bounds.values()) else ONLY_LEFT
         measured = f"measured per iteration: {parts}" if parts else "the only candidate left, nothing timed"
         self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings, rule=rule,
                                confirmed=inc is not None, bounds=dict(self.bounds),
@@ -363,45 +400,6 @@ class Trial:
         """Whether `kept`, still a candidate, measured within `margin` of the winner's median."""
         ms = timings.get(kept.value)
         return kept in self.alive and ms is not None and ms <= (1 + margin) * timings[winner.value]
-
-
-# A device must run low-precision GEMMs at least this much faster than FP32 (measured) for a trial to be worth it.
-MIN_GAIN = 1.2
-
-
-def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Route], str]:
-    """Which paths can win on a device whose `dtype` GEMMs run `gain` times FP32's rate, and why. A device where low
-    precision is not clearly faster gets FP32 at once. On a CPU, Inductor's C++ compile takes longer than a script's
-    compiled graphs can save, so only the eager paths are timed. The GEMM rate alone does not decide: a step is more
-    than its GEMMs (casts, launches, the rest of the model), so the trial times whole steps and may still keep FP32."""
-    rate = gemm_speed(dtype, gain, {"cpu": "CPU", "cuda": "GPU"}.get(device_type, device_type))
-    if gain < MIN_GAIN:
-        return [Route.FP32], (f"{rate}: low precision does not pay here (it needs GEMMs at least {MIN_GAIN}x as "
-                              f"fast), kept FP32")
-    if device_type != "cuda":
-        return [Route.FP32, Route.EAGER_LOW], (f"{rate}; whole steps timed as written and in low precision eager "
-                                             f"(GEMMs are only part of a step); compiled graphs not tried on a CPU "
-                                             f"(compile time)")
-    return list(GPU_CANDIDATES), rate
-
-
-# A GPU trial's candidates, in the order they first run, after the graphed path's first warm-up iteration
-# (TrialConfig.early_warmup). The anchor's path first: its iteration's peak memory is the budget of the eager
-# candidates after it (automp.runtime.guards.memory_budget). Not automp's own graph pass
-# (Route.COMPILED, still there as path="compile"): interleaved with other paths in a trial, its step computed a wrong
-# loss on a GPU, tenths above plain autocast eager's from the same weights (forced from the first call, or left out,
-# every path tracked the plain loop; tests/runtime/test_trial_parity_gpu.py), and it led the anchor by noise at best
-# (BENCHMARKS.md, "Loss parity of the trial").
-GPU_CANDIDATES = (Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.GRAPHED, Route.FP32)
-
-
-def gemm_speed(dtype: str, gain: float, where: str) -> str:
-    """`gain` (low precision's GEMM rate over FP32's) in words that say which way it goes."""
-    if gain <= 0:
-        return f"{dtype} GEMMs were not measured on this {where}"
-    if gain >= 1:
-        return f"{dtype} GEMMs ran {gain:.1f}x as fast as FP32 on this {where}"
-    return f"{dtype} GEMMs took {1 / gain:.1f}x as long as FP32 on this {where}"
 
 
 def confirmation(verdict: Verdict, config: TrialConfig, clock: Callable[[], float], sync: Callable[[], None],

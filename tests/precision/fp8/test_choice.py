@@ -208,3 +208,21 @@ def test_probes_measure_every_recipe_in_one_forward() -> None:
     alone = fc.probe(net, lambda: net(x), "tensorwise")
     assert by_recipe["tensorwise"].errors == alone.errors and by_recipe["tensorwise"].shapes == alone.shapes
     assert set(by_recipe["rowwise"].errors) == set(alone.errors)
+
+
+def test_each_fp8_layer_carries_the_milliseconds_it_is_predicted_to_save() -> None:
+    """bf16 time less FP8 time and casts, scaled from the measured bucket to the layer's own FLOPs; a sibling group's
+    saving is shared among its members, and the conversion adds up the installed layers' (the trial's forecast)."""
+    from automp.precision.fp8 import Conversion
+    shapes = {"q": GemmShape(4096, 2048, 2048), "k": GemmShape(4096, 2048, 512), "v": GemmShape(4096, 2048, 512),
+              "up": GemmShape(4096, 2048, 2304), "head": GemmShape(4096, 2048, 2048)}
+    gains = {(2048, 2048): 1.4, (2048, 512): 0.8, (2048, 3072): 1.5, (2048, 2304): 1.6}  # bf16 ms; FP8 + cast: 1.0
+    probe = fc.Probe(shapes, {n: 0.04 for n in shapes}, [("q", "k", "v")], {("q", "k", "v"): 0.05})
+    choices = fc.choose(probe, list(shapes), table(gains), siblings=True)
+    assert [choices[n].saving_ms for n in ("q", "k", "v")] == [pytest.approx(0.5 / 3, abs=1e-4)] * 3
+    # 2304 outputs are measured at their bucket, 2560: 2304 / 2560 of the bucket's 0.6 ms
+    assert choices["up"].saving_ms == pytest.approx(0.6 * 2304 / 2560, abs=1e-4)
+    assert choices["head"].dtype == "bf16" and choices["head"].as_dict()["predicted_saving_ms"] == pytest.approx(0.4)
+    conversion = Conversion("tensorwise", choices, installed={n: nn.Identity() for n in ("q", "k", "v", "up")})
+    assert conversion.saving_ms == pytest.approx(0.5 + 0.6 * 0.9, abs=1e-3)
+    assert Conversion("tensorwise", choices).saving_ms is None  # nothing installed: nothing to forecast

@@ -14,7 +14,8 @@ import automp
 from automp.runtime import compiled_paths
 from automp.runtime.decisions import TRIAL_OOM, TRIAL_OVER_MEMORY, Route
 from automp.runtime.guards.memory_budget import DeviceMemory, MemoryBudget, OverBudget
-from automp.runtime.trial import GPU_CANDIDATES, TrialConfig, candidate_paths
+from automp.runtime.starts import GPU_CANDIDATES, candidate_paths
+from automp.runtime.trial import TrialConfig
 from tests.runtime.sessions import inject, train_mlp as _train
 
 pytestmark = pytest.mark.usefixtures("fresh_session")

@@ -40,6 +40,13 @@ class Conversion:
     def chosen(self) -> tuple[str, ...]:
         return tuple(self.installed)
 
+    @property
+    def saving_ms(self) -> float | None:
+        """Milliseconds per step the installed FP8 layers are predicted to save over bf16 (choice.saving_ms summed);
+        None where none is installed or one has no prediction."""
+        savings = [self.choices[n].saving_ms for n in self.installed]
+        return None if not savings or None in savings else round(sum(savings), 3)
+
     def as_dict(self) -> dict[str, Any]:
         """The report's FP8 entry for this module."""
         out: dict[str, Any] = {"recipe": self.recipe, "fp8_layers": len(self.installed),

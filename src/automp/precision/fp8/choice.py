@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from automp.precision.fp8 import layers as fp8
-from automp.precision.fp8.table import Fp8Timing, GemmShape
+from automp.precision.fp8.table import Fp8Timing, GemmShape, bucket
 
 MIN_GAIN = 1.10  # predicted speedup of a layer's three GEMMs, casts included, before it is offered FP8
 MAX_ERROR = 0.10  # relative output error against bf16 on the real batch (a few times what Gaussian data gives)
@@ -57,10 +57,23 @@ class LayerChoice:
     rule: str
     shape: tuple[int, int, int] | None = None  # (tokens, in, out) on the first batch
     recipe: str | None = None  # the scaling whose gain and error these are (the one it runs, where dtype is fp8)
+    # milliseconds per step FP8 is predicted to save on this layer (its share of a sibling group's): `saving_ms`
+    saving_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "predicted_gain": self.predicted_gain, "measured_error": self.measured_error,
-                "rule": self.rule, "shape": list(self.shape) if self.shape else None, "recipe": self.recipe}
+                "rule": self.rule, "shape": list(self.shape) if self.shape else None, "recipe": self.recipe,
+                "predicted_saving_ms": self.saving_ms}
+
+
+def saving_ms(entry: Fp8Timing, shape: GemmShape, members: int = 1) -> float:
+    """What FP8 is predicted to save per step on one of `members` layers that share the GEMM of `shape`: the table's
+    bf16 time less its FP8 time and casts, measured at the shape's bucket and scaled down to the shape's own FLOPs
+    (a bucket is up to a quarter larger along each dimension). The runtime's trial adds these up to forecast the
+    whole step in bf16 (automp.runtime.trial, TrialConfig.twin_margin)."""
+    b = bucket(shape)
+    scale = (shape.m * shape.k * shape.n) / (b.m * b.k * b.n)
+    return round(scale * (entry.bf16_ms - entry.fp8_gemm_ms - entry.cast_ms) / members, 4)
 
 
 @dataclass
@@ -190,8 +203,10 @@ def group_choices(probe: Probe, choices: dict[str, LayerChoice], timing: Callabl
         gain = round(entry.predicted_gain, 3) if entry is not None else None
         if gain is None or gain < min_gain:
             continue
+        saving = saving_ms(entry, group_shape(probe, group), len(group))
         for name, c in zip(group, members):
-            out[name] = replace(c, dtype="fp8", predicted_gain=gain, measured_error=round(joined, 4), rule=FP8_GROUP)
+            out[name] = replace(c, dtype="fp8", predicted_gain=gain, measured_error=round(joined, 4), rule=FP8_GROUP,
+                                saving_ms=saving)
     return out
 
 
@@ -209,7 +224,8 @@ def _choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Ti
         if kept(name, keep) or name == last:
             entry = timing(shape) if fp8.fits(*dims) else None
             gain = round(entry.predicted_gain, 3) if entry is not None else None
-            choices[name] = LayerChoice("bf16", gain, error, KEPT if kept(name, keep) else OUTPUT, dims)
+            choices[name] = LayerChoice("bf16", gain, error, KEPT if kept(name, keep) else OUTPUT, dims,
+                                        saving_ms=saving_ms(entry, shape) if entry is not None else None)
             continue
         if not fp8.fits(*dims):
             choices[name] = LayerChoice("bf16", None, error, SHAPE, dims)
@@ -225,7 +241,8 @@ def _choose(probe: Probe, layers: list[str], timing: Callable[[GemmShape], Fp8Ti
             rule = ACCURACY
         else:
             rule = FP8
-        choices[name] = LayerChoice("fp8" if rule == FP8 else "bf16", gain, error, rule, dims)
+        choices[name] = LayerChoice("fp8" if rule == FP8 else "bf16", gain, error, rule, dims,
+                                    saving_ms=saving_ms(entry, shape))
     return choices
 
 
