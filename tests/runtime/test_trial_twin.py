@@ -34,6 +34,7 @@ def test_a_clear_forecast_keeps_the_fp8_step_and_never_runs_the_twin():
     assert bound["rule"] == TWIN_FORECAST
     assert bound["fp8_ms"] == pytest.approx(110.0) and bound["forecast_ms"] == pytest.approx(135.0)
     assert "autocast-graphed not run" in trial.verdict.reason and "135.0 ms" in trial.verdict.reason
+    assert trial.verdict.reason.endswith("fp8-graphed kept on that forecast")
 
 
 @pytest.mark.parametrize("saving_ms", [5.0, 10.5])  # 4.5% and 9.5% of the FP8 step: inside the 10% margin

@@ -82,7 +82,7 @@ def trial_start(config: Any, root: Any, cache: Any, candidates: Callable[..., tu
     elif root.fp8_layers:  # the FP8 step against the same step in bf16, its twin (decisions.BF16_TWIN)
         routes = [Route.GRAPHED, Route.FP8_GRAPHED]
         why = (f"{len(root.fp8_layers)} linear layer(s) predicted faster in FP8 ({config.fp8_recipe}); the whole step "
-               f"timed in FP8 and in bf16")
+               f"timed in FP8, and in bf16 unless forecast clearly slower")
     else:
         routes, why = candidates(root.device, root.low)
     if root.eager_only and routes:

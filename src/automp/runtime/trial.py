@@ -390,7 +390,8 @@ class Trial:
             winner, rule = Route.FP32, AS_WRITTEN
         if not parts:
             rule = TWIN_FORECAST if any(b.get("rule") == TWIN_FORECAST for b in self.bounds.values()) else ONLY_LEFT
-        measured = f"measured per iteration: {parts}" if parts else "the only candidate left, nothing timed"
+        measured = (f"measured per iteration: {parts}" if parts else f"{winner.value} kept on that forecast"
+                    if rule == TWIN_FORECAST else "the only candidate left, nothing timed")
         self.verdict = Verdict(winner, f"{why}{measured}{tie}", timings, rule=rule,
                                confirmed=inc is not None, bounds=dict(self.bounds),
                                peaks_gib={k: round(v / 2**30, 3) for k, v in self.peaks.items()},
