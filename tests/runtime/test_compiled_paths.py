@@ -209,18 +209,19 @@ def test_cuda_graphs_are_tried_only_where_the_scripts_memory_leaves_room_for_the
     inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
     built, rep = _settle_mlp(tmp_path)
     assert (Route.GRAPHED.value in rep["choices"][0]["timings_ms"]) == tried
-    assert built == 2  # compiled for its early warm-up either way: recorded and timed only where it fits
+    assert built == (2 if tried else 1)  # checked before their first call: not even compiled where they do not fit
     assert ("autocast-graphed not tried: the script has reserved" in rep["choices"][0]["reason"]) != tried
 
 
 @pytest.mark.usefixtures("eager_inductor")
 def test_graphs_whose_early_warmup_leaves_no_room_go_before_any_other_candidate_runs(monkeypatch, tmp_path):
-    """The graphs' early warm-up peaked above the share of the device graphs are tried under: they go at the next
+    """With TrialConfig.early_warmup, the graphs' warm-up peaked above the share of the device graphs are tried under: they go at the next
     call, before the compiled candidate runs beside their pool, the gradients in it copied out and the pool given
     back (on the H200, a script at 70% of the card ran out of memory in a later candidate beside that pool)."""
     from automp.runtime import compiled_paths, graph_pool
     from automp.runtime.decisions import Route
     from automp.runtime.session import Session
+    from automp.runtime.trial import TrialConfig
     ran, evacuated, released = [], [], []
     monkeypatch.setattr(compiled_paths, "early_pool_fits", lambda device: "autocast-graphed not tried: its warm-up")
     run = Session._run
@@ -230,7 +231,8 @@ def test_graphs_whose_early_warmup_leaves_no_room_go_before_any_other_candidate_
     monkeypatch.setattr(graph_pool.GradRescue, "evacuate", lambda self: evacuated.append(len(ran)) or evacuate(self))
     monkeypatch.setattr(graph_pool.PoolRelease, "attempt",
                         lambda self: released.append(len(ran)) or graph_pool.Release.RELEASED)
-    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test: two candidates"),
+           trial_config=TrialConfig(early_warmup=1))
     _, rep = _settle_mlp(tmp_path)
     assert ran[0] is Route.GRAPHED and Route.GRAPHED not in ran[1:]
     assert evacuated == [1] and released[:1] == [1]  # at the second call, before it ran
@@ -377,8 +379,8 @@ def test_many_compiles_in_one_process_stay_under_dynamos_recompile_limit(monkeyp
 def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_far_ahead_of_the_device(
         monkeypatch, tmp_path, host_ms, tried):
     """A device-bound step (the host done issuing it long before the device is done running it) gains nothing from
-    CUDA graphs, which shorten only the launches: they are neither recorded nor timed (compiled for their early
-    warm-up only), and the verdict's bounds say why, with the measured share. A step whose host work is most of it
+    CUDA graphs, which shorten only the launches: they are neither compiled, recorded nor timed, and the verdict's
+    bounds say why, with the measured share. A step whose host work is most of it
     keeps them in the trial."""
     from automp.runtime import paths
     from automp.runtime.decisions import GRAPHS_DEVICE_BOUND, Route
@@ -399,7 +401,7 @@ def test_cuda_graphs_are_not_recorded_where_the_host_issues_the_compiled_step_fa
     built, rep = _settle_mlp(tmp_path)
     (choice,) = rep["choices"]
     assert (Route.GRAPHED.value in choice["timings_ms"]) == tried
-    assert built == 2  # the graphed path's early warm-up compiled it either way
+    assert built == (2 if tried else 1)  # judged before the graphed path's first call
     if not tried:
         assert choice["path"] == Route.COMPILED_AUTOCAST.value
         assert choice["bounds"][Route.GRAPHED.value] == {"rule": GRAPHS_DEVICE_BOUND, "host_share": 0.6, "limit": 0.7}

@@ -278,7 +278,7 @@ def test_cached_memory_goes_back_before_cuda_graphs_record_and_once_they_win(mon
             root = session.roots[net]
             path = root.trial.current if root.path is None else root.path
             graphed += path is Route.GRAPHED
-            if path is Route.GRAPHED and graphed == 2:  # its recording (the first call: the early warm-up)
+            if path is Route.GRAPHED and graphed == 2:  # its recording (the first call: the trees' warm-up)
                 before = len(released)
             if root.path is not None and decided_at is None:
                 decided_at, at_verdict = i, len(released)
@@ -308,7 +308,9 @@ def test_graphs_dropped_after_their_one_warmup_call_give_their_pool_back(monkeyp
     before_replay = graph_pool.GradRescue.before_replay
     monkeypatch.setattr(graph_pool.GradRescue, "before_replay",
                         lambda self: state.update(n=max(state["n"], 1)) or before_replay(self))
-    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"))
+    from automp.runtime.trial import TrialConfig
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"),
+           trial_config=TrialConfig(early_warmup=1))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     automp.enable(dtype="bf16", cache_dir=str(tmp_path))

@@ -379,9 +379,10 @@ def test_an_eager_loser_is_dropped_by_the_later_rounds_margin_before_the_graphs_
 def test_a_later_paths_first_warmup_iteration_runs_before_every_other_candidate():
     """The graph trees' warm-up run while the process holds the least (TrialConfig.early_warmup): the graphed path's
     first iteration comes first, the rest of its warm-up (recording) after the first round, its warm-up as long as
-    before in all; a path with one warm-up iteration, or early_warmup 0, keeps all of it for later."""
+    before in all; a path with one warm-up iteration, or early_warmup 0 (the default), keeps all of it for later."""
     order = [Route.COMPILED_AUTOCAST, Route.EAGER_LOW, Route.GRAPHED, Route.FP32]
-    trial, ran = iterations(RESNET, TrialConfig(), order)
+    early = TrialConfig(early_warmup=1)
+    trial, ran = iterations(RESNET, early, order)
     warmup = TrialConfig().warmup[Route.GRAPHED]
     graphed = [i for i, p in enumerate(ran) if p is Route.GRAPHED]
     assert graphed[0] == 0 and ran[1] is Route.COMPILED_AUTOCAST
@@ -389,10 +390,10 @@ def test_a_later_paths_first_warmup_iteration_runs_before_every_other_candidate(
     assert all(i > first_round_end for i in graphed[1:warmup])  # recorded after the first round, as before
     samples = trial.samples[Route.GRAPHED]  # then timed; its warm-up as long as before in all
     assert samples and len(graphed) == warmup + TrialConfig().block * len(samples)
-    _, late = iterations(RESNET, TrialConfig(early_warmup=0), order)
+    _, late = iterations(RESNET, TrialConfig(), order)
     assert late[0] is Route.COMPILED_AUTOCAST and late.index(Route.GRAPHED) > late.index(Route.FP32)
     one = {**TrialConfig().warmup, Route.GRAPHED: 1}
-    _, once = iterations(RESNET, TrialConfig(warmup=one), order)
+    _, once = iterations(RESNET, TrialConfig(warmup=one, early_warmup=1), order)
     assert once[0] is Route.COMPILED_AUTOCAST and once.count(Route.GRAPHED) == len(graphed) - warmup + 1
 
 

@@ -35,8 +35,8 @@ def candidate_paths(device_type: str, gain: float, dtype: str) -> tuple[list[Rou
     return list(GPU_CANDIDATES), rate
 
 
-# A GPU trial's candidates, in the order they first run, after the graphed path's first warm-up iteration
-# (TrialConfig.early_warmup). The anchor's path first: its iteration's peak memory is the budget of the eager
+# A GPU trial's candidates, in the order they first run (after the graphed path's first warm-up iteration where
+# TrialConfig.early_warmup asks for it). The anchor's path first: its iteration's peak memory is the budget of the eager
 # candidates after it (automp.runtime.guards.memory_budget). Not automp's own graph pass
 # (Route.COMPILED, still there as path="compile"): interleaved with other paths in a trial, its step computed a wrong
 # loss on a GPU, tenths above plain autocast eager's from the same weights (forced from the first call, or left out,

@@ -63,7 +63,10 @@ class TrialConfig:
     warm-up run, which records nothing and replays nothing, but allocates in the graph pool; run while the process
     holds the least (no other path's activations or compile), it peaks like the hand-written loop's own first step,
     where after the compiled candidates' steps it lifted GPT-2's trial above them (BENCHMARKS.md, "Against the
-    strongest loop"). Its pool then stays reserved until the recording: RootPaths.check_early_pool. twin_margin: an
+    strongest loop"). Its pool then stays reserved until the recording (RootPaths.check_early_pool), beside every
+    other candidate's steps: 0 by default, since measured it cost more than it saved. It lowered GPT-2's allocated
+    peak but not its reserved one, raised ViT-L/16's a little, and where graphs then leave as launch-bound (Llama-3.2-1B
+    dims) the pool's whole reservation came on top of the trial's (docs/runtime.md). twin_margin: an
     FP8 step whose own warm-up time plus the milliseconds its FP8 layers are predicted to save (the device table's
     GEMM times, automp.precision.fp8.choice.saving_ms) forecasts its bf16 twin slower by more than this share is kept
     without compiling or timing the twin (`_judge_twin`): at Llama-3.2-1B dims the twin's compile was the whole of
@@ -86,7 +89,7 @@ class TrialConfig:
     confirm_within: float = 0.25
     churn: int = 3
     graphs_host_share: float = 0.7
-    early_warmup: int = 1
+    early_warmup: int = 0
     twin_margin: float = 0.10
 
 

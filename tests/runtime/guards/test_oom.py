@@ -93,7 +93,7 @@ def test_the_error_is_read_for_its_size_and_found_inside_a_compile_failure():
 
 @pytest.mark.usefixtures("eager_inductor")
 def test_out_of_memory_beside_the_graphs_early_warmup_drops_the_graphs_not_the_candidate(monkeypatch):
-    """The graphed path warms up first (TrialConfig.early_warmup), before its memory check: a candidate that runs out
+    """With TrialConfig.early_warmup the graphed path warms up first, before its memory check: a candidate that runs out
     of memory beside its pool stays in the trial, and the graphs leave instead (their pool was what came on top)."""
     real, failed = compiled_paths.stock, []
 
@@ -109,7 +109,8 @@ def test_out_of_memory_beside_the_graphs_early_warmup_drops_the_graphs_not_the_c
             return compiled(*args, **kw)
         return call
     monkeypatch.setattr(compiled_paths, "stock", stock)
-    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"))
+    inject(monkeypatch, candidates=lambda device, low: ([Route.COMPILED_AUTOCAST, Route.GRAPHED], "test"),
+           trial_config=TrialConfig(early_warmup=1))
     automp.enable(dtype="bf16")
     net = _net()
     losses = _train(net, steps=12)

@@ -7,8 +7,7 @@ script that fits under the strongest loop could then run out of memory in automp
 anything.
 
 How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate
-after the CUDA-graph path's warm-up run (automp.runtime.trial.TrialConfig.early_warmup; the reduce-overhead loop's
-own first step). The peak allocated memory of the process up to the end of its first iteration (forward, backward
+(after the CUDA-graph path's warm-up run where automp.runtime.trial.TrialConfig.early_warmup asks for it). The peak allocated memory of the process up to the end of its first iteration (forward, backward
 and optimizer step) is the budget. It is read at the end of the forward, when the backward has run through the
 forward's outputs, and when the next call begins, and the highest reading counts: a script (or a benchmark) that
 resets torch's peak statistics at each step would otherwise leave only what is allocated between steps, far under
