@@ -48,6 +48,20 @@ def test_planes_match_float64_reference(poison, bits, n, k, group, m, dtype, spl
         assert rel_err(y, _reference(qw, s, a)) < TOL[dtype], asm
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,k,group,m,split_k", [(67, 264, None, 2, None), (40, 1024, 128, 8, 3),
+                                                 (65, 384, 128, 5, 2), (24, 640, None, 9, 4)])
+def test_scales_loaded_a_tile_ahead_give_the_same_product(poison, bits, n, k, group, m, split_k):
+    """PREFETCH_S (the autotuner chooses it on the GPU): every tile still takes its own group's scales, in a split's
+    last tile and where a range holds a single tile, as the tile-by-tile load does."""
+    qw, s, a = _operands(bits, n, k, group, m, F16)
+    ref = _reference(qw, s, a)
+    ahead, behind = (quant_planes(qw, s, a, split_k=split_k, prefetch=p) for p in (True, False))
+    assert rel_err(ahead, ref) < TOL[F16] and rel_err(behind, ref) < TOL[F16]
+    if DEVICE == "cpu":  # the same kernel and summation order but for where the scales are loaded: bitwise equal
+        assert torch.equal(ahead, behind)
+
+
 def test_int8_takes_groups_of_64(poison):
     qw, s, a = _operands(8, 40, 320, 64, 5, F16)
     assert rel_err(quant_planes(qw, s, a), _reference(qw, s, a)) < TOL[F16]

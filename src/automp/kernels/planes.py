@@ -47,11 +47,13 @@ _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded t
 
 def _configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     if interpret:  # one config per bit width (the prune keeps the one whose planes are 16 words deep)
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk}, num_warps=4) for bk in (64, 128)]
-    # The configs that won some Llama-3-8B product at 8 or 32 rows, int4 and int8.
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": bk, "PREFETCH_S": True}, num_warps=4) for bk in (64, 128)]
+    # The configs that won some Llama-3-8B product at 8 or 32 rows, int4 and int8, each with and without the scales
+    # loaded a tile ahead (PREFETCH_S): the autotuner keeps whichever the device runs faster.
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH_S": pre}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 2, 3), (64, 128, 2, 4),
-                                 (64, 128, 4, 3), (64, 128, 4, 4), (32, 64, 2, 4), (64, 64, 2, 4)]]
+                                 (64, 128, 4, 3), (64, 128, 4, 4), (32, 64, 2, 4), (64, 64, 2, 4)]
+            for pre in (False, True)]
 
 
 def fits(config: triton.Config, args: dict) -> bool:
@@ -181,9 +183,13 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
                       GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
                       A_FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr):
+                      PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
-    SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N]."""
+    SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N].
+
+    PREFETCH_S: each tile's scales are loaded one tile ahead. Triton pipelines the codes' and the activations' loads
+    into shared memory (they feed the dots) but not the scales' (checked in the compiled code): loaded in the tile that
+    uses them, a program waits a memory round trip per tile, with few programs per SM to cover it."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // CPW
     pid_k = tl.program_id(1)
@@ -197,7 +203,14 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
     KW = K // CPW
     t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((BLOCK_N, M_P2), dtype=tl.float32)
+    if PREFETCH_S:  # clamped into [0, t_hi - 1]: a valid group of every row even where the range is empty
+        s_next = tl.load(s_rows + tl.maximum(tl.minimum(t_lo, t_hi - 1), 0) * BLOCK_K // GROUP)
     for t in k_range(t_lo, t_hi, 1):
+        if PREFETCH_S:
+            s = s_next
+            s_next = tl.load(s_rows + tl.minimum(t + 1, t_hi - 1) * BLOCK_K // GROUP)
+        else:
+            s = tl.load(s_rows + t * BLOCK_K // GROUP)  # the tile lies in one group
         rw = t * W + tl.arange(0, W)
         if EVEN_K:
             w = tl.load(q_words + rw[None, :])
@@ -209,8 +222,7 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
         else:
             x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask & (rk < K)[None, :], other=0.0)
         part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W)
-        s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)  # the tile lies in one group
-        acc += part * s[:, None]
+        acc += part * s.to(tl.float32)[:, None]
     offs = rm[None, :] * N + rn[:, None]
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     if SPLIT:
@@ -220,10 +232,11 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
 
 
 def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_k: int | None = None,
-                 asm: bool | None = None) -> torch.Tensor:
+                 asm: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """y [M, N] = a [M, K] @ dequant(qw, scales)^T in a's dtype (inputs validated by ops.py; `a` may have any
     strides). `split_k` forces the K split; `asm` forces the decoding (default: the f16x2 assembly for fp16 on the
-    GPU, plain Triton otherwise); both for tests and sweeps."""
+    GPU, plain Triton otherwise); `prefetch` forces PREFETCH_S, on a GPU in the first fitting config, untuned; all
+    for tests and sweeps."""
     why = unsupported(qw, scales, a) or ("the packed weights do not start on a 4-byte boundary" if misaligned(qw)
                                          else None)
     if why is not None:
@@ -242,10 +255,11 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     args = (qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0), a.stride(1), group,
             bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16, use_asm)
-    if INTERPRET:  # the one fitting config, launched past the autotuner: Triton 3.6's benchmarks even a single
-        # pruned config, which needs a GPU driver the interpreter does not have
+    if INTERPRET or prefetch is not None:  # one fitting config, launched past the autotuner: Triton 3.6's benchmarks
+        # even a single pruned config, which needs a GPU driver the interpreter does not have
         config = _prune(_configs(), {"GROUP": group, "BITS": bits, "K_SPAN": span, "K": k})[0]
-        _wq_planes_kernel.fn[grid(config.kwargs)](*args, **config.kwargs, num_warps=config.num_warps)
+        kwargs = {**config.kwargs, **({} if prefetch is None else {"PREFETCH_S": prefetch})}
+        _wq_planes_kernel.fn[grid(kwargs)](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         _wq_planes_kernel[grid](*args)
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
