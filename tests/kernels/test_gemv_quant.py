@@ -132,3 +132,14 @@ def test_single_row_gemv_leaves_k_4096_unsplit(poison, monkeypatch):
     x = torch.randn(4096, dtype=torch.float16, device=DEVICE)
     y = gemv_quant.quant_gemv(qw, s, x)
     assert rel_err(y, K.dequantize_weight(qw, s, 4096).double() @ x.double()) < TOL[torch.float16]
+
+
+def test_a_k_4096_row_can_be_one_tile_and_split_ranges_keep_their_tiles_whole():
+    """The GPU configs the autotuner times (the interpreter runs one): a 4096-deep tile is offered for an unsplit
+    K = 4096 GEMV (one memory round trip per program) and pruned where a split's range is shorter, as every tile that
+    does not divide the range is."""
+    configs = gemv_quant._qgemv_configs(interpret=False)
+    unsplit = gemv_quant._qgemv_prune(configs, {"K": 4096, "K_SPAN": 4096, "BITS": 4})
+    assert any(c.kwargs["BLOCK_K"] == 4096 for c in unsplit)
+    split = gemv_quant._qgemv_prune(configs, {"K": 8192, "K_SPAN": 1024, "BITS": 4})
+    assert split and all(1024 % c.kwargs["BLOCK_K"] == 0 for c in split)

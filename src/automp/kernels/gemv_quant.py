@@ -21,15 +21,17 @@ _MIN_SPAN = 128  # fewest K per split program: the smallest BLOCK_K below, so so
 _SPLIT_ROWS = 32  # rows per program the split chooser counts with (a middle BLOCK_N)
 
 
-def _qgemv_configs() -> list[triton.Config]:
-    if INTERPRET:  # BLOCK_K 64: group 32 takes the multi-group path, 64 and per-channel the one-group path
+def _qgemv_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
+    if interpret:  # BLOCK_K 64: group 32 takes the multi-group path, 64 and per-channel the one-group path
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4)]
     # No num_stages: Triton 3.6-3.9 do not software-pipeline this loop (checked in the compiled code; no tl.dot
-    # consumes its loads), so the bytes in flight come from the tile size and the programs per SM (split-K). 8 x 2048:
-    # the word path's pick for the widest Llama-3-8B GEMVs, a little ahead of 8 x 1024 (BENCHMARKS.md, "Kernels").
+    # consumes its loads), so the bytes in flight come from the tile size and the programs per SM (split-K), and each
+    # tile of a program waits its own memory round trip. 8 x 2048: the word path's pick for the widest Llama-3-8B
+    # GEMVs, a little ahead of 8 x 1024 (BENCHMARKS.md, "Kernels"). 4096 deep: a K = 4096 row in one tile, one round
+    # trip per program (90 and 125 registers for sm_90, no spills).
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
             for bn, bk, w in [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (16, 512, 4),
-                              (32, 512, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4)]]
+                              (32, 512, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 4), (8, 4096, 4), (16, 4096, 8)]]
 
 
 def _qgemv_prune(configs: list[triton.Config], nargs: dict, **kw: object) -> list[triton.Config]:
