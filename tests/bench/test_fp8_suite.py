@@ -346,3 +346,21 @@ def test_profile_categories_name_training_kernels():
              "triton_red_fused__log_softmax__log_softmax_backward_data_0": "other",
              "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other"}
     assert {name: kernel_profile.category(name, PROFILE) for name in cases} == cases
+
+
+def test_a_row_names_each_verdicts_rule_and_what_ruled_candidates_out():
+    """From automp's report: the rule of each root's verdict, and the bounds that kept a candidate out of its trial
+    (here the FP8 step's bf16 twin, forecast slower and never run)."""
+    import argparse
+    from automp.bench.fp8_run import Run
+    opts = argparse.Namespace(device="cpu", warmup=1, first_steps=1, steps=1)
+    run = Run("llama-d2048", "automp-fp8", opts, "sequential")
+    bound = {"rule": "bf16-twin-forecast-slower", "fp8_ms": 124.6, "saving_ms": 16.1, "forecast_ms": 140.7}
+    run.note_report({"choices": [{"module": "Llama", "path": "fp8-graphed", "rule": "bf16-twin-forecast-slower",
+                                  "timings_ms": {}, "bounds": {"autocast-graphed": bound}},
+                                 {"module": "Head", "path": "autocast-compiled", "rule": "measured-fastest",
+                                  "timings_ms": {"autocast-compiled": 1.0}}]})
+    assert run.row["verdict_rules"] == {"Llama": "bf16-twin-forecast-slower", "Head": "measured-fastest"}
+    assert run.row["trial_bounds"] == {"Llama": {"autocast-graphed": bound}}
+    assert run.row["automp_paths"] == {"Llama": "fp8-graphed", "Head": "autocast-compiled"}
+    run.finish()

@@ -220,9 +220,11 @@ class Run:
             found = {c["module"]: c[field] for c in report.get("choices", []) if c.get(field)}
             if found:
                 self.row[key] = found
+        self.row["verdict_rules"] = {c["module"]: c.get("rule") for c in report.get("choices", [])}
         bounds = {c["module"]: c["bounds"] for c in report.get("choices", []) if c.get("bounds")}
-        if bounds:  # whether FP32 eager was ruled out before it ran (automp.runtime.fp32_bound), and by what figures
-            self.row["fp32_bounds"] = bounds
+        if bounds:  # what ruled a candidate out before it ran, by what figures: FP32 eager's FLOP bound, the FP8
+            # step's bf16 twin forecast, CUDA graphs on a device-bound step (Verdict.bounds)
+            self.row["trial_bounds"] = bounds
         if self.mode.startswith("automp-fp8"):
             self.row["fp8_layers"] = report.get("fp8", {})
         rules = Counter(r["rule"] for r in report.get("rewrites", []))
