@@ -28,7 +28,7 @@ def run(saving_ms, config=None, cost=STEP):
 def test_a_clear_forecast_keeps_the_fp8_step_and_never_runs_the_twin():
     trial, ran = run(saving_ms=25.0)  # forecast 110 + 25 = 135 ms: 23% slower than the FP8 step
     assert Route.GRAPHED not in ran  # never called, so never compiled and its graphs never recorded
-    assert ran == [Route.FP8_GRAPHED] * TrialConfig().warmup[Route.FP8_GRAPHED]
+    assert ran == [Route.FP8_GRAPHED] * (TrialConfig().warmup[Route.FP8_GRAPHED] + 1)  # its warm-up, then one alone
     assert trial.verdict.path is Route.FP8_GRAPHED and trial.verdict.rule == TWIN_FORECAST
     bound = trial.verdict.bounds[Route.GRAPHED.value]
     assert bound["rule"] == TWIN_FORECAST
@@ -40,18 +40,19 @@ def test_a_clear_forecast_keeps_the_fp8_step_and_never_runs_the_twin():
 @pytest.mark.parametrize("saving_ms", [5.0, 10.5])  # 4.5% and 9.5% of the FP8 step: inside the 10% margin
 def test_a_close_forecast_times_the_twin_as_before(saving_ms):
     trial, ran = run(saving_ms)
-    warm = TrialConfig().warmup[Route.FP8_GRAPHED]
-    assert ran[:warm] == [Route.FP8_GRAPHED] * warm  # the FP8 step's warm-up first, then the twin's
+    warm = TrialConfig().warmup[Route.FP8_GRAPHED] + 1
+    assert ran[:warm] == [Route.FP8_GRAPHED] * warm  # the FP8 step's warm-up and forecast iteration, then the twin's
     assert ran[warm] is Route.GRAPHED and trial.samples[Route.GRAPHED] and trial.samples[Route.FP8_GRAPHED]
     assert trial.verdict.bounds[Route.GRAPHED.value]["rule"] == TWIN_CLOSE
     assert trial.verdict.path is Route.FP8_GRAPHED and trial.verdict.rule != TWIN_FORECAST
 
 
-def test_the_forecast_is_judged_on_the_fp8_steps_last_warmup_iteration_not_its_compile():
-    class Compiling(FakeClock):  # the FP8 step's first iteration compiles: 60 s
+def test_the_forecast_is_judged_after_the_fp8_steps_warmup_not_on_its_compile_or_recording():
+    class Compiling(FakeClock):  # the FP8 step's warm-up: a 60 s compile, then a recording at twice its step
         def seconds(self, trial):
-            first = trial.current is Route.FP8_GRAPHED and self.steps == 0
-            return 60.0 if first else self.cost[trial.current]
+            if trial.current is Route.FP8_GRAPHED and self.steps < TrialConfig().warmup[Route.FP8_GRAPHED]:
+                return 60.0 if self.steps == 0 else 2 * self.cost[trial.current]
+            return self.cost[trial.current]
 
     clock = Compiling(STEP)
     trial = Trial(list(STEP), TrialConfig(), clock, lambda: None, later=RECORD_LAST, saving_ms=25.0)

@@ -150,14 +150,14 @@ class Trial:
                 [(p, timed, 1), (p, timed, max(1, n - 1))] if p is Route.EAGER_LOW and not timed else [(p, timed, n)])]
             self._queue.sort(key=lambda q: q[0] is Route.FP32)
         # saving_ms: what the FP8 path's layers are predicted to save per step. Its warm-up then runs before its bf16
-        # twin's, the last iteration alone: the twin's forecast (TrialConfig.twin_margin, _judge_twin)
+        # twin's, and one more iteration after it alone, the twin's forecast (TrialConfig.twin_margin, _judge_twin):
+        # the last warm-up iteration of a graphed path can still be its recording, slower than its steady step
         fp8 = next((p for p in candidates if BF16_TWIN.get(p) in candidates), None)
         warming = [q for q in self._queue if q[0] is fp8 and not q[1]]
         self.saving_ms = saving_ms if warming and config.twin_margin < math.inf else None
         if self.saving_ms is not None:
-            n = warming[0][2]
             others = [q for q in self._queue if q[0] is not fp8]
-            self._queue = [(fp8, False, n - 1)] * (n > 1) + [(fp8, False, 1)] + others
+            self._queue = [warming[0], (fp8, False, 1)] + others
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}
@@ -262,9 +262,9 @@ class Trial:
             self._add_note(why)
 
     def _judge_twin(self, path: Route, seconds: float) -> None:
-        """The FP8 step's last warm-up iteration ended, its bf16 twin's warm-up next: the twin out of the trial, never
-        compiled, where the forecast of its step, this iteration plus the FP8 layers' predicted saving, is slower by
-        more than twin_margin. The figures go into the verdict's bounds either way."""
+        """The FP8 step's iteration after its warm-up ended, its bf16 twin's warm-up next: the twin out of the trial,
+        never compiled, where the forecast of its step, this iteration plus the FP8 layers' predicted saving, is slower
+        by more than twin_margin. The figures go into the verdict's bounds either way."""
         twin, saving, self.saving_ms = BF16_TWIN[path], self.saving_ms, None
         ms, margin = 1e3 * seconds, self.config.twin_margin
         ruled_out = saving > margin * ms
