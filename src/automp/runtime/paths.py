@@ -231,7 +231,7 @@ class RootPaths:
         """The trial goes on without CUDA graphs; graphs built for its early warm-up go, with their pool (the
         gradients in it copied out first, so that it can be given back at once)."""
         root.trial.graphs_checked = True
-        graphed = [built(root, p) for p in GRAPHED_PATHS if built(root, p) is not None]
+        graphed = [g for g in (built(root, p) for p in GRAPHED_PATHS) if g is not None]
         if graphed and root.rescue is not None:
             root.rescue.evacuate()
         self._without_graphs(root.trial, why)

@@ -157,7 +157,7 @@ class Trial:
         self.saving_ms = saving_ms if warming and config.twin_margin < math.inf else None
         if self.saving_ms is not None:
             others = [q for q in self._queue if q[0] is not fp8]
-            self._queue = [warming[0], (fp8, False, 1)] + others
+            self._queue = [*warming, (fp8, False, 1)] + others
         self._rounds = 0
         self._clock_member = clock_member  # a confirmation times the module its trial timed
         self._others: dict[int, int] = {}

@@ -7,22 +7,22 @@ script that fits under the strongest loop could then run out of memory in automp
 anything.
 
 How: on CUDA the anchor's path (Route.COMPILED_AUTOCAST, what a careful user writes) is the trial's first candidate
-(after the CUDA-graph path's warm-up run where automp.runtime.trial.TrialConfig.early_warmup asks for it). The peak allocated memory of the process up to the end of its first iteration (forward, backward
-and optimizer step) is the budget. It is read at the end of the forward, when the backward has run through the
-forward's outputs, and when the next call begins, and the highest reading counts: a script (or a benchmark) that
-resets torch's peak statistics at each step would otherwise leave only what is allocated between steps, far under
-the iteration's peak (GPT-2's budget fell under the floor that way, and its eager candidate, never stopped, held far
-more than the anchor's peak). The first call of each eager candidate then runs with a check at every module's entry
-and exit: what is allocated on the device (the activations the backward will need, and the forward's live
-temporaries), and twice the largest tensor a module returned so far, past the budget, raises OverBudget inside the
-forward, before anything reached the script. The twice: the backward starts from the last activations with most of
-the saved ones still alive, and the gradient of the largest (a language model's logits) and its cast come on top.
-Checked at module boundaries, not in a saved-tensor hook: a hook that hands autograd the tensor itself makes a cycle
-between an op's saved output and its node, which only that node's backward breaks; a forward stopped in the middle
-has no backward, and GPT-2's stopped forward kept every activation it had saved for the rest of the run. The trial
-drops that candidate (rule trial-over-memory) and runs the call again on the next one, as it does after an out-of-
-memory error (automp.runtime.paths.RootPaths.over_budget), with the module's buffers as they were before the aborted
-call (a BatchNorm's running statistics are updated once).
+(after the CUDA-graph path's warm-up run where automp.runtime.trial.TrialConfig.early_warmup asks for it). The peak
+allocated memory of the process up to the end of its first iteration (forward, backward and optimizer step) is the
+budget. It is read at the end of the forward, when the backward has run through the forward's outputs, and when the next
+call begins, and the highest reading counts: a script (or a benchmark) that resets torch's peak statistics at each step
+would otherwise leave only what is allocated between steps, far under the iteration's peak (GPT-2's budget fell under
+the floor that way, and its eager candidate, never stopped, held far more than the anchor's peak). The first call of
+each eager candidate then runs with a check at every module's entry and exit: what is allocated on the device (the
+activations the backward will need, and the forward's live temporaries), and twice the largest tensor a module returned
+so far, past the budget, raises OverBudget inside the forward, before anything reached the script. The twice: the
+backward starts from the last activations with most of the saved ones still alive, and the gradient of the largest (a
+language model's logits) and its cast come on top. Checked at module boundaries, not in a saved-tensor hook: a hook that
+hands autograd the tensor itself makes a cycle between an op's saved output and its node, which only that node's
+backward breaks; a forward stopped in the middle has no backward, and GPT-2's stopped forward kept every activation it
+had saved for the rest of the run. The trial drops that candidate (rule trial-over-memory) and runs the call again on
+the next one, as it does after an out-of-memory error (automp.runtime.paths.RootPaths.over_budget), with the module's
+buffers as they were before the aborted call (a BatchNorm's running statistics are updated once).
 
 Where the anchor's peak is under `floor` of the device's memory there is no budget: a few hundred megabytes more
 cannot make a fitting script run out of memory, and a small, host-bound model may run fastest eager. The check is
