@@ -30,7 +30,7 @@ ENVIRONMENT = {"AUTOMP_INNER": "inner", "AUTOMP_PATH": "path", "AUTOMP_CACHE_DIR
                "AUTOMP_FUSE_SIBLINGS": "fuse_siblings", "AUTOMP_FUSE_LINEAR_CE": "fuse_linear_ce", "RANK": "rank",
                "WORLD_SIZE": "world_size"}
 _FLAGS = ("fp8_output", "fp8_all_gather", "fuse_siblings", "fuse_linear_ce", "causal_attention", "fuse_optimizers",
-          "tune_cudnn", "tune_layout", "cuda_graphs", "quiet", "debug")
+          "release_grads", "tune_cudnn", "tune_layout", "cuda_graphs", "quiet", "debug")
 
 
 class FieldError(ValueError, TypeError):
@@ -82,6 +82,11 @@ class AutoMPConfig:
     default; off keeps the script's mask.
     fuse_optimizers: switch torch's Adam/AdamW left at their default implementation to fused=True on CUDA
     (same arithmetic, one kernel per step; see automp.runtime.tuning.fused_optimizers).
+    release_grads: where a root's calls showed the script sets the last step's gradients to None after its forward
+    and before its backward (`loss = model(x); opt.zero_grad(); loss.backward()`, Lightning's order too), set them
+    to None as the forward starts instead while its trial runs: the candidates without CUDA graphs do not hold them
+    beside their activations, as the hand-written reduce-overhead loop does not (automp.runtime.graph_pool,
+    GradRescue.release). Off keeps them until the script's own zero_grad.
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
     the faster (automp.runtime.tuning.conv_tuning); a script that set the flag itself is left alone.
     tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
@@ -108,6 +113,7 @@ class AutoMPConfig:
     fuse_linear_ce: bool = False
     causal_attention: bool = True
     fuse_optimizers: bool = True
+    release_grads: bool = True
     tune_cudnn: bool = True
     tune_layout: bool = True
     cuda_graphs: bool = True

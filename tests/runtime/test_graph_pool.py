@@ -321,3 +321,72 @@ def test_graphs_dropped_after_their_one_warmup_call_give_their_pool_back(monkeyp
     assert resets == ["reset"]
     (setting,) = [s for s in rep["settings"] if s["setting"] == "CUDA graphs memory pool"]
     assert setting["value"] == "released"
+
+
+def test_release_waits_for_the_loop_to_be_learned_then_sets_its_gradients_to_none():
+    """release frees nothing while the loop is unknown (it may accumulate), then, once learned to drop them after its
+    forward, sets every gradient to None at the call and says how many bytes that was."""
+    ps = _params()
+    rescue = graph_pool.GradRescue(0, ps)
+    rescue.observe()
+    held = [p.grad for p in ps]
+    assert rescue.release() == 0 and all(p.grad is g for p, g in zip(ps, held))
+    del held  # the loop holds no reference of its own: zero_grad drops them
+    for step in range(graph_pool.LEARN):
+        _backward(ps, step)
+        rescue.observe()
+    assert not rescue.copying
+    assert rescue.release() == sum(p.numel() * p.element_size() for p in ps)
+    assert all(p.grad is None for p in ps)
+    assert rescue.release() == 0  # nothing left to free
+
+
+def test_release_never_frees_what_an_accumulating_loop_keeps():
+    """Two micro-batches per step with zero_grad after the first one's forward: the gradients alive at the second
+    forward are the first backward's and are added to, so the loop is never learned and nothing is released."""
+    ps = _params()
+    rescue = graph_pool.GradRescue(0, ps)
+    for step in range(6):
+        rescue.observe()
+        assert rescue.release() == 0 and all(p.grad is not None for p in ps)
+        if step % 2 == 0:
+            _backward(ps, step)  # zero_grad after the first micro-batch's forward, then its backward
+        else:
+            for p in ps:
+                p.grad.add_(1.0)  # the second backward accumulates into them
+    assert rescue.copying
+
+
+def _grads_at_forward(net: nn.Module) -> list[bool]:
+    """Per training call of `net`: whether every parameter's gradient was None while its forward ran."""
+    seen: list[bool] = []
+    net[0].register_forward_pre_hook(lambda m, a: seen.append(all(p.grad is None for p in net.parameters()))
+                                     if torch.is_grad_enabled() else None)
+    return seen
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_a_trial_runs_without_the_gradients_its_loop_drops_after_the_forward(monkeypatch, tmp_path, release):
+    """The tutorial loop's order (forward, zero_grad, backward, step): once learned, each of the trial's forwards
+    starts with the gradients already None, as zero_grad would leave them a line later, and the run trains exactly
+    as without the release. release_grads=False keeps them until the script's zero_grad."""
+    from automp.runtime.decisions import Route
+    from .sessions import train_mlp
+    inject(monkeypatch, candidates=candidates([Route.EAGER_LOW, Route.FP32]))
+    runs = []
+    for on in (release, not release):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        seen = _grads_at_forward(net)
+        automp.enable(dtype="bf16", cache_dir=str(tmp_path / str(on)), path="auto", release_grads=on)
+        losses = train_mlp(net, steps=8)
+        in_trial = automp._session.roots[net].path is None
+        rep = automp.disable()
+        runs.append((losses, [p.detach().clone() for p in net.parameters()]))
+        if on is release:
+            mine, settings, trial_left = seen, {s["setting"] for s in rep["settings"]}, in_trial
+    assert trial_left, "the trial must still run for every call of this test"
+    first = graph_pool.LEARN + 1  # the first call has no gradient, and LEARN drops teach the loop
+    assert mine[first + 1:] == [release] * len(mine[first + 1:]) and not any(mine[1:first])
+    assert ("gradients set to None as a trial's forward starts" in settings) is release
+    assert runs[0][0] == runs[1][0] and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

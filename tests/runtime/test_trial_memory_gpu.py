@@ -66,3 +66,49 @@ def test_the_trial_peaks_no_higher_than_the_hand_written_loop_near_the_cards_lim
     assert 0.6 * total < anchor < 0.8 * total, (rows, anchor / total)
     ours = _peak(rows, True)  # raised an out-of-memory error before the budget, where eager held more than the loop
     assert ours <= 1.10 * anchor, (ours / 2**30, anchor / 2**30)
+
+
+def _trial_peak(release: bool, rows: int = 8192, width: int = 8192, layers: int = 4, steps: int = 12) -> int:
+    """Peak allocated bytes over a trial's steps after its loop was learned, the FP32 loop zeroing its gradients after
+    its forward, with automp's gradient release on or off (the trial: low precision eager against stock Inductor)."""
+    from automp.runtime import session as sessions
+    from automp.runtime.decisions import Route
+    from automp.runtime.trial import TrialConfig
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())]).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    x = torch.randn(rows, width, device="cuda")
+    cache = tempfile.TemporaryDirectory(prefix="automp-release-")
+    pick = lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW], "test: two candidates")
+    with pytest.MonkeyPatch.context() as mp:
+        long = TrialConfig(give_up=100.0, give_up_first=100.0, measure=8)  # still running at the last step
+        mp.setattr(sessions, "open_session",
+                   lambda config, rec: sessions.Session(config, rec, candidates=pick, trial_config=long))
+        automp.enable(dtype="bf16", cache_dir=cache.name, release_grads=release)
+    try:
+        for step in range(steps):
+            if step == 5:  # the loop is learned after its fourth call
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            loss = net(x).float().pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize()
+        assert automp._session.roots[net].path is None, "the trial must run through every measured step"
+        return torch.cuda.max_memory_allocated()
+    finally:
+        automp.disable()
+        cache.cleanup()
+        del net, opt, x
+
+
+def test_the_trials_forwards_run_without_the_gradients_the_loop_drops_after_them():
+    """Gradients are one FP32 copy of the parameters (1 GiB here), the activations about as much: kept alive through
+    the forward, the last step's gradients sit beside every activation at its end; released as it starts, the step
+    peaks at the larger of the two alone."""
+    grads = 4 * sum(8192 * 8192 + 8192 for _ in range(4))
+    kept, released = _trial_peak(False), _trial_peak(True)
+    assert released < kept - grads // 2, (released / 2**30, kept / 2**30)

@@ -55,6 +55,9 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fuse-optimizers", dest="fuse_optimizers", action="store_false",
                    help="keep torch's Adam/AdamW on the implementation the script chose (default: switch those "
                         "left at their defaults to fused=True on CUDA)")
+    p.add_argument("--keep-grads", dest="release_grads", action="store_false",
+                   help="keep the last step's gradients until the script's own zero_grad (default: where it sets "
+                        "them to None after its forward, set them to None as the forward starts)")
     p.add_argument("--no-tune-cudnn", dest="tune_cudnn", action="store_false",
                    help="leave torch.backends.cudnn.benchmark as the script set it (default: time it off and on once "
                         "the paths are chosen, keep it on only if it measured faster)")

@@ -15,6 +15,11 @@ path the user did not ask for:
    (A loop that zeroes at its top and accumulates drops its copies at each step too, but reaches the next forward with
    no gradient: that is no evidence, and copying goes on. Counting it as a drop would stop the copies of such a loop
    after two steps and silently change its result.)
+   What is learned also serves the trial's paths without graphs (`release`): once a loop is known to set the last
+   step's gradients to None after its forward, they are set to None as the forward starts. Under
+   compile(mode="reduce-overhead") the hand-written loop's replay reuses their memory; on a compiled or eager
+   candidate, and in the graph trees' warm-up run, they stayed alive through the forward, one FP32 gradient of every
+   parameter above that loop's peak. Only while the trial runs: a loop that changed its order later would lose them.
 2. Memory. A pool stays reserved while any function that replays into it is alive, and Dynamo keeps compiled
    functions for the life of the process: CUDA graphs recorded for a trial they lost would keep their pool (the
    zoo's ConvNeXt then held about twice the hand-written loop's reserved memory on the path that won).
@@ -123,6 +128,17 @@ class GradRescue:
             if self._learn(with_grad):
                 self._remember(with_grad)
 
+    def release(self) -> int:
+        """Sets to None, at a call of the module, the gradients a loop was learned to set to None after its forward
+        (copying off); returns the bytes it released. Before that, none: a loop that accumulates keeps them."""
+        if self.copying:
+            return 0
+        with_grad = self._with_grad()
+        freed = sum(p.grad.numel() * p.grad.element_size() for p in with_grad)  # a DTensor's or sparse one's too
+        for p in with_grad:
+            p.grad = None
+        return freed
+
     def _copy_out(self, with_grad: list[torch.Tensor]) -> int:
         """Replaces each of these gradients that lives in the pool by a copy of its own; returns how many."""
         live, copied = live_storages(self.device_index), 0
@@ -157,10 +173,14 @@ def rescue_of(root: Any, module: torch.nn.Module) -> GradRescue:
     return root.rescue
 
 
-def before_call(root: Any, module: torch.nn.Module) -> None:
-    """A call of a root module by the script, on whatever path it will run: its GradRescue learns from it."""
-    if torch.is_grad_enabled() and (root.rescue is not None or root.device.type == "cuda"):
-        rescue_of(root, module).observe()
+def before_call(root: Any, module: torch.nn.Module, release: bool = False) -> int:
+    """A call of a root module by the script, on whatever path it will run: its GradRescue learns from it, and with
+    `release` sets the gradients the loop drops after this forward to None now; returns the bytes released."""
+    if not (torch.is_grad_enabled() and (root.rescue is not None or root.device.type == "cuda" or release)):
+        return 0
+    rescue = rescue_of(root, module)
+    rescue.observe()
+    return rescue.release() if release else 0
 
 
 def device_index(device: torch.device) -> int:

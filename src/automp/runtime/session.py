@@ -89,7 +89,7 @@ class Session:
         self.layout: LayoutTuning | None = None  # channels_last for eager convolutions, measured once paths are chosen
         self.tuning: ConvTuning | None = None  # cuDNN's benchmark mode, measured after the layout
         self._undo: list[Callable[[], None]] = []
-        self._scaling_undo = self._logging_undo = False
+        self._scaling_undo = self._logging_undo = self._released = False
         self._in_transform: set[str] = set()  # roots whose calls ran inside a torch.func transform (_ran)
         self.status = trial_status(config)  # the live line on a terminal while a trial runs (runtime.progress)
 
@@ -217,7 +217,12 @@ class Session:
                                         "(and loss scaling) to the script", SCRIPTS_AUTOCAST)
         if root.aside is not None:
             return self._run(module, root, Route.FP32, args, kwargs)  # as written, nested modules included
-        graph_pool.before_call(root, module)
+        trial = root.path is None or root.confirm is not None  # where automp runs paths the script did not choose
+        if graph_pool.before_call(root, module, self.config.release_grads and trial) and not self._released:
+            self._released = True
+            self.recorder.add_setting({"setting": "gradients set to None as a trial's forward starts", "value": "on",
+                                       "reason": "the script sets them to None after its forward (zero_grad "
+                                                 "before backward): not kept alive beside its activations"})
         if self.fp8 is not None:
             self._fp8_guard(root)
         if new is None:
