@@ -98,7 +98,7 @@ def test_encoder_rows_name_the_int8_cases_and_skip_the_anchors():
                row("minilm-L6 (real weights) seq128 bs1 int4-weight", 0.8, 0.4, 1),
                row("bert-base seq128 bs1 int8", float("nan"), 0.8, 1)]  # skipped by the time limit
     rows = deploy_gpu.encoder_rows(results)
-    where = {k: rows[0][k] for k in ("device", "torch", "date", "commit")}
+    where = {k: rows[0][k] for k in ("device", "torch", "date", "commit", "source")}
     assert rows[0] == {"model": "bert-base", "case": "int8", "activations": "static", "batch": 64, "ms": 3.1,
                        "anchor_ms": 3.6, "cos_min": 0.99712, **timed, "report_speedup": None, "agrees": None,
                        **where}  # the report timed batch 16, not 64: nothing to compare

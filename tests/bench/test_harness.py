@@ -57,7 +57,31 @@ def test_commit_is_read_from_the_checkouts_git_without_a_git_binary(tmp_path):
     (git / "packed-refs").write_text("# pack-refs\nfedcba9876543210fedcba9876543210fedcba98 refs/heads/main\n")
     assert commit(tmp_path) == "fedcba987654"
     assert commit(tmp_path / "elsewhere") == "unknown"
-    assert set(provenance("cpu")) == {"device", "torch", "date", "commit"} and provenance("cpu")["device"] == "cpu"
+    assert set(provenance("cpu")) == {"device", "torch", "date", "commit", "source"}
+    assert provenance("cpu")["device"] == "cpu"
+
+
+def test_the_source_digest_names_the_package_files_whatever_the_git_says(tmp_path):
+    """Two copies of the same files agree; a changed byte, a renamed file or a new one changes it; other files and
+    compiled caches do not."""
+    from automp.bench.harness import source_digest
+    trees = [tmp_path / "a", tmp_path / "b"]
+    for tree in trees:
+        (tree / "sub").mkdir(parents=True)
+        (tree / "x.py").write_text("x = 1\n")
+        (tree / "sub" / "y.py").write_text("y = 2\n")
+    first = source_digest(trees[0])
+    assert len(first) == 12 and source_digest(trees[1]) == first
+    (trees[1] / "notes.txt").write_text("not code")
+    (trees[1] / "sub" / "__pycache__").mkdir()
+    (trees[1] / "sub" / "__pycache__" / "y.cpython-311.pyc").write_bytes(b"\x00")
+    assert source_digest(trees[1]) == first
+    (trees[1] / "x.py").write_text("x = 2\n")
+    changed = source_digest(trees[1])
+    (trees[1] / "x.py").rename(trees[1] / "z.py")
+    renamed = source_digest(trees[1])
+    (trees[1] / "w.py").write_text("")
+    assert len({first, changed, renamed, source_digest(trees[1])}) == 4
 
 
 def test_block_schedule_alternates():

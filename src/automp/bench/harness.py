@@ -110,10 +110,23 @@ def commit(root: str | os.PathLike | None = None) -> str:
     return "unknown"
 
 
+def source_digest(package: str | os.PathLike | None = None) -> str:
+    """12 hex digits of SHA-1 over the package's Python files (each one's path in the package and its bytes, in path
+    order): the code that ran, where a copy of the tree carries a .git older than its files (`commit` then names an
+    earlier commit). The same files give the same digest in any checkout."""
+    import hashlib
+    top = Path(package) if package is not None else Path(__file__).resolve().parents[1]
+    digest = hashlib.sha1()
+    for path in sorted(top.rglob("*.py")):
+        digest.update(path.relative_to(top).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def provenance(device: str | torch.device | None = None) -> dict[str, str]:
-    """What every raw row carries: the device it ran on, torch, the date and the commit of the code."""
+    """What every raw row carries: the device it ran on, torch, the date, the commit of the code and its
+    `source_digest`."""
     return {"device": device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "commit": commit()}
+            "commit": commit(), "source": source_digest()}
 
 
 def over_runs(rows: list[dict[str, Any]]) -> dict[str, Any]:
