@@ -22,3 +22,32 @@ def test_unknown_parts_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         kernels.main(["--parts", "gemv,attn"])
     assert e.value.code == 2 and "--parts: unknown ['attn']" in capsys.readouterr().err
+
+
+def test_the_planes_part_times_the_kernel_autotuned_and_with_the_scales_prefetch_forced_each_way(monkeypatch):
+    """At a tiny product in place of Llama-3-8B's (the interpreter runs it), every batch and bit width gets three
+    rows against cuBLAS fp16: autotuned over all configs, and over those with PREFETCH_S on or off only, each
+    calling the kernel with that choice, its error against float64 carried in the row."""
+    monkeypatch.setattr(kernels, "_LLAMA_8B", [("tiny", 40, 256)])
+    monkeypatch.setattr(kernels, "_rand", lambda *shape, dtype=torch.float16: torch.randn(*shape).to(dtype))
+    from automp.kernels import planes
+    asked = []
+    real = planes.quant_planes
+    monkeypatch.setattr(planes, "quant_planes", lambda *a, prefetch=None, **kw: asked.append(prefetch) or real(
+        *a, prefetch=prefetch, **kw))
+
+    class Rows:
+        def __init__(self):
+            self.rows = []
+
+        def add(self, name, ours, anchor_name, anchor, nbytes, flops, check=None):
+            ours()(), anchor()()
+            self.rows.append((name, anchor_name, check))
+
+    rows = Rows()
+    kernels.bench_planes(rows, K, quick=False)
+    names = [r[0] for r in rows.rows]
+    assert len(names) == 3 * 2 * 3 and len(set(names)) == len(names)
+    assert all(r[1] == "cuBLAS fp16 mm" and r[2] < 2e-2 for r in rows.rows)
+    assert [p for p in asked if p is not None].count(True) == [p for p in asked if p is not None].count(False) == 6
+    assert "W4A16 planes tiny 8x40x256, scales ahead" in names

@@ -29,6 +29,8 @@ inside one scale group, so each tile's dot is scaled once per weight row. K is s
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -176,8 +178,11 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
     return part
 
 
-@triton.autotune(configs=_configs(), key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
+_AUTOTUNE = dict(key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
                  prune_configs_by={"early_config_prune": _prune})
+
+
+@triton.autotune(configs=_configs(), **_AUTOTUNE)
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
@@ -231,12 +236,26 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_by_prefetch: dict[bool, Any] = {}
+
+
+def _tuned(prefetch: bool | None) -> Any:
+    """The kernel autotuned over every config, or over those whose PREFETCH_S is `prefetch` only: what loading the
+    scales a tile ahead buys where the autotuner may choose either (`automp bench kernels --parts planes`)."""
+    if prefetch is None:
+        return _wq_planes_kernel
+    if prefetch not in _by_prefetch:
+        configs = [c for c in _configs() if c.kwargs["PREFETCH_S"] is prefetch]
+        _by_prefetch[prefetch] = triton.autotune(configs=configs, **_AUTOTUNE)(_wq_planes_kernel.fn)
+    return _by_prefetch[prefetch]
+
+
 def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_k: int | None = None,
                  asm: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """y [M, N] = a [M, K] @ dequant(qw, scales)^T in a's dtype (inputs validated by ops.py; `a` may have any
     strides). `split_k` forces the K split; `asm` forces the decoding (default: the f16x2 assembly for fp16 on the
-    GPU, plain Triton otherwise); `prefetch` forces PREFETCH_S, on a GPU in the first fitting config, untuned; all
-    for tests and sweeps."""
+    GPU, plain Triton otherwise); `prefetch` forces PREFETCH_S (on a GPU autotuned among the configs that have it);
+    all for tests and sweeps."""
     why = unsupported(qw, scales, a) or ("the packed weights do not start on a 4-byte boundary" if misaligned(qw)
                                          else None)
     if why is not None:
@@ -255,13 +274,13 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     args = (qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0), a.stride(1), group,
             bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16, use_asm)
-    if INTERPRET or prefetch is not None:  # one fitting config, launched past the autotuner: Triton 3.6's benchmarks
-        # even a single pruned config, which needs a GPU driver the interpreter does not have
+    if INTERPRET:  # one fitting config, launched past the autotuner: Triton 3.6's benchmarks even a single pruned
+        # config, which needs a GPU driver the interpreter does not have
         config = _prune(_configs(), {"GROUP": group, "BITS": bits, "K_SPAN": span, "K": k})[0]
         kwargs = {**config.kwargs, **({} if prefetch is None else {"PREFETCH_S": prefetch})}
         _wq_planes_kernel.fn[grid(kwargs)](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
-        _wq_planes_kernel[grid](*args)
+        _tuned(prefetch)[grid](*args)
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
                                                              BLOCK=_SUM_BLOCK)

@@ -162,6 +162,34 @@ def bench_quant(b: Bench, K, quick: bool) -> None:
             b.add(f"W{bits}A16 gemm {m}x{n}x{k} g128", ours, "cuBLAS fp16 mm", cublas, nbytes, 2.0 * m * n * k, err)
 
 
+# Llama-3-8B's decode products, (name, N, K): q/k/v joined, o, gate/up joined, down
+_LLAMA_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+
+
+def bench_planes(b: Bench, K, quick: bool) -> None:
+    """The batched weight-only kernel (kernels/planes.py) at Llama-3-8B's decode products, autotuned over all its
+    configs, and over those that load the scales a tile ahead (PREFETCH_S) or not: what the prefetch buys."""
+    P = importlib.import_module("automp.kernels.planes")
+    for name, n, k in _LLAMA_8B[2:3] if quick else _LLAMA_8B:
+        for m in [8] if quick else [8, 16, 32]:
+            for bits, quantize in ((4, K.quantize_weight_int4), (8, K.quantize_weight_int8)):
+                qw, s = quantize(_rand(n, k), 128)
+                a = _rand(m, k)
+                err = rel_err(P.quant_planes(qw, s, a), a.double() @ K.dequantize_weight(qw, s, k).double().T)
+                nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size() + 2 * m * (n + k)
+
+                def cublas(m=m, n=n, k=k):
+                    wi, ai = _rand(n, k), _rand(m, k)
+                    return lambda: torch.mm(ai, wi.t())
+                for prefetch, tag in ((None, "autotuned"), (True, "scales ahead"), (False, "scales in the tile")):
+                    def ours(m=m, n=n, k=k, quantize=quantize, prefetch=prefetch):
+                        qi, si = quantize(_rand(n, k), 128)
+                        ai = _rand(m, k)
+                        return lambda: P.quant_planes(qi, si, ai, prefetch=prefetch)
+                    b.add(f"W{bits}A16 planes {name} {m}x{n}x{k}, {tag}", ours, "cuBLAS fp16 mm", cublas, nbytes,
+                          2.0 * m * n * k, err)
+
+
 def _int_mm_anchor(m: int, n: int, k: int) -> Callable[[], Callable]:
     """torch._int_mm with b column-major (cuBLASLt's preferred int8 layout), row-major if this build refuses."""
     def make():
@@ -250,8 +278,8 @@ def bench_attention(b: Bench, K, quick: bool) -> None:
               2 * bsz * hkv * n * d * 2 + 2 * bsz * hq * d * 2, 4.0 * bsz * hq * n * d, err)
 
 
-PARTS = {"gemv": bench_gemv, "gemm": bench_gemm, "quant": bench_quant, "int8": bench_int8, "reduce": bench_reduce,
-         "attention": bench_attention}
+PARTS = {"gemv": bench_gemv, "gemm": bench_gemm, "quant": bench_quant, "planes": bench_planes, "int8": bench_int8,
+         "reduce": bench_reduce, "attention": bench_attention}
 
 
 def gpu_checks(K) -> list[tuple[str, float, float]]:
