@@ -371,8 +371,11 @@ def test_a_trial_runs_without_the_gradients_its_loop_drops_after_the_forward(mon
     starts with the gradients already None, as zero_grad would leave them a line later, and the run trains exactly
     as without the release. release_grads=False keeps them until the script's zero_grad."""
     from automp.runtime.decisions import Route
+    from automp.runtime.trial import TrialConfig
     from .sessions import train_mlp
-    inject(monkeypatch, candidates=candidates([Route.EAGER_LOW, Route.FP32]))
+    # no candidate dropped, whatever the timings: both runs take the same paths at the same steps
+    inject(monkeypatch, candidates=candidates([Route.EAGER_LOW, Route.FP32]),
+           trial_config=TrialConfig(give_up=100.0, give_up_first=100.0, measure=8))
     runs = []
     for on in (release, not release):
         torch.manual_seed(0)
