@@ -86,7 +86,8 @@ class AutoMPConfig:
     and before its backward (`loss = model(x); opt.zero_grad(); loss.backward()`, Lightning's order too), set them
     to None as the forward starts instead while its trial runs: the candidates without CUDA graphs do not hold them
     beside their activations, as the hand-written reduce-overhead loop does not (automp.runtime.graph_pool,
-    GradRescue.release). Off keeps them until the script's own zero_grad.
+    GradRescue.release). Off keeps them until the script's own zero_grad: for a script that reads them between its
+    forward and its zero_grad (a log of the last step's gradient norm placed there), which would find None.
     tune_cudnn: on CUDA, time cuDNN's benchmark mode against its heuristics once the paths are chosen, and keep
     the faster (automp.runtime.tuning.conv_tuning); a script that set the flag itself is left alone.
     tune_layout: on CUDA, time channels_last activations for the convolutions of modules that run eagerly against
