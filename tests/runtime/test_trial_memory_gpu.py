@@ -12,6 +12,8 @@ import torch.nn as nn
 
 import automp
 
+from .sessions import candidates, inject
+
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's memory"),
               pytest.mark.usefixtures("fresh_session")]
 WIDTH, LAYERS, STEPS = 4096, 8, 8
@@ -68,27 +70,21 @@ def test_the_trial_peaks_no_higher_than_the_hand_written_loop_near_the_cards_lim
     assert ours <= 1.10 * anchor, (ours / 2**30, anchor / 2**30)
 
 
-
-def _after_forwards(release: bool, rows: int = 4096, width: int = 4096, layers: int = 8, steps: int = 10) -> list[int]:
+def _after_forwards(monkeypatch, release: bool, rows: int = 4096, steps: int = 10) -> list[int]:
     """Bytes allocated as each of a trial's forwards returns, from the sixth on (the loop is learned after its
     fourth call): the FP32 loop zeroing its gradients after its forward, automp's gradient release on or off, a trial
     of low precision eager against stock Inductor kept running (the same candidate at each step in both runs)."""
-    from automp.runtime import session as sessions
     from automp.runtime.decisions import Route
     from automp.runtime.trial import TrialConfig
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.GELU())]).cuda()
+    net = _mlp()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    x = torch.randn(rows, width, device="cuda")
+    x = torch.randn(rows, WIDTH, device="cuda")
     cache = tempfile.TemporaryDirectory(prefix="automp-release-")
-    pick = lambda device, low: ([Route.COMPILED_AUTOCAST, Route.EAGER_LOW], "test: two candidates")
-    long = TrialConfig(give_up=100.0, give_up_first=100.0, measure=8)  # still running at the last step
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sessions, "open_session",
-                   lambda config, rec: sessions.Session(config, rec, candidates=pick, trial_config=long))
-        automp.enable(dtype="bf16", cache_dir=cache.name, release_grads=release)
+    inject(monkeypatch, candidates=candidates([Route.COMPILED_AUTOCAST, Route.EAGER_LOW]),
+           trial_config=TrialConfig(give_up=100.0, give_up_first=100.0, measure=8))  # still running at the last step
+    automp.enable(dtype="bf16", cache_dir=cache.name, release_grads=release)
     held = []
     try:
         for step in range(steps):
@@ -105,9 +101,9 @@ def _after_forwards(release: bool, rows: int = 4096, width: int = 4096, layers: 
         del net, opt, x
 
 
-def test_the_trials_forwards_run_without_the_gradients_the_loop_drops_after_them():
+def test_the_trials_forwards_run_without_the_gradients_the_loop_drops_after_them(monkeypatch):
     """Once the loop is learned, each forward of the trial ends without the last step's gradients (one FP32 copy of
     the parameters) beside its activations: the same step holds that much less than with them kept."""
-    grads = 4 * 8 * (4096 * 4096 + 4096)
-    kept, released = _after_forwards(False), _after_forwards(True)
+    grads = 4 * LAYERS * (WIDTH * WIDTH + WIDTH)
+    kept, released = _after_forwards(monkeypatch, False), _after_forwards(monkeypatch, True)
     assert all(k - r >= 0.95 * grads for k, r in zip(kept, released)), [(k - r) / grads for k, r in zip(kept, released)]

@@ -217,8 +217,7 @@ class Session:
                                         "(and loss scaling) to the script", SCRIPTS_AUTOCAST)
         if root.aside is not None:
             return self._run(module, root, Route.FP32, args, kwargs)  # as written, nested modules included
-        trial = root.path is None or root.confirm is not None  # where automp runs paths the script did not choose
-        if graph_pool.before_call(root, module, self.config.release_grads and trial) and not self._released:
+        if graph_pool.before_call(root, module, self.config.release_grads and _trying(root)) and not self._released:
             self._released = True
             self.recorder.add_setting({"setting": "gradients set to None as a trial's forward starts", "value": "on",
                                        "reason": "the script sets them to None after its forward (zero_grad "
@@ -281,7 +280,7 @@ class Session:
         outer = getattr(state, "depth", 0), getattr(state, "path", None), getattr(state, "low", None)
         state.depth, state.path, state.low = 1, path, root.low
         ran = "as-written" if root.aside is not None else self._ran(root, path).value
-        phase = "trial" if root.aside is None and (root.path is None or root.confirm is not None) else "chosen"
+        phase = "trial" if root.aside is None and _trying(root) else "chosen"
         try:
             if path is Route.FP32:
                 return ORIG_CALL(module, *args, **kwargs)
@@ -418,6 +417,11 @@ class Session:
         return compiled_paths.automp(module, root, make_backend(
             config, self.recorder, inner=self.config.inner, label=root.label, debug=self.config.debug,
             rewrite=compiled_paths.rewrites(self.config, self.recorder, root.label)))
+
+
+def _trying(root: Root) -> bool:
+    """Whether the root runs paths the script did not choose: its trial, or its verdict's re-measurement."""
+    return root.path is None or root.confirm is not None
 
 
 def _eager_twin(path: Route) -> Route:

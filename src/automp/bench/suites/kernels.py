@@ -155,11 +155,17 @@ def bench_quant(b: Bench, K, quick: bool) -> None:
                 ai = _rand(m, k)
                 return lambda: K.quant_gemm(ai, qi, si)
 
-            def cublas(m=m):
-                wi, ai = _rand(n, k), _rand(m, k)
-                return lambda: torch.mm(ai, wi.t())
             nbytes = qw.numel() * qw.element_size() + 2 * m * (n + k)
-            b.add(f"W{bits}A16 gemm {m}x{n}x{k} g128", ours, "cuBLAS fp16 mm", cublas, nbytes, 2.0 * m * n * k, err)
+            b.add(f"W{bits}A16 gemm {m}x{n}x{k} g128", ours, "cuBLAS fp16 mm", _mm_anchor(m, n, k), nbytes,
+                  2.0 * m * n * k, err)
+
+
+def _mm_anchor(m: int, n: int, k: int) -> Callable[[], Callable]:
+    """cuBLAS fp16 a [m, k] @ w [n, k]^T: the anchor of a weight-only quantized product on fresh inputs."""
+    def make():
+        wi, ai = _rand(n, k), _rand(m, k)
+        return lambda: torch.mm(ai, wi.t())
+    return make
 
 
 # Llama-3-8B's decode products, (name, N, K): q/k/v joined, o, gate/up joined, down
@@ -177,17 +183,13 @@ def bench_planes(b: Bench, K, quick: bool) -> None:
                 a = _rand(m, k)
                 err = rel_err(P.quant_planes(qw, s, a), a.double() @ K.dequantize_weight(qw, s, k).double().T)
                 nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size() + 2 * m * (n + k)
-
-                def cublas(m=m, n=n, k=k):
-                    wi, ai = _rand(n, k), _rand(m, k)
-                    return lambda: torch.mm(ai, wi.t())
                 for prefetch, tag in ((None, "autotuned"), (True, "scales ahead"), (False, "scales in the tile")):
                     def ours(m=m, n=n, k=k, quantize=quantize, prefetch=prefetch):
                         qi, si = quantize(_rand(n, k), 128)
                         ai = _rand(m, k)
                         return lambda: P.quant_planes(qi, si, ai, prefetch=prefetch)
-                    b.add(f"W{bits}A16 planes {name} {m}x{n}x{k}, {tag}", ours, "cuBLAS fp16 mm", cublas, nbytes,
-                          2.0 * m * n * k, err)
+                    b.add(f"W{bits}A16 planes {name} {m}x{n}x{k}, {tag}", ours, "cuBLAS fp16 mm",
+                          _mm_anchor(m, n, k), nbytes, 2.0 * m * n * k, err)
 
 
 def _int_mm_anchor(m: int, n: int, k: int) -> Callable[[], Callable]:
