@@ -25,11 +25,13 @@ def test_unknown_parts_are_a_usage_error(capsys):
 
 
 def test_the_planes_part_times_the_kernel_autotuned_and_with_the_scales_prefetch_forced_each_way(monkeypatch):
-    """At a tiny product in place of Llama-3-8B's (the interpreter runs it), every batch and bit width gets three
-    rows against cuBLAS fp16: autotuned over all configs, and over those with PREFETCH_S on or off only, each
+    """At a tiny product in place of Llama-3-8B's (the interpreter runs it on a CPU), every batch and bit width gets
+    three rows against cuBLAS fp16: autotuned over all configs, and over those with PREFETCH_S on or off only, each
     calling the kernel with that choice, its error against float64 carried in the row."""
     monkeypatch.setattr(kernels, "_LLAMA_8B", [("tiny", 40, 256)])
-    monkeypatch.setattr(kernels, "_rand", lambda *shape, dtype=torch.float16: torch.randn(*shape).to(dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU host the kernel is compiled, not interpreted
+    monkeypatch.setattr(kernels, "_rand",
+                        lambda *shape, dtype=torch.float16: torch.randn(*shape, device=device).to(dtype))
     from automp.kernels import planes
     asked = []
     real = planes.quant_planes
