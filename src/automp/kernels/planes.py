@@ -178,15 +178,6 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
     return part
 
 
-@triton.jit
-def _x_tile(a_rows, t, K, stride_ak, row_mask, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """K-tile t of the activations [M_P2, BLOCK_K], zero in the batch's padding rows and past K."""
-    rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        return tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask, other=0.0)
-    return tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask & (rk < K)[None, :], other=0.0)
-
-
 _AUTOTUNE = dict(key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
                  prune_configs_by={"early_config_prune": _prune})
 
@@ -197,7 +188,7 @@ _AUTOTUNE = dict(key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
                       GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
                       A_FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH_X: tl.constexpr = False):
+                      PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
     SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N].
 
@@ -219,8 +210,6 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
     acc = tl.zeros((BLOCK_N, M_P2), dtype=tl.float32)
     if PREFETCH_S:  # clamped into [0, t_hi - 1]: a valid group of every row even where the range is empty
         s_next = tl.load(s_rows + tl.maximum(tl.minimum(t_lo, t_hi - 1), 0) * BLOCK_K // GROUP)
-    if PREFETCH_X:
-        x_next = _x_tile(a_rows, tl.maximum(tl.minimum(t_lo, t_hi - 1), 0), K, stride_ak, row_mask, BLOCK_K, EVEN_K)
     for t in k_range(t_lo, t_hi, 1):
         if PREFETCH_S:
             s = s_next
@@ -232,11 +221,11 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
             w = tl.load(q_words + rw[None, :])
         else:  # K is whole words, so a word mask is exact; the activations past K are zero
             w = tl.load(q_words + rw[None, :], mask=(rw < KW)[None, :], other=0)
-        if PREFETCH_X:
-            x = x_next
-            x_next = _x_tile(a_rows, tl.minimum(t + 1, t_hi - 1), K, stride_ak, row_mask, BLOCK_K, EVEN_K)
+        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask, other=0.0)
         else:
-            x = _x_tile(a_rows, t, K, stride_ak, row_mask, BLOCK_K, EVEN_K)
+            x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask & (rk < K)[None, :], other=0.0)
         part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W)
         acc += part * s.to(tl.float32)[:, None]
     offs = rm[None, :] * N + rn[:, None]
