@@ -11,3 +11,85 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # fp32 accumulation; error is the output rounding
+
+
+
+def sm90_loop(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
+              num_stages: int = 3) -> list[str]:
+    """The SASS instructions of the K loop (the body of its one backward branch) of `module`.`kernel`, compiled for
+    an H100 (sm_90) by the ptxas and nvdisasm that Triton ships: no GPU needed. In a process of its own, without
+    TRITON_INTERPRET (whose kernels cannot be compiled). pointers: argument -> Triton pointer type; every other
+    non-constexpr argument is an i32 that, like every pointer, is specialized as a multiple of 16 (the decode
+    shapes). Skipped where this Triton has no NVIDIA backend tools."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        pytest.skip("this Triton has no NVIDIA backend tools (nvdisasm)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.join(here, os.pardir, os.pardir, "src"),
+                                         env.get("PYTHONPATH", "")])
+    call = json.dumps([module, kernel, pointers, constexprs, num_warps, num_stages])
+    out = subprocess.run([sys.executable, "-c", f"import json, kernel_testutil as u; "
+                          f"print(json.dumps(u._loop_sass(*json.loads({call!r}))))"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
+               num_stages: int) -> list[str]:
+    import importlib
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel)
+    while not isinstance(fn, triton.runtime.JITFunction):  # Autotuner / Heuristics -> JITFunction
+        fn = fn.fn
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    back = [(labels[m.group(1)], i) for i, line in enumerate(sass)
+            if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i - 1]  # not the
+    # kernel's closing self-branch
+    assert len(back) == 1, f"expected one loop, found backward branches {back}"
+    start, end = back[0]
+    return [line.split("*/", 1)[1].strip() for line in sass[start:end] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
+
+
+def _is(line: str, opcode: str) -> bool:
+    import re
+    return re.match(rf"^(@!?U?P\w+\s+)?{opcode}(\.|\s)", line) is not None
+
+
+def first_product(lines: list[str], opcode: str) -> int:
+    """Index of the first `opcode` instruction that multiplies (ptxas also writes constants into registers with an
+    FMA of zeros, `HFMA2.MMA R, -RZ, RZ, ...`: not a product)."""
+    return next(i for i, line in enumerate(lines) if _is(line, opcode) and "-RZ, RZ," not in line)
+
+
+def last(lines: list[str], opcode: str) -> int:
+    return max(i for i, line in enumerate(lines) if _is(line, opcode))
