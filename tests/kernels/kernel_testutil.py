@@ -19,8 +19,9 @@ def sm90_loop(module: str, kernel: str, pointers: dict, constexprs: dict, num_wa
     """The SASS instructions of the K loop (the body of its one backward branch) of `module`.`kernel`, compiled for
     an H100 (sm_90) by the ptxas and nvdisasm that Triton ships: no GPU needed. In a process of its own, without
     TRITON_INTERPRET (whose kernels cannot be compiled). pointers: argument -> Triton pointer type; every other
-    non-constexpr argument is an i32 that, like every pointer, is specialized as a multiple of 16 (the decode
-    shapes). Skipped where this Triton has no NVIDIA backend tools."""
+    argument not in `constexprs` is an i32 that, like every pointer, is specialized as a multiple of 16 (the decode
+    shapes). An integer argument the runtime sees as 1 (a unit stride) is specialized to 1 by Triton: pass it in
+    `constexprs`, else its loads compile unvectorized. Skipped where this Triton has no NVIDIA backend tools."""
     import json
     import os
     import subprocess
