@@ -178,42 +178,6 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
     return part
 
 
-# Experimental (PACKED): two words decoded at once, each output register one plane's codes of both words, which are
-# K-consecutive in the MMA fragment, so no PRMT repacks them (399 -> 351 loop instructions per warp and K-tile at
-# 64 x 128, 2 warps, in the sm_90 SASS). int4 with fp16 activations on the GPU only; not yet run on a GPU.
-_W4_PACKED = tl.constexpr("""{
-.reg .b32 t0, t1, s, m;
-mov.b32 m, 0x64086408;
-prmt.b32 t0, $8, $9, 0x5410;
-prmt.b32 t1, $8, $9, 0x7632;
-""" + "".join(f"""{'' if i % 4 == 0 else f"shr.u32 s, t{i // 4}, {4 * (i % 4)};"}
-lop3.b32 ${i}, {f"t{i // 4}" if i % 4 == 0 else "s"}, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 ${i}, ${i}, m;
-""" for i in range(8)) + "}")
-
-
-@triton.jit
-def _tile_dot_packed(w, x, part, M_P2: tl.constexpr, W: tl.constexpr):
-    """_tile_dot for int4 and fp16 with the PACKED decoding."""
-    e, o = tl.split(tl.reshape(x, (M_P2, W, 2, 2, 2)))
-    e0, e1 = tl.split(e)
-    o0, o1 = tl.split(o)
-    x0, x4 = tl.split(e0)
-    x2, x6 = tl.split(e1)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o1)
-    p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-        _W4_PACKED, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
-    part = half_dot(p0, tl.trans(x0), part)
-    part = half_dot(p1, tl.trans(x1), part)
-    part = half_dot(p2, tl.trans(x2), part)
-    part = half_dot(p3, tl.trans(x3), part)
-    part = half_dot(p4, tl.trans(x4), part)
-    part = half_dot(p5, tl.trans(x5), part)
-    part = half_dot(p6, tl.trans(x6), part)
-    return half_dot(p7, tl.trans(x7), part)
-
-
 _AUTOTUNE = dict(key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
                  prune_configs_by={"early_config_prune": _prune})
 
@@ -224,7 +188,7 @@ _AUTOTUNE = dict(key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
                       GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
                       A_FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr, PACKED: tl.constexpr = False):
+                      PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
     SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N].
 
@@ -262,10 +226,7 @@ def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, 
             x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask, other=0.0)
         else:
             x = tl.load(a_rows + rk[None, :] * stride_ak, mask=row_mask & (rk < K)[None, :], other=0.0)
-        if PACKED:
-            part = _tile_dot_packed(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), M_P2, W)
-        else:
-            part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W)
+        part = _tile_dot(w, x, tl.zeros((BLOCK_N, M_P2), dtype=tl.float32), BITS, A_FP16, ASM, M_P2, W)
         acc += part * s.to(tl.float32)[:, None]
     offs = rm[None, :] * N + rn[:, None]
     mask = (rn < N)[:, None] & (rm < M)[None, :]
