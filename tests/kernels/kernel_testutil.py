@@ -1,5 +1,15 @@
 """Shared by the kernel tests (a plain module: conftest files are not meant to be imported)."""
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
 import torch
+import triton
 
 # Compiled Triton on the GPU when there is one, the Triton interpreter on the CPU otherwise (see conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -11,7 +21,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # fp32 accumulation; error is the output rounding
-
+# Triton's own disassembler, beside the ptxas it compiles with: what reads a kernel's SASS without a GPU
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
 def sm90_loop(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
@@ -22,15 +33,7 @@ def sm90_loop(module: str, kernel: str, pointers: dict, constexprs: dict, num_wa
     argument not in `constexprs` is an i32 that, like every pointer, is specialized as a multiple of 16 (the decode
     shapes). An integer argument the runtime sees as 1 (a unit stride) is specialized to 1 by Triton: pass it in
     `constexprs`, else its loads compile unvectorized. Skipped where this Triton has no NVIDIA backend tools."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+    if not os.path.exists(NVDISASM):
         pytest.skip("this Triton has no NVIDIA backend tools (nvdisasm)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = os.path.dirname(os.path.abspath(__file__))
@@ -46,13 +49,6 @@ def sm90_loop(module: str, kernel: str, pointers: dict, constexprs: dict, num_wa
 
 def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
                num_stages: int) -> list[str]:
-    import importlib
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -66,12 +62,11 @@ def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_w
                        constexprs={(names.index(n),): v for n, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
+        sass = subprocess.run([NVDISASM, "-c", path], capture_output=True, text=True, check=True).stdout.splitlines()
     labels = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"^(\.L_x_\d+):", line))}
     back = [(labels[m.group(1)], i) for i, line in enumerate(sass)
             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i - 1]  # not the
@@ -82,7 +77,6 @@ def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_w
 
 
 def _is(line: str, opcode: str) -> bool:
-    import re
     return re.match(rf"^(@!?U?P\w+\s+)?{opcode}(\.|\s)", line) is not None
 
 
