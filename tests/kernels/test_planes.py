@@ -12,7 +12,7 @@ import torch
 import automp.kernels as K
 from automp.kernels import quant
 from automp.kernels.planes import MAX_ROWS, _configs, fits, misaligned, quant_planes, unsupported
-from kernel_testutil import DEVICE, TOL, rel_err
+from kernel_testutil import DEVICE, TOL, rel_err, sm90_loop
 
 F16, BF16 = torch.float16, torch.bfloat16
 # (N, K, group, M, dtype, split_k): odd N, K a whole number of words but not of tiles (the masked tail), groups of
@@ -131,3 +131,16 @@ def test_gpu_configs_are_pruned_to_valid_tiles(bits, k, group, span):
         assert c.kwargs["BLOCK_K"] <= group and c.kwargs["BLOCK_K"] * bits // 32 >= 16
         assert span == k or span % c.kwargs["BLOCK_K"] == 0
     assert all(fits(c, args) for c in _configs(interpret=True) if c.kwargs["BLOCK_K"] * bits == 512)
+
+
+def test_int4_codes_are_decoded_into_the_mma_fragments_registers_in_the_sm90_code():
+    """int4 decodes two neighbouring words at once, so each decoded register holds a K-pair of one plane, which is
+    how the MMA fragment takes it; decoding two planes of one word left every pair to be repacked by a PRMT (97
+    PRMTs per warp and K-tile at 32 HMMAs, against 48: 16 pairing the words' halves, 32 for the activations)."""
+    loop = sm90_loop("automp.kernels.planes", "_wq_planes_kernel",
+                     {"q_ptr": "*u8", "s_ptr": "*fp16", "a_ptr": "*fp16", "out_ptr": "*fp16"},
+                     dict(GROUP=128, BITS=4, SPLIT=False, M_P2=16, A_FP16=True, ASM=True, BLOCK_N=64, BLOCK_K=128,
+                          PREFETCH_S=False, EVEN_K=True, stride_ak=1), 2)
+    mma = sum(line.startswith("HMMA") for line in loop)
+    assert mma == 32  # 64 x 128 codes against 16 rows, m16n8k16: 4 x 2 x 8 / 2 warps
+    assert sum(line.startswith("PRMT") for line in loop) <= 2 * mma

@@ -14,9 +14,13 @@ of C small dots, one per plane, so no code moves from where the load put it.
 
 Decoding (exact): a code u is dropped into the mantissa of an fp16 whose exponent makes a mantissa step worth 1
 (0x6400 | u is 1024 + u), and one subtraction leaves the signed code. On the GPU with fp16 activations this runs in
-f16x2 inline assembly: one lop3 decodes two planes at once (the nibbles P and P + 4 of a word share one mask
-0x000F000F after a shift by 4P; bytes P and P + 2 under 0x00FF00FF), one sub.f16x2 signs both. The interpreter has
-no inline assembly; it runs the same planes in plain Triton. bf16 activations decode through fp32 (0x4B000000 | u is
+f16x2 inline assembly, two codes per lop3 and one sub.f16x2:
+- int4 decodes two neighbouring words at once: two prmt pair their low and their high halves, and each lop3 then
+  yields one plane's codes of both words, which are K-neighbours in the plane operand, so the register is already
+  the MMA fragment's pair. Decoding two planes of one word instead needs a PRMT per pair to repack them (399 against
+  351 loop instructions per warp and K-tile in the sm_90 SASS; the products ran 1-11% faster, BENCHMARKS.md).
+- int8 decodes bytes P and P + 2 of a word under one mask 0x00FF00FF.
+The interpreter has no inline assembly; it runs the same planes in plain Triton. bf16 activations decode through fp32 (0x4B000000 | u is
 2^23 + u), in plain Triton on the GPU too.
 
 The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns), so a decoded plane stays in
@@ -106,10 +110,20 @@ mov.b32 {{$0, $1}}, t;
 }}""")
 
 
-# int4: nibbles (P, P + 4) of w >> 4P, (u | 0x6400) - 1032 = u - 8. int8: bytes (P, P + 2) of w >> 8P, whose XOR with
-# 0x80 makes the stored two's-complement byte q + 128: ((w & 0xFF) ^ 0x6480) - 1152 = q.
-_W4_PLANES = _planes_asm("0x000F000F", "0x64006400", "0xEA", "0x64086408")
+# int8: bytes (P, P + 2) of w >> 8P, whose XOR with 0x80 makes the stored two's-complement byte q + 128:
+# ((w & 0xFF) ^ 0x6480) - 1152 = q.
 _W8_PLANES = _planes_asm("0x00FF00FF", "0x64806480", "0x6A", "0x64806480")
+# int4, words $8 and $9 (neighbours along K): t0 holds their low halves, t1 their high halves; output $P is plane P of
+# both, nibble P % 4 of t(P // 4) under the mask 0x000F000F: (u | 0x6400) - 1032 = u - 8.
+_W4_WORD_PAIRS = tl.constexpr("""{
+.reg .b32 t0, t1, s, m;
+mov.b32 m, 0x64086408;
+prmt.b32 t0, $8, $9, 0x5410;
+prmt.b32 t1, $8, $9, 0x7632;
+""" + "".join(f"""{'' if p % 4 == 0 else f"shr.u32 s, t{p // 4}, {4 * (p % 4)};"}
+lop3.b32 ${p}, {f"t{p // 4}" if p % 4 == 0 else "s"}, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 ${p}, ${p}, m;
+""" for p in range(8)) + "}")
 
 
 @triton.jit
@@ -134,9 +148,9 @@ def _plane(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr):
 def _plane_pair(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr):
     """Planes P and P + C/2 (C codes per word)."""
     HALF: tl.constexpr = 16 // BITS
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_W4_PLANES if BITS == 4 else _W8_PLANES, "=h,=h,r", [w >> (BITS * P)],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    if ASM:  # int8 only (int4 decodes word pairs, _tile_dot)
+        lo, hi = tl.inline_asm_elementwise(_W8_PLANES, "=h,=h,r", [w >> (BITS * P)], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=1)
     else:
         lo = _plane(w, P, BITS, A_FP16)
         hi = _plane(w, P + HALF, BITS, A_FP16)
@@ -165,10 +179,22 @@ def _tile_dot(w, x, part, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.cons
         x2, x6 = tl.split(e1)
         x1, x5 = tl.split(o0)
         x3, x7 = tl.split(o1)
-        part = _pair_dot(w, 0, x0, x4, part, BITS, A_FP16, ASM)
-        part = _pair_dot(w, 1, x1, x5, part, BITS, A_FP16, ASM)
-        part = _pair_dot(w, 2, x2, x6, part, BITS, A_FP16, ASM)
-        part = _pair_dot(w, 3, x3, x7, part, BITS, A_FP16, ASM)
+        if ASM:
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                _W4_WORD_PAIRS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+            part = half_dot(p0, tl.trans(x0), part)
+            part = half_dot(p1, tl.trans(x1), part)
+            part = half_dot(p2, tl.trans(x2), part)
+            part = half_dot(p3, tl.trans(x3), part)
+            part = half_dot(p4, tl.trans(x4), part)
+            part = half_dot(p5, tl.trans(x5), part)
+            part = half_dot(p6, tl.trans(x6), part)
+            part = half_dot(p7, tl.trans(x7), part)
+        else:
+            part = _pair_dot(w, 0, x0, x4, part, BITS, A_FP16, ASM)
+            part = _pair_dot(w, 1, x1, x5, part, BITS, A_FP16, ASM)
+            part = _pair_dot(w, 2, x2, x6, part, BITS, A_FP16, ASM)
+            part = _pair_dot(w, 3, x3, x7, part, BITS, A_FP16, ASM)
     else:
         e, o = tl.split(tl.reshape(x, (M_P2, W, 2, 2)))
         x0, x2 = tl.split(e)
