@@ -75,16 +75,3 @@ def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_w
     start, end = back[0]
     return [line.split("*/", 1)[1].strip() for line in sass[start:end] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
 
-
-def _is(line: str, opcode: str) -> bool:
-    return re.match(rf"^(@!?U?P\w+\s+)?{opcode}(\.|\s)", line) is not None
-
-
-def first_product(lines: list[str], opcode: str) -> int:
-    """Index of the first `opcode` instruction that multiplies (ptxas also writes constants into registers with an
-    FMA of zeros, `HFMA2.MMA R, -RZ, RZ, ...`: not a product)."""
-    return next(i for i, line in enumerate(lines) if _is(line, opcode) and "-RZ, RZ," not in line)
-
-
-def last(lines: list[str], opcode: str) -> int:
-    return max(i for i, line in enumerate(lines) if _is(line, opcode))

@@ -10,7 +10,7 @@ import torch
 import automp.kernels as K
 from automp.kernels import gemv_quant, quant
 from automp.kernels.quant_batched import _PRODUCT_PER_THREAD, _rows_configs, _rows_prune, quant_gemv_rows
-from kernel_testutil import DEVICE, TOL, first_product, last, rel_err, sm90_loop
+from kernel_testutil import DEVICE, TOL, rel_err
 
 F16, BF16 = torch.float16, torch.bfloat16
 # (N, K, group, M, dtype, split_k): odd N and K (odd K leaves int4's last high nibble unused), every group kind, M
@@ -102,15 +102,3 @@ def test_rows_reject_bad_inputs():
     with pytest.raises(ValueError, match="1..16 rows"):  # the launcher itself, called without the op's checks
         quant_gemv_rows(qw, s, torch.randn(17, 64, dtype=F16, device=DEVICE))
 
-
-@pytest.mark.parametrize("bits,block_n,block_k,warps", [(4, 32, 128, 4), (8, 16, 64, 4)])
-def test_a_tiles_scales_are_loaded_with_its_codes_in_the_sm90_code(bits, block_n, block_k, warps):
-    """As in the GEMV (test_gemv_quant): a program waits on each tile, so its scales must be issued with its codes and
-    activations, not after their products (a second memory round trip per tile). Every global load of the loop comes
-    before its first fp32 FMA."""
-    loop = sm90_loop("automp.kernels.quant_batched", "_wq_rows_kernel",
-                     {"q_ptr": "*u8", "s_ptr": "*fp16", "a_ptr": "*fp16", "out_ptr": "*fp16"},
-                     dict(GROUP=128, BITS=bits, SPLIT=False, M_P2=4, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True,
-                          stride_ak=1), warps)  # contiguous activations: Triton specializes a stride of 1
-    assert sum("LDG" in line for line in loop) >= 3
-    assert last(loop, "LDG") < first_product(loop, "FFMA")

@@ -230,22 +230,22 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
     t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
-        # The tile's scales are loaded before its codes: issued together, the loads wait one memory round trip.
-        # Loaded after the codes' sums, the scales' loads were issued once the codes had arrived and were decoded
-        # (checked in the sm_90 SASS), a second round trip per tile in a kernel whose programs wait on each tile.
+        # The scales are loaded after the codes' sums, where ptxas issues them once the codes have arrived. Loaded
+        # first, to share the codes' round trip, the products ran 1-16% slower on an H200 (BENCHMARKS.md, "Kernels").
+        if WORDS:
+            part = _tile_sums_words(q_words, x_words, t, KP // 4, BITS, BLOCK_N, BLOCK_K, EVEN_K, ASM)
+        else:
+            part = _tile_sums(q_rows, x_ptr, t, K, KP, stride_xk, BITS, BLOCK_N, BLOCK_K, EVEN_K)
         if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
-            s = tl.load(s_rows + t * BLOCK_K // GROUP)[:, None]
+            s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)
+            acc += part * s[:, None]
         else:  # one scale per row and sub-block
             g = (t * BLOCK_K + tl.arange(0, BLOCK_K // SUB_K) * SUB_K) // GROUP
             if EVEN_K:
                 s = tl.load(s_rows[:, None] + g[None, :])
             else:
                 s = tl.load(s_rows[:, None] + g[None, :], mask=(g < tl.cdiv(K, GROUP))[None, :], other=0.0)
-        if WORDS:
-            part = _tile_sums_words(q_words, x_words, t, KP // 4, BITS, BLOCK_N, BLOCK_K, EVEN_K, ASM)
-        else:
-            part = _tile_sums(q_rows, x_ptr, t, K, KP, stride_xk, BITS, BLOCK_N, BLOCK_K, EVEN_K)
-        acc += part * s.to(tl.float32)
+            acc += part * s.to(tl.float32)
     y = tl.sum(acc, axis=1)
     if SPLIT:
         tl.store(out_ptr + pid_k * N + rn, y, mask=rn < N)

@@ -106,9 +106,9 @@ def _wq_rows_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, KP, K_SPAN, stride_qn
     t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
-        s = tl.load(s_rows + t * BLOCK_K // GROUP)  # the tile lies in one group; loaded with its codes (gemv_quant)
         part = _rows_tile_dots(q_rows, a_rows, t, K, KP, stride_ak, BITS, BLOCK_K, EVEN_K)
-        acc += part * s.to(tl.float32)[None, :]
+        s = tl.load(s_rows + t * BLOCK_K // GROUP).to(tl.float32)  # the tile lies in one group
+        acc += part * s[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT:
         tl.store(out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
