@@ -260,3 +260,13 @@ def test_vs_fp16_pairs_the_rounds_of_one_run():
     assert _vs_anchor([anchor, other_run], other_run) == pytest.approx(4.0 / 2.0)  # medians
     short = row("automp-int4", [1.0, 2.0])
     assert _vs_anchor([anchor, short], short) == pytest.approx(4.0 / 2.0)
+
+
+@pytest.mark.parametrize("argv,seconds", [(["--batches", "8,16,32"], 450.0), (["--batches", "1"], 150.0),
+                                          (["--batches", "1,8", "--case-timeout", "40"], 40.0)])
+def test_the_case_timeout_default_grows_with_the_batch_sizes(tmp_path, monkeypatch, argv, seconds):
+    """Every batch size compiles and captures its own step: one flat default skipped the later sizes of a case."""
+    seen = []
+    monkeypatch.setattr(llm_speed, "run_matrix", lambda m, *a: seen.append(m.case_timeout))
+    assert llm.main(["--quick", "--cases", "fp16-compiled", *argv, "--out", str(tmp_path)]) == 0
+    assert seen == [seconds]

@@ -289,14 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alternating rounds per batch size (default 5): each round times every case once, in "
                         "reversed order every other round; a row is the median of its rounds, with their spread")
     m.add_argument("--case-timeout", type=float, default=None,
-                   help="seconds per case (default 150; 0 = none): its model's build and the warm-up (compile, "
-                        "capture) of all its batch sizes, not the timed rounds; the rest is skipped")
+                   help="seconds per case (default 150 per batch size; 0 = none): its model's build and the "
+                        "warm-up (compile, capture) of all its batch sizes, not the timed rounds; the rest is skipped")
     m.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole matrix (default 0 = none): cases not started by then are skipped")
     m.add_argument("--profile", action="store_true",
                    help="also profile one decode step per case and batch size (batch 1 if none is given) into "
                         "<out>/llm-profile-<gpu>.json")
     return p
+
+
+_CASE_SECONDS = 150.0  # --case-timeout's default per batch size
 
 
 def _batches(text: str) -> tuple[tuple[int, ...], str | None]:
@@ -316,10 +319,12 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
     from automp.bench.llm_results import Results, markdown as matrix_markdown
     from automp.bench.llm_speed import MODELS, Matrix, run_matrix
     slug = gpu_slug(device_name(cfg.device))
-    case_timeout = 150.0 if args.case_timeout is None else args.case_timeout
+    batches, error = _batches(args.batches or "1")
+    # Each batch size compiles, autotunes and captures its own step (at 32 layers of the 8B shape about 100 s for
+    # int4), so the default grows with them: a flat 150 s skipped batch 16 and 32 of `--batches 8,16,32`.
+    case_timeout = _CASE_SECONDS * max(1, len(batches)) if args.case_timeout is None else args.case_timeout
     time_limit = args.time_limit or 0.0
     repeats = 5 if args.repeats is None else args.repeats
-    batches, error = _batches(args.batches or "1")
     model = args.model or "llama-8b-shape"
     error = error or (f"--model: unknown {model!r}; choose from {', '.join(MODELS)}" if model not in MODELS else None)
     error = error or ("the speed matrix's options measure speed: drop --only accuracy"
