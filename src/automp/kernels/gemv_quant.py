@@ -230,8 +230,8 @@ def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, s
     t_lo, t_hi = _split_tiles(pid_k, K, K_SPAN, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K // SUB_K), dtype=tl.float32)
     for t in k_range(t_lo, t_hi, 1):
-        # The scales are loaded after the codes' sums, where ptxas issues them once the codes have arrived. Loaded
-        # first, to share the codes' round trip, the products ran 1-16% slower on an H200 (BENCHMARKS.md, "Kernels").
+        # The scales are loaded after the codes' sums. Loaded first, to share the codes' memory round trip, the
+        # products measured slower (BENCHMARKS.md, "Kernels": the GEMV's scale order).
         if WORDS:
             part = _tile_sums_words(q_words, x_words, t, KP // 4, BITS, BLOCK_N, BLOCK_K, EVEN_K, ASM)
         else:

@@ -18,10 +18,10 @@ f16x2 inline assembly, two codes per lop3 and one sub.f16x2:
 - int4 decodes two neighbouring words at once: two prmt pair their low and their high halves, and each lop3 then
   yields one plane's codes of both words, which are K-neighbours in the plane operand, so the register is already
   the MMA fragment's pair. Decoding two planes of one word instead needs a PRMT per pair to repack them (399 against
-  351 loop instructions per warp and K-tile in the sm_90 SASS; the products ran 1-11% faster, BENCHMARKS.md).
+  350 loop instructions per warp and K-tile in the sm_90 SASS; the products ran 1-11% faster, BENCHMARKS.md).
 - int8 decodes bytes P and P + 2 of a word under one mask 0x00FF00FF.
-The interpreter has no inline assembly; it runs the same planes in plain Triton. bf16 activations decode through fp32 (0x4B000000 | u is
-2^23 + u), in plain Triton on the GPU too.
+The interpreter has no inline assembly; it runs the same planes in plain Triton. bf16 activations decode through
+fp32 (0x4B000000 | u is 2^23 + u), in plain Triton on the GPU too.
 
 The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns), so a decoded plane stays in
 the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the dot's N side. On Hopper the
