@@ -16,10 +16,11 @@ from kernel_testutil import DEVICE, TOL, rel_err, sm90_loop
 
 F16, BF16 = torch.float16, torch.bfloat16
 # (N, K, group, M, dtype, split_k): odd N, K a whole number of words but not of tiles (the masked tail), groups of
-# 128 and per-channel (and 64: int8 only), M from 2 to 64 (padded to 16, 32, 64), forced splits beside unsplit runs
+# 128 and per-channel (and 64: int8 only), M from 2 to 64 (padded to 16, 32, 64; fp16, the GPU's assembly, at each),
+# forced splits beside unsplit runs
 CASES = [(67, 264, None, 2, F16, None), (129, 256, 128, 3, BF16, None), (40, 1024, 128, 8, F16, 3),
          (33, 520, None, 17, BF16, None), (16, 4096, 128, 32, F16, None), (65, 384, 128, 64, BF16, 2),
-         (24, 640, None, 9, F16, 4)]
+         (24, 640, None, 9, F16, 4), (48, 512, 128, 40, F16, None)]
 
 
 def _operands(bits, n, k, group, m, dtype):
