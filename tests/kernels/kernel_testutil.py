@@ -74,4 +74,3 @@ def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_w
     assert len(back) == 1, f"expected one loop, found backward branches {back}"
     start, end = back[0]
     return [line.split("*/", 1)[1].strip() for line in sass[start:end] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
-

@@ -101,4 +101,3 @@ def test_rows_reject_bad_inputs():
         K.quant_gemv_rows(qw, s.to("meta"), a)
     with pytest.raises(ValueError, match="1..16 rows"):  # the launcher itself, called without the op's checks
         quant_gemv_rows(qw, s, torch.randn(17, 64, dtype=F16, device=DEVICE))
-

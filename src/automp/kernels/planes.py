@@ -148,7 +148,8 @@ def _plane(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr):
 def _plane_pair(w, P: tl.constexpr, BITS: tl.constexpr, A_FP16: tl.constexpr, ASM: tl.constexpr):
     """Planes P and P + C/2 (C codes per word)."""
     HALF: tl.constexpr = 16 // BITS
-    if ASM:  # int8 only (int4 decodes word pairs, _tile_dot)
+    if ASM:
+        tl.static_assert(BITS == 8, "int4's assembly decodes word pairs (_tile_dot), not plane pairs")
         lo, hi = tl.inline_asm_elementwise(_W8_PLANES, "=h,=h,r", [w >> (BITS * P)], dtype=(tl.float16, tl.float16),
                                            is_pure=True, pack=1)
     else:
