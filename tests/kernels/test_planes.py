@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import automp.kernels as K
-from automp.kernels import quant
+from automp.kernels import planes, quant
 from automp.kernels.planes import MAX_ROWS, _configs, fits, misaligned, quant_planes, unsupported
-from kernel_testutil import DEVICE, TOL, rel_err, sm90_loop
+from kernel_testutil import DEVICE, TOL, rel_err, sm90_loop, sm90_resident
 
 F16, BF16 = torch.float16, torch.bfloat16
 # (N, K, group, M, dtype, split_k): odd N, K a whole number of words but not of tiles (the masked tail), groups of
@@ -145,3 +145,37 @@ def test_int4_codes_are_decoded_into_the_mma_fragments_registers_in_the_sm90_cod
     mma = sum(line.startswith("HMMA") for line in loop)
     assert mma == 32  # 64 x 128 codes against 16 rows, m16n8k16: 4 x 2 x 8 / 2 warps
     assert sum(line.startswith("PRMT") for line in loop) <= 2 * mma
+
+
+def test_resident_programs_are_the_least_of_the_sm90_compiles():
+    """_planes_split keeps a split inside one wave of resident programs: _RESIDENT must be what the offered 64-wide
+    configs really fit on an SM (at both bit widths, split), else a split it allows runs a second, mostly idle wave."""
+    builds, keys = [], []
+    for m_p2 in planes._RESIDENT:
+        for bits in (4, 8):
+            for c in _configs(interpret=False):
+                if c.kwargs["BLOCK_N"] == 64 and c.kwargs["BLOCK_K"] * bits // 32 >= 16:
+                    keys.append(m_p2)
+                    builds.append([dict(GROUP=128, BITS=bits, SPLIT=True, M_P2=m_p2, A_FP16=True, ASM=True,
+                                        EVEN_K=True, stride_ak=1, **c.kwargs), c.num_warps, c.num_stages])
+    resident = sm90_resident("automp.kernels.planes", "_wq_planes_kernel",
+                             {"q_ptr": "*u8", "s_ptr": "*fp16", "a_ptr": "*fp16", "out_ptr": "*fp32"}, builds)
+    assert {m: min(r for key, r in zip(keys, resident) if key == m) for m in planes._RESIDENT} == planes._RESIDENT
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 32, 64])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336), (1024, 4096), (28672, 4096),
+                                 (2048, 8192), (4096, 11008)])
+def test_planes_split_fits_one_wave_in_even_ranges(m, n, k):
+    """The split's programs fit in the SMs' slots, its ranges are whole units covering K, and a range shorter than
+    the rest is left only where no split one fewer divides K's units; a forced split is kept."""
+    sms, unit = 132, 128
+    split, span = planes._planes_split(m, n, k, 128, sms)
+    tiles = -(-n // 64)
+    assert split * tiles <= planes._RESIDENT[max(16, 1 << (m - 1).bit_length())] * sms or split == 1
+    assert span % unit == 0 and (split - 1) * span < k <= split * span
+    units = k // unit
+    if k % span:
+        assert units % (split - 1 if split > 1 else 1) or split == 1
+    assert split <= quant._gemm_split(m, n, k, 128, sms, None, planes._WAVES)[0]
+    assert planes._planes_split(m, n, k, 128, sms, 3) == quant._gemm_split(m, n, k, 128, sms, 3)

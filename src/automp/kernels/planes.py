@@ -27,9 +27,9 @@ The weights are the dot's first operand (out^T [BLOCK_N, M] = planes @ a-columns
 the registers it was decoded in; the batch (padded to 16, tl.dot's least) is the dot's N side. On Hopper the
 configs of 1-2 warps won at Llama-3-8B shapes (BENCHMARKS.md, "Kernels"): Triton gives them mma.sync, which runs the
 eight small dots of a tile back to back, where its wgmma (4+ warps) waited for each before the next. A K-tile lies
-inside one scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm
-(`quant._gemm_split`, aiming at twice its programs), fp32 partials summed in a fixed order by
-`quant._split_sum_kernel`.
+inside one scale group, so each tile's dot is scaled once per weight row. K is split across programs as in quant_gemm,
+fitted to one wave of resident programs and to even ranges (`_planes_split`), fp32 partials summed in a fixed order
+by `quant._split_sum_kernel`.
 """
 from __future__ import annotations
 
@@ -41,13 +41,17 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import half_dot, k_range, num_sms
-from automp.kernels.quant import _CPU_SMS, _SUM_BLOCK, _gemm_split, _split_sum_kernel, _split_tiles, kernel_group
+from automp.kernels.quant import (_CPU_SMS, _SPLIT_TILE_N, _SUM_BLOCK, _gemm_split, _split_sum_kernel, _split_tiles,
+                                  kernel_group)
 
 MAX_ROWS = 64
 # Programs the K split aims at, in SM counts (the tiled GEMM aims at 2). Forced splits at Llama-3-8B shapes
 # (BENCHMARKS.md, "Kernels"): the narrow products (o, down) ran fastest in about 8 programs along K, ahead of
 # the GEMM's choice, which 4 waves of 64-row tiles give.
 _WAVES = 4
+# Programs of 64-wide tiles one SM holds at once, by padded batch: the least over the offered 64-wide configs and
+# both bit widths, from their sm_90 registers and shared memory (tests/kernels/test_planes.py recomputes it).
+_RESIDENT = {16: 5, 32: 4, 64: 2}
 _MIN_DOT = 16  # tl.dot's least size along each dimension: the batch is padded to it, and a plane has >= 16 words
 
 
@@ -277,6 +281,28 @@ def _tuned(prefetch: bool | None) -> Any:
     return _by_prefetch[prefetch]
 
 
+def _planes_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | None = None) -> tuple[int, int]:
+    """quant._gemm_split's K split for _WAVES waves, then fitted to the SMs (forced splits at Llama-3-8B shapes,
+    BENCHMARKS.md, "Kernels"):
+    - at most one wave of resident programs: a split whose programs outnumber the SMs' slots runs its last ones
+      alone on a few SMs after the rest (down, 32 rows: 9 splits of 13 tiles, 576 programs on 528 slots, ran slower
+      than 8 of 14);
+    - even ranges: where one split fewer divides K's tiles, it takes that, so no program ends early (down: 8 ranges
+      of 14 tiles, not 9 of 13 with one of 8).
+    `split_k` forces the split as in _gemm_split."""
+    if split_k is None:
+        target, _ = _gemm_split(m, n, k, group, sms, None, _WAVES)
+        if target == 1:
+            return 1, k
+        tiles = triton.cdiv(n, _SPLIT_TILE_N)
+        slots = _RESIDENT[max(_MIN_DOT, triton.next_power_of_2(m))] * sms
+        units = triton.cdiv(k, _gemm_split(m, n, k, group, sms, k)[1])  # K's whole units (a split of one each)
+        split_k = max(1, min(target, slots // tiles))
+        if units % split_k and split_k > 1 and units % (split_k - 1) == 0:
+            split_k -= 1
+    return _gemm_split(m, n, k, group, sms, split_k)
+
+
 def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_k: int | None = None,
                  asm: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """y [M, N] = a [M, K] @ dequant(qw, scales)^T in a's dtype (inputs validated by ops.py; `a` may have any
@@ -295,7 +321,7 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     if use_asm and (INTERPRET or not fp16):
         raise ValueError("automp.kernels.quant_planes: the f16x2 decoding needs fp16 activations on the GPU")
     group = kernel_group(k, scales.shape[1])
-    split, span = _gemm_split(m, n, k, group, num_sms(a.device, cpu=_CPU_SMS), split_k, _WAVES)
+    split, span = _planes_split(m, n, k, group, num_sms(a.device, cpu=_CPU_SMS), split_k)
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
