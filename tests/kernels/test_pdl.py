@@ -65,3 +65,32 @@ def test_products_inside_the_context_match_float64(poison, m):
     with pdl.dependent_launches():
         y = K.quant_gemv(qw, s, a[0]) if m == 1 else K.quant_planes(qw, s, a)
     assert rel_err(y.reshape(ref.shape), ref) < TOL[torch.float16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a GPU of sm_90 or later")
+def test_a_chain_captured_with_dependent_launches_replays_in_order():
+    """Each product reads the one before it (the middle one split, so its split sum runs too): a kernel that read its
+    input before the previous grid was done would see the last replay's values, not this one's."""
+    torch.manual_seed(0)
+    layers = [K.quantize_weight_int4(torch.randn(n, k, device="cuda") / k ** 0.5, 128) for n, k in
+              [(8192, 512), (1024, 8192), (512, 1024)]]
+    x = torch.randn(512, dtype=torch.float16, device="cuda")
+
+    def chain():
+        y = x
+        for qw, s in layers:
+            y = K.quant_gemv(qw, s, y)
+        return y
+    with pdl.dependent_launches():
+        chain()  # autotuned and compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for _ in range(3):
+        x.copy_(torch.randn(512, dtype=torch.float16, device="cuda"))
+        graph.replay()
+        ref = x.double()
+        for qw, s in layers:
+            ref = (K.dequantize_weight(qw, s, ref.shape[0]).double() @ ref).half().double()
+        assert rel_err(out, ref) < 2 * TOL[torch.float16]
