@@ -243,8 +243,7 @@ def test_torchao_cases_compile_under_torchaos_inductor_settings_and_only_they():
     assert {k: getattr(inductor, k) for k in before} == before  # restored
 
 
-def test_pdl_cases_warm_and_capture_with_dependent_launches_and_quantize_as_their_base_case(tmp_path, monkeypatch,
-                                                                                               no_model):
+def test_pdl_cases_warm_and_capture_with_dependent_launches(tmp_path, monkeypatch, no_model):
     from automp.kernels import pdl
     seen = {}
 

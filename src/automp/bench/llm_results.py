@@ -43,8 +43,8 @@ def row_key(row: dict) -> tuple:
 
 def _order(row: dict) -> tuple:
     case = row.get("case")
-    return (str(row.get("model")), row.get("layers") or 0, ALL_CASES.index(case) if case in ALL_CASES else len(ALL_CASES),
-            str(case), row.get("batch") or 0)
+    rank = ALL_CASES.index(case) if case in ALL_CASES else len(ALL_CASES)
+    return str(row.get("model")), row.get("layers") or 0, rank, str(case), row.get("batch") or 0
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:

@@ -6,10 +6,10 @@ while the kernel before it drains; it then waits (griddepcontrol.wait) for that 
 it touches anything the earlier work wrote or may still read. A CUDA graph captured inside the context keeps these
 launches as programmatic edges, so every replay overlaps them.
 
-The kernels that take part (the quantized GEMV, the planes kernel, their split sums) wait first thing in every
-program, before any load or store, so no output is written and no activation read before the previous grid is done;
-since each one waits before it completes, completion stays ordered along the stream. They then let their own
-dependents launch at once. Only their launches change: everything else (Inductor's kernels, cuBLAS) launches as
+The kernels that take part (the quantized GEMV, the rows and planes kernels, their split sums, the decode
+attention's two kernels) wait first thing in every program, before any load or store, so no output is written and
+no activation read before the previous grid is done; since each one waits before it completes, completion stays
+ordered along the stream. They then let their own dependents launch at once. Only their launches change: everything else (Inductor's kernels, cuBLAS) launches as
 before and, launched normally, waits for all earlier work. Inductor's own option (`triton.enable_pdl`) is not
 turned on with it: its kernels skip the wait where they read nothing the kernel just before wrote, so one of them
 could complete before that kernel does, and a kernel of ours after it would then see an unfinished grid's output.

@@ -43,7 +43,7 @@ from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import half_dot, k_range, num_sms
 from automp.kernels.pdl import active, launch_options, wait_then_release
 from automp.kernels.quant import (_CPU_SMS, _SPLIT_TILE_N, _SUM_BLOCK, _gemm_split, _split_sum_kernel, _split_tiles,
-                                  kernel_group)
+                                  _split_unit, kernel_group)
 
 MAX_ROWS = 64
 # Programs the K split aims at, in SM counts (the tiled GEMM aims at 2). Forced splits at Llama-3-8B shapes
@@ -299,7 +299,7 @@ def _planes_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | N
             return 1, k
         tiles = triton.cdiv(n, _SPLIT_TILE_N)
         slots = _RESIDENT[max(_MIN_DOT, triton.next_power_of_2(m))] * sms
-        units = triton.cdiv(k, _gemm_split(m, n, k, group, sms, k)[1])  # K's whole units (a split of one each)
+        units = triton.cdiv(k, _split_unit(k, group))
         split_k = max(1, min(target, slots // tiles))
         if units % split_k and split_k > 1 and units % (split_k - 1) == 0:
             split_k -= 1

@@ -231,6 +231,11 @@ _Q_MAX_BK = max(c[2] for c in _Q_SQUARE + _Q_SKINNY)  # every BLOCK_K offered (p
 _SPLIT_TILE_N = 64  # tile width the split chooser counts programs with (the middle skinny BLOCK_N)
 
 
+def _split_unit(k: int, group: int) -> int:
+    """The K a split range is a whole number of: scale groups and _Q_MAX_BK (see _gemm_split)."""
+    return _Q_MAX_BK if group >= k else max(group, _Q_MAX_BK)
+
+
 def _gemm_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | None = None,
                 waves: int = _WAVES) -> tuple[int, int]:
     """(programs along K, K range of each) for the [M, N, K] weight-only GEMM.
@@ -243,7 +248,7 @@ def _gemm_split(m: int, n: int, k: int, group: int, sms: int, split_k: int | Non
     Larger M is not split: its square tiles are tuned too, and it turns compute-bound (2 * M flops per weight).
     `split_k` asks for that many programs instead, as even as whole units allow (so possibly fewer).
     """
-    unit = _Q_MAX_BK if group >= k else max(group, _Q_MAX_BK)
+    unit = _split_unit(k, group)
     if split_k is None:
         tiles = triton.cdiv(m, min(triton.next_power_of_2(m), SKINNY_M)) * triton.cdiv(n, _SPLIT_TILE_N)
         if m > SKINNY_M or k < _SPLIT_MIN_K or tiles >= sms:
