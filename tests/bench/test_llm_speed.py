@@ -6,7 +6,6 @@ import math
 import statistics
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -241,29 +240,6 @@ def test_torchao_cases_compile_under_torchaos_inductor_settings_and_only_they():
     with llm_speed.inductor_settings("automp-int8"):
         assert {k: getattr(inductor, k) for k in before} == before
     assert {k: getattr(inductor, k) for k in before} == before  # restored
-
-
-def test_pdl_cases_warm_and_capture_with_dependent_launches(tmp_path, monkeypatch, no_model):
-    from automp.kernels import pdl
-    seen = {}
-
-    def warm(model, m, batch, row, bandwidth, expired):
-        seen[row["case"]] = pdl._ON.get()
-        return _fake_warm()(model, m, batch, row, bandwidth, expired)
-    monkeypatch.setattr(llm_speed, "warm", warm)
-    assert llm.main(["--quick", "--batches", "1", "--cases", "automp-int4,automp-int4-pdl", "--out",
-                     str(tmp_path)]) == 0
-    assert seen == {"automp-int4": False, "automp-int4-pdl": True} and not pdl._ON.get()
-    assert _rows(tmp_path / "llm-cpu.json")[("llama-8b-shape", "automp-int4-pdl", 1)]["ms_per_token"] == 1.0
-
-
-def test_a_pdl_case_quantizes_as_its_base_case(monkeypatch):
-    asked = []
-    monkeypatch.setattr(sys.modules["automp.llm.quantize"], "quantize",
-                        lambda model, bits, group: asked.append((bits, group)) or model)
-    monkeypatch.setattr(llm_speed, "build_model", lambda m, dtype: torch.nn.Linear(1, 1))
-    llm_speed.prepare("automp-int8-pdl", types.SimpleNamespace(group=64))
-    assert asked == [("int8", 64)]
 
 
 def test_vs_fp16_pairs_the_rounds_of_one_run():

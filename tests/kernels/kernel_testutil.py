@@ -53,12 +53,6 @@ def sm90_loop(module: str, kernel: str, pointers: dict, constexprs: dict, num_wa
     return _sm90_call("_loop_sass", module, kernel, pointers, constexprs, num_warps, num_stages)
 
 
-def sm90_kernel(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
-                num_stages: int = 3) -> list[str]:
-    """Every SASS instruction of `module`.`kernel`, in order (compiled as sm90_loop's)."""
-    return _sm90_call("_kernel_sass", module, kernel, pointers, constexprs, num_warps, num_stages)
-
-
 def sm90_resident(module: str, kernel: str, pointers: dict, builds: list) -> list[int]:
     """Programs of `module`.`kernel` one sm_90 SM holds at once, for each build [constexprs, num_warps, num_stages]
     (compiled as sm90_loop's), from its registers per thread and shared memory."""
@@ -102,27 +96,14 @@ def _resident(module: str, kernel: str, pointers: dict, builds: list) -> list[in
     return out
 
 
-def _sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int, num_stages: int) -> list[str]:
-    compiled = _compile_sm90(module, kernel, pointers, constexprs, num_warps, num_stages)
-    return _read_cubin(compiled, NVDISASM, "-c").splitlines()
-
-
-def _instructions(lines: list[str]) -> list[str]:
-    return [line.split("*/", 1)[1].strip() for line in lines if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
-
-
 def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
                num_stages: int) -> list[str]:
-    sass = _sass(module, kernel, pointers, constexprs, num_warps, num_stages)
+    compiled = _compile_sm90(module, kernel, pointers, constexprs, num_warps, num_stages)
+    sass = _read_cubin(compiled, NVDISASM, "-c").splitlines()
     labels = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"^(\.L_x_\d+):", line))}
     back = [(labels[m.group(1)], i) for i, line in enumerate(sass)
             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i - 1]  # not the
     # kernel's closing self-branch
     assert len(back) == 1, f"expected one loop, found backward branches {back}"
     start, end = back[0]
-    return _instructions(sass[start:end])
-
-
-def _kernel_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
-                 num_stages: int) -> list[str]:
-    return _instructions(_sass(module, kernel, pointers, constexprs, num_warps, num_stages))
+    return [line.split("*/", 1)[1].strip() for line in sass[start:end] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]

@@ -141,7 +141,7 @@ def test_int4_codes_are_decoded_into_the_mma_fragments_registers_in_the_sm90_cod
     loop = sm90_loop("automp.kernels.planes", "_wq_planes_kernel",
                      {"q_ptr": "*u8", "s_ptr": "*fp16", "a_ptr": "*fp16", "out_ptr": "*fp16"},
                      dict(GROUP=128, BITS=4, SPLIT=False, M_P2=16, A_FP16=True, ASM=True, BLOCK_N=64, BLOCK_K=128,
-                          PREFETCH_S=False, EVEN_K=True, PDL=False, stride_ak=1), 2)
+                          PREFETCH_S=False, EVEN_K=True, stride_ak=1), 2)
     mma = sum(line.startswith("HMMA") for line in loop)
     assert mma == 32  # 64 x 128 codes against 16 rows, m16n8k16: 4 x 2 x 8 / 2 warps
     assert sum(line.startswith("PRMT") for line in loop) <= 2 * mma
@@ -156,7 +156,7 @@ def test_resident_programs_are_the_least_of_the_sm90_compiles():
             for c in _configs(interpret=False):
                 if c.kwargs["BLOCK_N"] == 64 and c.kwargs["BLOCK_K"] * bits // 32 >= 16:
                     keys.append(m_p2)
-                    builds.append([dict(GROUP=128, BITS=bits, SPLIT=True, M_P2=m_p2, A_FP16=True, ASM=True, PDL=False,
+                    builds.append([dict(GROUP=128, BITS=bits, SPLIT=True, M_P2=m_p2, A_FP16=True, ASM=True,
                                         EVEN_K=True, stride_ak=1, **c.kwargs), c.num_warps, c.num_stages])
     resident = sm90_resident("automp.kernels.planes", "_wq_planes_kernel",
                              {"q_ptr": "*u8", "s_ptr": "*fp16", "a_ptr": "*fp16", "out_ptr": "*fp32"}, builds)

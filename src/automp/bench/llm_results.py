@@ -30,9 +30,6 @@ def one_line(e: BaseException) -> str:
 
 
 CASES = ("fp16-compiled", "automp-int8", "automp-int4", "torchao-int8", "torchao-int4")
-# on request only: automp's cases with their kernels launched as dependents (automp.kernels.pdl, off by default)
-EXTRA_CASES = ("automp-int8-pdl", "automp-int4-pdl")
-ALL_CASES = CASES + EXTRA_CASES
 ANCHOR = "fp16-compiled"
 ROW_KEYS = ("model", "case", "batch", "ms_per_token", "tokens_per_s", "weight_gib", "roofline_frac")
 
@@ -43,8 +40,8 @@ def row_key(row: dict) -> tuple:
 
 def _order(row: dict) -> tuple:
     case = row.get("case")
-    rank = ALL_CASES.index(case) if case in ALL_CASES else len(ALL_CASES)
-    return str(row.get("model")), row.get("layers") or 0, rank, str(case), row.get("batch") or 0
+    return (str(row.get("model")), row.get("layers") or 0, CASES.index(case) if case in CASES else len(CASES),
+            str(case), row.get("batch") or 0)
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:

@@ -11,8 +11,7 @@ hidden 64 on the CPU.
 Cases, each through automp.llm.generate's static-cache decode (compiled and captured as a CUDA graph on a GPU; the
 attention is the model's SDPA, but for automp's cases generate's default choice: decode_args):
   fp16-compiled      fp16 weights: the anchor
-  automp-int8/int4   automp.llm.quantize, group 128 (q/k/v and gate/up fused); with -pdl (on request) its kernels
-                     are launched as dependents while the step compiles and is captured (automp.kernels.pdl)
+  automp-int8/int4   automp.llm.quantize, group 128 (q/k/v and gate/up fused)
   torchao-int8/int4  torchao's quantize_ with Int8WeightOnlyConfig (per row) / Int4WeightOnlyConfig(group_size=128)
                      in the tinygemm layout ("tile_packed_to_4d": torch's own kernel, no extra package), on the
                      decoder blocks' linears (lm_head stays 16-bit, as in automp's cases). tinygemm takes bf16 weights
@@ -112,11 +111,8 @@ TORCHAO_INDUCTOR = {"coordinate_descent_tuning": True, "coordinate_descent_check
 
 
 def inductor_settings(case: str) -> contextlib.AbstractContextManager:
-    """The settings a case compiles and captures under: torchao's recommended Inductor ones for its cases (those
-    this torch has), dependent launches of automp's kernels for the -pdl cases, the defaults for the rest."""
-    if case.endswith("-pdl"):
-        from automp.kernels.pdl import dependent_launches
-        return dependent_launches()
+    """The Inductor settings a case compiles under: torchao's recommended ones for its cases (those this torch
+    has), the defaults for the rest."""
     if not case.startswith("torchao-"):
         return contextlib.nullcontext()
     import torch._inductor.config as inductor
@@ -159,7 +155,7 @@ def prepare(case: str, m: Matrix) -> tuple[nn.Module, str]:
         return build_model(m, torch.float16), ""
     if case.startswith("automp-"):
         from automp.llm.quantize import quantize
-        return quantize(build_model(m, torch.float16), case.removeprefix("automp-").removesuffix("-pdl"), m.group), ""
+        return quantize(build_model(m, torch.float16), case.removeprefix("automp-"), m.group), ""
     try:
         return _torchao(case, m, torch.float16), ""
     except Exception as e:  # tinygemm: bf16 only

@@ -9,14 +9,12 @@ import torch
 
 from automp.kernels import crossover  # noqa: F401 - which kernel serves a batch's rows (automp.quant.weight_only)
 from automp.kernels import ops  # noqa: F401 - registers the torch.library ops
-from automp.kernels.pdl import dependent_launches
 from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quantize_static_int8,
                                   quantize_weight_int4, quantize_weight_int8)
 
 __all__ = ["gemv", "gemm", "quant_gemv", "quant_gemv_rows", "quant_planes", "quant_gemm", "int8_gemm",
            "int8_gemm_requant", "unscale_and_check_", "cast", "decode_attention", "quantize_weight_int8",
-           "quantize_weight_int4", "quantize_rowwise_int8", "quantize_static_int8", "dequantize_weight",
-           "dependent_launches"]
+           "quantize_weight_int4", "quantize_rowwise_int8", "quantize_static_int8", "dequantize_weight"]
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

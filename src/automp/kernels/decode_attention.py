@@ -34,7 +34,6 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import half_dot, k_range, num_sms
-from automp.kernels.pdl import active, launch_options, wait_then_release
 
 MAX_D = 256  # head dims up to here (any size, masked to the next power of two); larger ones would spill registers
 _BLOCK_G = 16  # query heads per program, padded: the smallest M of a tensor-core dot
@@ -64,11 +63,9 @@ def _decode_attention_split(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_pt
                   stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                   stride_vb, stride_vh, stride_vl, stride_vd, stride_mb, stride_ml,
                   G: tl.constexpr, D: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """Program (i, s): sequence b, KV head h and query heads h * G + [j * BLOCK_G, +BLOCK_G) for i = (b * HKV + h) *
-    HEAD_BLOCKS + j; tiles s, s + SPLITS, ... of L. Writes its fp32 m, l [B, Hq, SPLITS] and acc [B, Hq, SPLITS, D].
-    PDL: launched as a dependent (automp.kernels.pdl)."""
-    wait_then_release(PDL)
+    HEAD_BLOCKS + j; tiles s, s + SPLITS, ... of L. Writes its fp32 m, l [B, Hq, SPLITS] and acc [B, Hq, SPLITS, D]."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     j = pid % HEAD_BLOCKS
@@ -114,10 +111,9 @@ def _decode_attention_split(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_pt
 
 @triton.jit
 def _decode_attention_combine(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[r] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for row r = b * Hq + head, M = max_s m_s; zeros when
     no split saw a valid slot (every m_s = -inf, l_s = 0). Chunks and their sums run in a fixed order."""
-    wait_then_release(PDL)
     r = tl.program_id(0)
     rs = tl.arange(0, BLOCK_S)
     m_max = tl.max(tl.load(m_ptr + r * SPLITS + rs, mask=rs < SPLITS, other=float("-inf")), axis=0)
@@ -155,13 +151,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     acc = torch.empty((b, hq, s, d), dtype=torch.float32, device=q.device)
     mask = valid.view(torch.uint8)  # the same bytes (any strides), loaded as bytes and compared with 0
     block_d = max(16, triton.next_power_of_2(d))
-    pdl = active(q.device)
     _decode_attention_split[(b * hkv * head_blocks, s)](
         q, k, v, mask, m, lse, acc, scale * _LOG2E, length, hkv, s, *q.stride(), *k.stride(), *v.stride(),
         *mask.stride(), G=g, D=d, HEAD_BLOCKS=head_blocks, BLOCK_G=_BLOCK_G, BLOCK_D=block_d, BLOCK_L=tile,
-        PDL=pdl, num_warps=4, **launch_options(pdl))
+        num_warps=4)
     _decode_attention_combine[(b * hq,)](m, lse, acc, out, s, D=d, BLOCK_S=max(_CHUNK_S, triton.next_power_of_2(s)),
-                               CHUNK_S=_CHUNK_S, BLOCK_D=block_d, PDL=pdl, num_warps=4, **launch_options(pdl))
+                               CHUNK_S=_CHUNK_S, BLOCK_D=block_d, num_warps=4)
     return out
 
 

@@ -13,7 +13,6 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
-from automp.kernels.pdl import active, launch_options, wait_then_release
 from automp.kernels.quant import (_CPU_SMS, _SPLIT_MIN_K, _SUM_BLOCK, _WAVES, _i8_to_f32, _split_sum_kernel,
                                   _split_tiles, _u4_to_f32, kernel_group)
 
@@ -217,12 +216,9 @@ def _tile_sums_words(q_words, x_words, t, KW, BITS: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _wq_gemv_kernel(q_ptr, s_ptr, x_ptr, out_ptr, N, K, KP, K_SPAN, stride_qn, stride_qw, stride_sn, stride_xk,
                     GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr):
+                    WORDS: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): rows [i * BLOCK_N, +BLOCK_N), K range [j * K_SPAN, +K_SPAN) in whole tiles; SPLIT: write the
-    fp32 partial row j of out [SPLIT_K, N], else y itself. WORDS: the word path (_tile_sums_words). PDL: launched as
-    a dependent (automp.kernels.pdl)."""
-    wait_then_release(PDL)
+    fp32 partial row j of out [SPLIT_K, N], else y itself. WORDS: the word path (_tile_sums_words)."""
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = rn % N  # rows past N wrap to real ones (never stored), so the loads need no row mask
@@ -319,11 +315,10 @@ def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k:
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-    pdl = active(x.device)
     _wq_gemv_kernel[grid](qw, scales, x, out, n, k, qw.shape[1], span, qw.stride(0), qw.stride(0) // 4,
                           scales.stride(0), x.stride(0), group, bits, split > 1, WORDS=chosen != "bytes",
-                          ASM=chosen == "f16x2", PDL=pdl, **launch_options(pdl))
+                          ASM=chosen == "f16x2")
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, _SUM_BLOCK),)](out, y, n, split, triton.next_power_of_2(split),
-                                                         BLOCK=_SUM_BLOCK, PDL=pdl, **launch_options(pdl))
+                                                         BLOCK=_SUM_BLOCK)
     return y

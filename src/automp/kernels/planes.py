@@ -41,7 +41,6 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import half_dot, k_range, num_sms
-from automp.kernels.pdl import active, launch_options, wait_then_release
 from automp.kernels.quant import (_CPU_SMS, _SPLIT_TILE_N, _SUM_BLOCK, _gemm_split, _split_sum_kernel, _split_tiles,
                                   _split_unit, kernel_group)
 
@@ -219,16 +218,14 @@ _AUTOTUNE = dict(key=["M_P2", "N", "K", "K_SPAN", "GROUP", "BITS", "ASM"],
 @triton.jit
 def _wq_planes_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, K_SPAN, stride_qw, stride_sn, stride_am, stride_ak,
                       GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
-                      A_FP16: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr):
+                      A_FP16: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREFETCH_S: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M rows of a over K in [j * K_SPAN, +K_SPAN);
-    SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N]. PDL: launched as a dependent
-    (automp.kernels.pdl).
+    SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N].
 
     PREFETCH_S: each tile's scales are loaded one tile ahead. Triton pipelines the codes' and the activations' loads
     into shared memory (they feed the dots) but not the scales' (checked in the compiled code): loaded in the tile that
     uses them, a program waits a memory round trip per tile, with few programs per SM to cover it."""
-    wait_then_release(PDL)
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // CPW
     pid_k = tl.program_id(1)
@@ -329,15 +326,15 @@ def quant_planes(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor, split_
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     args = (qw, scales, a, out, m, n, k, span, qw.stride(0) // 4, scales.stride(0), a.stride(0), a.stride(1), group,
-            bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16, use_asm, (pdl := active(a.device)))
+            bits, split > 1, max(_MIN_DOT, triton.next_power_of_2(m)), fp16, use_asm)
     if INTERPRET:  # one fitting config, launched past the autotuner: Triton 3.6's benchmarks even a single pruned
         # config, which needs a GPU driver the interpreter does not have
         config = _prune(_configs(), {"GROUP": group, "BITS": bits, "K_SPAN": span, "K": k})[0]
         kwargs = {**config.kwargs, **({} if prefetch is None else {"PREFETCH_S": prefetch})}
         _wq_planes_kernel.fn[grid(kwargs)](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
-        _tuned(prefetch)[grid](*args, **launch_options(pdl))
+        _tuned(prefetch)[grid](*args)
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
-                                                             BLOCK=_SUM_BLOCK, PDL=pdl, **launch_options(pdl))
+                                                             BLOCK=_SUM_BLOCK)
     return y

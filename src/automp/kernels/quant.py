@@ -30,7 +30,6 @@ import triton.language as tl
 
 from automp.kernels.gemm import SKINNY_M, mm_configs, prune_by_m, tile_ids
 from automp.kernels.gemv import INTERPRET, half_dot, k_range, num_sms
-from automp.kernels.pdl import wait_then_release
 
 MIN_GROUP = 32
 
@@ -158,11 +157,8 @@ _CPU_SMS = 132  # a Hopper GPU's SM count: CPU runs (the interpreter) split like
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, y_ptr, N, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """y = the column sums of the [SPLIT_K, N] partials, all loaded at once (one L2 round trip, not SPLIT_K);
-    PDL: launched as a dependent (automp.kernels.pdl)."""
-    wait_then_release(PDL)
+def _split_sum_kernel(part_ptr, y_ptr, N, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the column sums of the [SPLIT_K, N] partials, all loaded at once (one L2 round trip, not SPLIT_K)."""
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rs = tl.arange(0, SPLIT_P2)
     mask = (rs < SPLIT_K)[:, None] & (rn < N)[None, :]

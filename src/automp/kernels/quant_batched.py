@@ -21,7 +21,6 @@ import triton.language as tl
 
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
-from automp.kernels.pdl import active, launch_options, wait_then_release
 from automp.kernels.quant import (_CPU_SMS, _SUM_BLOCK, _i8_to_f32, _split_sum_kernel, _split_tiles, _u4_to_f32,
                                   kernel_group)
 from automp.kernels.gemv_quant import _gemv_split
@@ -94,11 +93,9 @@ def _rows_tile_dots(q_rows, a_rows, t, K, KP, stride_ak, BITS: tl.constexpr, BLO
 @triton.jit
 def _wq_rows_kernel(q_ptr, s_ptr, a_ptr, out_ptr, M, N, K, KP, K_SPAN, stride_qn, stride_sn, stride_am, stride_ak,
                     GROUP: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr, M_P2: tl.constexpr,
-                    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (i, j): weight rows [i * BLOCK_N, +BLOCK_N) against all M activation rows over the K range
-    [j * K_SPAN, +K_SPAN); SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N].
-    PDL: launched as a dependent (automp.kernels.pdl)."""
-    wait_then_release(PDL)
+    [j * K_SPAN, +K_SPAN); SPLIT: write the fp32 partial [M, N] slab j of out [SPLIT_K, M, N], else y [M, N]."""
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_P2)
@@ -133,11 +130,9 @@ def quant_gemv_rows(qw: torch.Tensor, scales: torch.Tensor, a: torch.Tensor,
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-    pdl = active(a.device)
     _wq_rows_kernel[grid](qw, scales, a, out, m, n, k, qw.shape[1], span, qw.stride(0), scales.stride(0),
-                          a.stride(0), a.stride(1), group, bits, split > 1, triton.next_power_of_2(m), pdl,
-                          **launch_options(pdl))
+                          a.stride(0), a.stride(1), group, bits, split > 1, triton.next_power_of_2(m))
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, y, m * n, split, triton.next_power_of_2(split),
-                                                             BLOCK=_SUM_BLOCK, PDL=pdl, **launch_options(pdl))
+                                                             BLOCK=_SUM_BLOCK)
     return y

@@ -19,8 +19,7 @@ perplexity (files split by a hash of their path) for fp16, int8, int4 and int4 +
 
 Speed matrix (automp.bench.llm_speed), when any of its options (--model, --layers, --batches, --cases, --repeats,
 --case-timeout, --time-limit, --profile) is given:
-fp16-compiled (the anchor), automp-int8/int4 and torchao-int8/int4 (on request automp-int8-pdl/int4-pdl: automp's
-kernels launched as dependents, automp.kernels.pdl) at each batch size on a random Llama-3-8B-shaped
+fp16-compiled (the anchor), automp-int8/int4 and torchao-int8/int4 at each batch size on a random Llama-3-8B-shaped
 (or TinyLlama-shaped) model, rows merged into `<out>/llm-<gpu>.json`; --profile adds where one decode step's kernel
 time goes (automp.bench.llm_profile). Speed only.
 
@@ -41,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from automp.bench.harness import copy_bandwidth_gbps, device_name, free, gpu_slug, provenance, usage_problem
-from automp.bench.llm_results import ALL_CASES, CASES
+from automp.bench.llm_results import CASES
 from automp.files import write_json_and_markdown
 from automp.llm.corpus import stdlib_docstrings
 from automp.timing import time_fn
@@ -285,8 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help="llama-8b-shape (default) or llama-1b: random weights, built here")
     m.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's own: 32 / 22)")
     m.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1)")
-    m.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(ALL_CASES) + " (default: "
-                   + ", ".join(CASES) + ")")
+    m.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(CASES) + " (default: all)")
     m.add_argument("--repeats", type=int, default=None,
                    help="alternating rounds per batch size (default 5): each round times every case once, in "
                         "reversed order every other round; a row is the median of its rounds, with their spread")
@@ -332,7 +330,7 @@ def _matrix(args: argparse.Namespace, argv: Sequence[str] | None, cfg: BenchConf
     error = error or ("the speed matrix's options measure speed: drop --only accuracy"
                       if args.only == "accuracy" else None)
     error = error or usage_problem(
-        [("--cases", args.cases or ",".join(CASES), ALL_CASES)],
+        [("--cases", args.cases or ",".join(CASES), CASES)],
         [("--layers", 1 if args.layers is None else args.layers, 1), ("--repeats", repeats, 1),
          ("--case-timeout", case_timeout, 0), ("--time-limit", time_limit, 0)],
         os.path.join(args.out, f"llm-{slug}"), exts=(".json", ".md"))
