@@ -143,3 +143,58 @@ def test_a_k_4096_row_can_be_one_tile_and_split_ranges_keep_their_tiles_whole():
     assert any(c.kwargs["BLOCK_K"] == 4096 for c in unsplit)
     split = gemv_quant._qgemv_prune(configs, {"K": 8192, "K_SPAN": 1024, "BITS": 4})
     assert split and all(1024 % c.kwargs["BLOCK_K"] == 0 for c in split)
+
+
+@pytest.mark.parametrize("quantize", [K.quantize_weight_int8, K.quantize_weight_int4])
+@pytest.mark.parametrize("n,k,group", [(37, 519, 32), (21, 1000, 256), (9, 640, None)])
+def test_partials_are_each_split_programs_own_product(poison, monkeypatch, quantize, n, k, group):
+    """quant_gemv(..., partials=True) and the op behind the compiled fold: row j is the product over split program j's
+    K range alone (float64 reference of that range), unsummed; the CPU reference op gives the same rows. `poison`
+    NaN-fills torch.empty, so a partial no program wrote comes out NaN."""
+    monkeypatch.setattr(gemv_quant, "_GEMV_SPLIT_MIN_K", 0)
+    qw, s = quantize(torch.randn(n, k, device=DEVICE), group)
+    x = torch.randn(k, dtype=torch.float16, device=DEVICE)
+    _, split, span = gemv_quant._plan(qw, s, x)
+    assert split == gemv_quant.partial_count(qw, s, x) > 1
+    w = K.dequantize_weight(qw, s, k).double()
+    want = torch.stack([w[:, j * span:(j + 1) * span] @ x.double()[j * span:(j + 1) * span] for j in range(split)])
+    # the kernel's own rounding (half-precision tile sums on the word path) against the float32 reference's
+    for out, tol in ((torch.ops.automp.quant_gemv_partials(qw, s, x), TOL[torch.float16]),
+                     (gemv_quant.reference_partials(qw, s, x), 1e-5)):
+        assert out.dtype == torch.float32 and out.shape == (split, n) and not out.isnan().any()
+        assert all(rel_err(out[j], want[j]) < tol for j in range(split))
+    assert rel_err(gemv_quant.quant_gemv(qw, s, x, partials=True).sum(0), w @ x.double()) < TOL[torch.float16]
+
+
+def test_unsplit_partials_are_one_float32_row(poison):
+    qw, s = K.quantize_weight_int4(torch.randn(24, 256, device=DEVICE), 128)
+    x = torch.randn(256, dtype=torch.float16, device=DEVICE)
+    out = torch.ops.automp.quant_gemv_partials(qw, s, x)
+    assert out.shape == (1, 24) and out.dtype == torch.float32
+    assert rel_err(out[0], K.dequantize_weight(qw, s, 256).double() @ x.double()) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_a_compiled_gemv_leaves_its_split_sum_to_the_next_kernel(monkeypatch, fold):
+    """Traced by torch.compile, quant_gemv hands Inductor the split partials and their sum: the generated code calls
+    the partials op and no split-sum kernel, and the sum lands inside the consumer's one kernel (here a residual add
+    and an RMSNorm). With FOLD_SPLIT_SUMS off the step calls the GEMV op as eager mode does. Same result either way."""
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setattr(gemv_quant, "_GEMV_SPLIT_MIN_K", 0)
+    monkeypatch.setattr(K, "FOLD_SPLIT_SUMS", fold)
+    qw, s = K.quantize_weight_int4(torch.randn(40, 1024, device=DEVICE), 128)
+    x, res = torch.randn(1024, dtype=torch.float16, device=DEVICE), torch.randn(40, dtype=torch.float16, device=DEVICE)
+    assert gemv_quant.partial_count(qw, s, x) > 1
+
+    def step(x, res):
+        r = (K.quant_gemv(qw, s, x) + res).float()
+        return (r * torch.rsqrt(r.pow(2).mean() + 1e-6)).half()
+
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(step, fullgraph=True), x, res)
+    code = "\n".join(code)
+    assert ("quant_gemv_partials" in code) == fold and ("automp.quant_gemv.default" in code) != fold
+    r = (K.dequantize_weight(qw, s, 1024).double() @ x.double() + res.double())
+    assert rel_err(out, r * torch.rsqrt(r.pow(2).mean() + 1e-6)) < TOL[torch.float16]
+    if fold and DEVICE == "cpu":  # Inductor's C++ kernels: the sum is one more load inside the norm's loop
+        assert len(set(__import__("re").findall(r"cpp_fused\w+(?= = )", code))) == 1

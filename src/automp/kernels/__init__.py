@@ -27,8 +27,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.automp.gemm(a, b)
 
 
+# Traced by torch.compile, quant_gemv hands Inductor its split programs' partial products and their sum, which Inductor
+# unrolls into the loads of the kernel that reads y next (a residual add, a norm, rotary embedding): one launch fewer
+# in the step's CUDA graph wherever the GEMV splits K. False: the GEMV's own split-sum kernel, as in eager mode.
+FOLD_SPLIT_SUMS = True
+
+
 def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y [N] = dequant(qw, scales) @ x [K]; qw from quantize_weight_int8 (int8) or _int4 (packed uint8)."""
+    if FOLD_SPLIT_SUMS and torch.compiler.is_compiling():
+        return torch.ops.automp.quant_gemv_partials(qw, scales, x).sum(0).to(x.dtype)
     return torch.ops.automp.quant_gemv(qw, scales, x)
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 from automp.kernels.gemm import INTERPRET
 from automp.kernels.gemv import k_range, num_sms
 from automp.kernels.quant import (_CPU_SMS, _SPLIT_MIN_K, _SUM_BLOCK, _WAVES, _i8_to_f32, _split_sum_kernel,
-                                  _split_tiles, _u4_to_f32, kernel_group)
+                                  _split_tiles, _u4_to_f32, dequantize_weight, kernel_group)
 
 _SUB = tl.constexpr(16)  # bytes of one thread's vector load, reduced in its registers and then scaled once
 _MIN_SPAN = 128  # fewest K per split program: the smallest BLOCK_K below, so some config always tiles a span exactly
@@ -298,10 +298,35 @@ def word_path(qw: torch.Tensor, x: torch.Tensor) -> str:
     return "words" if INTERPRET else "f16x2"
 
 
+def _plan(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int | None = None) -> tuple[int, int, int]:
+    """(scale group, K split, K range of each split program) of the GEMV of this shape on x's device."""
+    k = x.shape[0]
+    group = kernel_group(k, scales.shape[1])
+    split, span = _gemv_split(qw.shape[0], k, group, num_sms(x.device, cpu=_CPU_SMS), split_k, _GEMV_SPLIT_MIN_K)
+    return group, split, span
+
+
+def partial_count(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> int:
+    """Rows of quant_gemv(..., partials=True)'s output: the K split the GEMV of this shape runs with."""
+    return _plan(qw, scales, x)[1]
+
+
+def reference_partials(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """float32 [S, N]: row j is dequant(qw) @ x over the K range of split program j (the kernel's own ranges), what
+    quant_gemv(..., partials=True) computes, for the CPU without Triton and for tests."""
+    _, split, span = _plan(qw, scales, x)
+    w, xf = dequantize_weight(qw, scales, x.shape[0]), x.float()
+    return torch.stack([w[:, j * span:(j + 1) * span] @ xf[j * span:(j + 1) * span] for j in range(split)])
+
+
 def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int | None = None,
-               path: str | None = None) -> torch.Tensor:
+               path: str | None = None, partials: bool = False) -> torch.Tensor:
     """y [N] = dequant(qw) @ x for x [K]; y has x's dtype. `split_k` forces the K split and `path` the int4 decoding
-    (tests, sweeps; one of PATHS: "bytes", or what word_path allows)."""
+    (tests, sweeps; one of PATHS: "bytes", or what word_path allows).
+
+    partials: the float32 [S, N] partial products of the S split programs (partial_count), not summed. Their sum is
+    then left to the caller: in a compiled step Inductor folds it into the kernel that reads y next (a sum over a
+    few rows is unrolled into its loads), which saves the split-sum kernel's launch and its gap in the CUDA graph."""
     k = x.shape[0]
     n = qw.shape[0]
     bits = 4 if qw.dtype == torch.uint8 else 8
@@ -310,14 +335,15 @@ def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k:
         if path not in PATHS or (path != "bytes" and chosen == "bytes") or (path == "f16x2" and INTERPRET):
             raise ValueError(f"quant_gemv: path {path!r} does not apply here (allowed: {chosen!r} or 'bytes')")
         chosen = path
-    group = kernel_group(k, scales.shape[1])
-    split, span = _gemv_split(n, k, group, num_sms(x.device, cpu=_CPU_SMS), split_k, _GEMV_SPLIT_MIN_K)
+    group, split, span = _plan(qw, scales, x, split_k)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 or partials else y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     _wq_gemv_kernel[grid](qw, scales, x, out, n, k, qw.shape[1], span, qw.stride(0), qw.stride(0) // 4,
                           scales.stride(0), x.stride(0), group, bits, split > 1, WORDS=chosen != "bytes",
                           ASM=chosen == "f16x2")
+    if partials:
+        return out
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, _SUM_BLOCK),)](out, y, n, split, triton.next_power_of_2(split),
                                                          BLOCK=_SUM_BLOCK)

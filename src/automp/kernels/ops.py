@@ -139,6 +139,23 @@ def _(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((qw.shape[0],))
 
 
+@custom_op("automp::quant_gemv_partials", mutates_args=())
+def quant_gemv_partials_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """float32 [S, N]: quant_gemv's S split programs' partial products, unsummed (gemv_quant.quant_gemv, partials)."""
+    _require(x.dim() == 1, "quant_gemv_partials", f"x must be [K], got shape {tuple(x.shape)}")
+    _check_quant("quant_gemv_partials", qw, scales, x, x.shape[0])
+    if use_triton(x):
+        return _gemv_quant.quant_gemv(qw, scales.contiguous(), x, partials=True)
+    return _gemv_quant.reference_partials(qw, scales, x)
+
+
+@quant_gemv_partials_op.register_fake
+def _(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    _require(x.dim() == 1, "quant_gemv_partials", f"x must be [K], got shape {tuple(x.shape)}")
+    _check_quant("quant_gemv_partials", qw, scales, x, x.shape[0])
+    return x.new_empty((_gemv_quant.partial_count(qw, scales, x), qw.shape[0]), dtype=torch.float32)
+
+
 @custom_op("automp::quant_gemm", mutates_args=())
 def quant_gemm_op(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     _require(a.dim() == 2, "quant_gemm", f"a must be [M, K], got shape {tuple(a.shape)}")
