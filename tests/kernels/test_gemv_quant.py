@@ -194,6 +194,10 @@ def test_a_compiled_gemv_leaves_its_split_sum_to_the_next_kernel(monkeypatch, fo
     out, code = run_and_get_code(torch.compile(step, fullgraph=True), x, res)
     code = "\n".join(code)
     assert ("quant_gemv_partials" in code) == fold and ("automp.quant_gemv.default" in code) != fold
+    monkeypatch.setattr(gemv_quant, "_GEMV_SPLIT_MIN_K", 1 << 30)  # unsplit: nothing to fold, the GEMV op as eager
+    torch._dynamo.reset()
+    unsplit, unsplit_code = run_and_get_code(torch.compile(step, fullgraph=True), x, res)
+    assert "quant_gemv_partials" not in "\n".join(unsplit_code) and rel_err(unsplit, out) < TOL[torch.float16]
     r = (K.dequantize_weight(qw, s, 1024).double() @ x.double() + res.double())
     assert rel_err(out, r * torch.rsqrt(r.pow(2).mean() + 1e-6)) < TOL[torch.float16]
     if fold and DEVICE == "cpu":  # Inductor's C++ kernels: the sum is one more load inside the norm's loop

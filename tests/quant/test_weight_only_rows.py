@@ -83,8 +83,7 @@ def test_one_row_and_many_rows_are_not_measured(monkeypatch, layer):
     clock = FakeClock(rows=1.0, gemm=2.0)
     monkeypatch.setattr(crossover, "TIMER", clock)
     one, many = _x(1), _x(crossover.MAX_ROWS + 1)
-    # traced, one row is the GEMV's partials op: its split sum is left to Inductor (automp.kernels.FOLD_SPLIT_SUMS)
-    assert _ops_called(lambda: layer(one)) == ["automp.quant_gemv_partials"]
+    assert _ops_called(lambda: layer(one)) == ["automp.quant_gemv"]
     assert _ops_called(lambda: layer(many)) == ["automp.quant_gemm"]
     assert clock.calls == [] and crossover.decisions() == {}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from automp.kernels import crossover  # noqa: F401 - which kernel serves a batch's rows (automp.quant.weight_only)
+from automp.kernels import gemv_quant as _gemv_quant
 from automp.kernels import ops  # noqa: F401 - registers the torch.library ops
 from automp.kernels.quant import (dequantize_weight, quantize_rowwise_int8, quantize_static_int8,
                                   quantize_weight_int4, quantize_weight_int8)
@@ -27,15 +28,22 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.automp.gemm(a, b)
 
 
-# Traced by torch.compile, quant_gemv hands Inductor its split programs' partial products and their sum, which Inductor
-# unrolls into the loads of the kernel that reads y next (a residual add, a norm, rotary embedding): one launch fewer
-# in the step's CUDA graph wherever the GEMV splits K. False: the GEMV's own split-sum kernel, as in eager mode.
+# Traced by torch.compile, a GEMV that splits K hands Inductor its split programs' partial products and their sum,
+# which Inductor unrolls into the loads of the kernel that reads y next (a residual add, a norm, rotary embedding): one
+# launch fewer in the step's CUDA graph. False: the GEMV's own split-sum kernel, as in eager mode.
 FOLD_SPLIT_SUMS = True
+
+
+@torch.compiler.assume_constant_result
+def _gemv_splits(n: int, k: int, n_groups: int, device: str) -> int:
+    """Evaluated once while tracing, outside the graph: it reads the device's SM count."""
+    return _gemv_quant.split_count(n, k, n_groups, torch.device(device))
 
 
 def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y [N] = dequant(qw, scales) @ x [K]; qw from quantize_weight_int8 (int8) or _int4 (packed uint8)."""
-    if FOLD_SPLIT_SUMS and torch.compiler.is_compiling():
+    if (FOLD_SPLIT_SUMS and torch.compiler.is_compiling()
+            and _gemv_splits(qw.shape[0], x.shape[0], scales.shape[1], str(x.device)) > 1):
         return torch.ops.automp.quant_gemv_partials(qw, scales, x).sum(0).to(x.dtype)
     return torch.ops.automp.quant_gemv(qw, scales, x)
 

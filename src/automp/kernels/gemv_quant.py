@@ -308,7 +308,12 @@ def _plan(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int 
 
 def partial_count(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> int:
     """Rows of quant_gemv(..., partials=True)'s output: the K split the GEMV of this shape runs with."""
-    return _plan(qw, scales, x)[1]
+    return split_count(qw.shape[0], x.shape[0], scales.shape[1], x.device)
+
+
+def split_count(n: int, k: int, n_groups: int, device: torch.device) -> int:
+    """The K split of the [N, K] GEMV with n_groups scale groups on `device`, from shapes alone."""
+    return _gemv_split(n, k, kernel_group(k, n_groups), num_sms(device, cpu=_CPU_SMS), None, _GEMV_SPLIT_MIN_K)[0]
 
 
 def reference_partials(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
