@@ -59,6 +59,13 @@ def sm90_resident(module: str, kernel: str, pointers: dict, builds: list) -> lis
     return _sm90_call("_resident", module, kernel, pointers, builds)
 
 
+def sm90_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int,
+              num_stages: int = 3) -> list[str]:
+    """The whole SASS listing (labels and instructions, as nvdisasm prints them) of `module`.`kernel`, compiled as
+    sm90_loop's: for kernels with more than one loop."""
+    return _sm90_call("_sass", module, kernel, pointers, constexprs, num_warps, num_stages)
+
+
 def _compile_sm90(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -107,3 +114,8 @@ def _loop_sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_w
     assert len(back) == 1, f"expected one loop, found backward branches {back}"
     start, end = back[0]
     return [line.split("*/", 1)[1].strip() for line in sass[start:end] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
+
+
+def _sass(module: str, kernel: str, pointers: dict, constexprs: dict, num_warps: int, num_stages: int) -> list[str]:
+    return _read_cubin(_compile_sm90(module, kernel, pointers, constexprs, num_warps, num_stages), NVDISASM,
+                       "-c").splitlines()

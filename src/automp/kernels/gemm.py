@@ -23,14 +23,19 @@ SKINNY_M = 64
 MID_M = 512  # up to here both tile families are tuned (see prune_by_m)
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                         num_warps=warps, num_stages=stages)
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: int | None = None) -> triton.Config:
+    """A config from a (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, PERSISTENT]) tuple; only kernels that loop over
+    tiles (kernels/int8_gemm.py) take the sixth."""
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+    if persistent is not None:
+        kwargs["PERSISTENT"] = persistent
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
-def mm_configs(square: list[tuple], skinny: list[tuple], tiny: tuple) -> list[triton.Config]:
+def mm_configs(square: list[tuple], skinny: list[tuple], tiny: tuple,
+               interpret: bool = INTERPRET) -> list[triton.Config]:
     """All configs for a matmul family; under the interpreter only `tiny` (tuning would run each on the CPU)."""
-    if INTERPRET:
+    if interpret:
         return [_cfg(*tiny)]
     return [_cfg(*c) for c in square + skinny]
 
@@ -39,10 +44,15 @@ def prune_by_m(configs: list[triton.Config], nargs: dict, **_: object) -> list[t
     """Skinny M tunes only tiles with BLOCK_M <= 64, large M only the larger ones, and the band between tunes both.
 
     The band: at M = 128 (one 128-token sequence) the square tiles leave most SMs idle (N=768 in 128x256 tiles is 3
-    programs), and for int8 a 16-row tile measured clearly faster there than the square family (at 128x768x768)."""
+    programs), and for int8 a 16-row tile measured clearly faster there than the square family (at 128x768x768).
+
+    Persistent configs (PERSISTENT >= 1) are tuned above the band only: a persistent grid differs from the plain one
+    only where there are more tiles than programs, which needs many rows of tiles."""
     if len(configs) == 1:
         return configs
     m = nargs["M"]
+    if m <= MID_M:
+        configs = [c for c in configs if not c.kwargs.get("PERSISTENT", 0)]
     skinny = [c for c in configs if c.kwargs["BLOCK_M"] <= SKINNY_M]
     wide = [c for c in configs if c.kwargs["BLOCK_M"] > SKINNY_M]
     if m <= SKINNY_M:
@@ -62,9 +72,8 @@ _SKINNY = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (32, 
 
 
 @triton.jit
-def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped program ordering: GROUP_M row-tiles share each column tile of b while it is hot in L2."""
-    pid = tl.program_id(0)
+def tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row, column) of tile number `pid` in tile_ids' order: a persistent program's tiles follow the same order."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n
@@ -74,6 +83,12 @@ def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.con
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped program ordering: GROUP_M row-tiles share each column tile of b while it is hot in L2."""
+    return tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.autotune(configs=mm_configs(_SQUARE, _SKINNY, (16, 16, 32, 4, 1)), key=["M", "N", "K"],

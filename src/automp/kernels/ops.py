@@ -16,6 +16,7 @@ from torch.library import custom_op
 
 from automp.kernels import gemm as _gemm
 from automp.kernels import gemv as _gemv
+from automp.kernels import int8_gemm as _int8
 from automp.kernels import quant as _quant
 from automp.kernels import quant_batched as _quant_batched
 from automp.kernels import planes as _planes
@@ -262,7 +263,7 @@ def int8_gemm_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: tor
     _check_int8(a_q, b_q, sa, sb, bias, a_zero, out_dtype)
     sa, sb, bias, zero = _int8_epilogue_args(a_q, sa, sb, bias, a_zero)
     if use_triton(a_q) and a_q.numel() and b_q.numel():
-        return _quant.int8_gemm(a_q, b_q, sa, sb, bias, zero, out_dtype)
+        return _int8.int8_gemm(a_q, b_q, sa, sb, bias, zero, out_dtype)
     return _int8_reference(a_q, b_q, sa, sb, bias, zero).to(out_dtype)
 
 
@@ -294,7 +295,7 @@ def int8_gemm_requant_op(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor,
     mult = out_mult.reshape(-1).contiguous()
     qz = out_zero.reshape(1).to(torch.int32) if out_zero is not None else None
     if use_triton(a_q) and a_q.numel() and b_q.numel():
-        return _quant.int8_gemm(a_q, b_q, sa, sb, bias, zero, torch.float32, gelu=gelu, requant=(mult, qz))
+        return _int8.int8_gemm(a_q, b_q, sa, sb, bias, zero, torch.float32, gelu=gelu, requant=(mult, qz))
     y = _int8_reference(a_q, b_q, sa, sb, bias, zero).float()  # fp32, as the kernel's epilogue
     if gelu:
         y = torch.nn.functional.gelu(y)

@@ -1,5 +1,6 @@
-"""Quantized matrix kernels: the weight-only W8A16 / W4A16 layout, its quantizers and tiled GEMM, and the W8A8 int8
-GEMM. The weight-only GEMV (one activation row) is kernels/gemv_quant.py, the few-row product kernels/quant_batched.py.
+"""Quantized matrix kernels: the weight-only W8A16 / W4A16 layout, its quantizers and tiled GEMM, and the int8
+activation quantizers. The weight-only GEMV (one activation row) is kernels/gemv_quant.py, the few-row product
+kernels/quant_batched.py.
 
 Weight-only layout (weights W [N, K] as in nn.Linear, y = x @ W^T):
   * int8:  qw int8 [N, K], w = qw * s.
@@ -15,12 +16,8 @@ Batched decoding (M = 16..64 rows) makes the GEMM a weight stream too, and its t
 the GPU (M=32, N=4096: 64 tiles for 132 SMs, each streaming all of K). So K is split across programs as the GEMV
 splits it (`_gemm_split`): fp32 partials, summed in a fixed order by `_split_sum_kernel` (shared with the GEMV).
 
-W8A8 (`int8_gemm`): int8 a [M, K] @ int8 b [K, N] accumulated in int32 on the tensor cores, then one fused
-epilogue: out = sa[m] * sb[n] * (acc - za[m] * sum_k b[k, n]) + bias[n]. za is the activation zero point of the
-asymmetric scheme (a = sa * (a_q - za), e.g. za = -128 for post-ReLU activations spread over the full int8 range).
-The epilogue may go on with GELU and with the next layer's static input quantization (`int8_gemm_requant`), so that
-an MLP's 4x-wide hidden activation leaves the first GEMM as int8 for the second: one write of one byte per element
-instead of a half-precision write, a GELU kernel's read and write, and a quantization kernel's read and write.
+The W8A8 int8 GEMM is kernels/int8_gemm.py; its activation quantizers (per row, and the static per-tensor one its
+epilogue reproduces) are here.
 """
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ import triton
 import triton.language as tl
 
 from automp.kernels.gemm import SKINNY_M, mm_configs, prune_by_m, tile_ids
-from automp.kernels.gemv import INTERPRET, half_dot, k_range, num_sms
+from automp.kernels.gemv import half_dot, k_range, num_sms
 
 MIN_GROUP = 32
 
@@ -302,101 +299,4 @@ def quant_gemm(a: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, split_k:
     if split > 1:  # the [SPLIT, M, N] partials are [SPLIT, M * N] to the column-sum kernel
         _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](out, c, m * n, split, triton.next_power_of_2(split),
                                                              BLOCK=_SUM_BLOCK)
-    return c
-
-
-# ----------------------------------------------------------------------------------------------- W8A8 int8 GEMM
-_FAST_GELU = tl.constexpr(not INTERPRET)
-
-
-@triton.jit
-def _gelu_for_int8(x):
-    """GELU of an output about to be quantized to int8. erf costs dozens of instructions per element, and an
-    epilogue over a [8192, 3072] MLP activation does not overlap the tile's main loop, so on the GPU it takes the
-    tanh form on the hardware tanh (one MUFU op): within ~1e-3 of exact GELU, far below the int8 step it is rounded
-    to next. The interpreter (no inline PTX) computes it exactly."""
-    if _FAST_GELU:
-        u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        return 0.5 * x * (1.0 + t)
-    else:
-        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-
-
-_I8_SQUARE = [(128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
-              (128, 256, 64, 8, 4), (64, 128, 128, 4, 4)]
-_I8_SKINNY = [(16, 64, 256, 4, 4), (32, 64, 256, 4, 3), (32, 128, 128, 4, 4), (64, 64, 256, 4, 3),
-              (64, 128, 128, 4, 4), (64, 64, 128, 4, 4)]
-
-
-@triton.autotune(configs=mm_configs(_I8_SQUARE, _I8_SKINNY, (16, 16, 32, 4, 1)), key=["M", "N", "K"],
-                 prune_configs_by={"early_config_prune": prune_by_m})
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-@triton.jit
-def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
-                      stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_qm,
-                      HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, GELU: tl.constexpr, QUANT_OUT: tl.constexpr,
-                      HAS_QZ: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      EVEN_K: tl.constexpr):
-    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (rm % M)[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N)[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in k_range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    m_mask = rm < M
-    n_mask = rn < N
-    if HAS_ZP:
-        za = tl.load(za_ptr + rm, mask=m_mask, other=0)
-        colsum = tl.load(colsum_ptr + rn, mask=n_mask, other=0)
-        acc -= za[:, None] * colsum[None, :]
-    sa = tl.load(sa_ptr + rm * stride_sa, mask=m_mask, other=0.0).to(tl.float32)
-    sb = tl.load(sb_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GELU:  # nn.GELU()'s (erf) GELU, as _gelu_for_int8 approximates it
-        out = _gelu_for_int8(out)
-    if QUANT_OUT:  # the next layer's static quantization: q = clamp(round(out * qm[n]) + qz, -127 | -128, 127)
-        qm = tl.load(qm_ptr + rn * stride_qm, mask=n_mask, other=0.0).to(tl.float32)
-        out = out * qm[None, :]
-        out = (out + 12582912.0) - 12582912.0  # + 1.5 * 2^23 rounds to an integer, half to even, as torch.round
-        if HAS_QZ:  # asymmetric: the zero point shifts the codes, and all 256 levels are used
-            out = tl.minimum(tl.maximum(out + tl.load(qz_ptr).to(tl.float32), -128.0), 127.0)
-        else:
-            out = tl.minimum(tl.maximum(out, -127.0), 127.0)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], out.to(c_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-def int8_gemm(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None,
-              a_zero: torch.Tensor | None, out_dtype: torch.dtype, gelu: bool = False,
-              requant: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Launch with sa [M] (or [1]: one scale for all rows), sb [N] contiguous, optional bias [N] and per-row int32
-    zero point a_zero [M]. gelu: GELU after the bias. requant (float mult [N] or [1], optional one-element int32 zero
-    point): the output is int8, quantized as the next layer's static input (out_dtype is then ignored)."""
-    m, k = a_q.shape
-    n = b_q.shape[1]
-    c = torch.empty((m, n), dtype=torch.int8 if requant is not None else out_dtype, device=a_q.device)
-    colsum = b_q.sum(dim=0, dtype=torch.int32) if a_zero is not None else None
-    qm, qz = requant if requant is not None else (sa, None)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _int8_gemm_kernel[grid](a_q, b_q, c, sa, sb, bias if bias is not None else sa,
-                            a_zero if a_zero is not None else sa, colsum if colsum is not None else sa, qm,
-                            qz if qz is not None else sa, m, n, k, a_q.stride(0), a_q.stride(1), b_q.stride(0),
-                            b_q.stride(1), 0 if sa.numel() == 1 else 1, 0 if qm.numel() == 1 else 1,
-                            bias is not None, a_zero is not None, gelu, requant is not None, qz is not None)
     return c
