@@ -298,22 +298,27 @@ def word_path(qw: torch.Tensor, x: torch.Tensor) -> str:
     return "words" if INTERPRET else "f16x2"
 
 
-def _plan(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int | None = None) -> tuple[int, int, int]:
-    """(scale group, K split, K range of each split program) of the GEMV of this shape on x's device."""
-    k = x.shape[0]
-    group = kernel_group(k, scales.shape[1])
-    split, span = _gemv_split(qw.shape[0], k, group, num_sms(x.device, cpu=_CPU_SMS), split_k, _GEMV_SPLIT_MIN_K)
+def _split_plan(n: int, k: int, n_groups: int, device: torch.device,
+                split_k: int | None = None) -> tuple[int, int, int]:
+    """(scale group, K split, K range of each split program) of the [N, K] GEMV with n_groups scale groups on
+    `device`, from shapes alone."""
+    group = kernel_group(k, n_groups)
+    split, span = _gemv_split(n, k, group, num_sms(device, cpu=_CPU_SMS), split_k, _GEMV_SPLIT_MIN_K)
     return group, split, span
+
+
+def _plan(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k: int | None = None) -> tuple[int, int, int]:
+    return _split_plan(qw.shape[0], x.shape[0], scales.shape[1], x.device, split_k)
+
+
+def split_count(n: int, k: int, n_groups: int, device: torch.device) -> int:
+    """The K split of the [N, K] GEMV with n_groups scale groups on `device`."""
+    return _split_plan(n, k, n_groups, device)[1]
 
 
 def partial_count(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> int:
     """Rows of quant_gemv(..., partials=True)'s output: the K split the GEMV of this shape runs with."""
-    return split_count(qw.shape[0], x.shape[0], scales.shape[1], x.device)
-
-
-def split_count(n: int, k: int, n_groups: int, device: torch.device) -> int:
-    """The K split of the [N, K] GEMV with n_groups scale groups on `device`, from shapes alone."""
-    return _gemv_split(n, k, kernel_group(k, n_groups), num_sms(device, cpu=_CPU_SMS), None, _GEMV_SPLIT_MIN_K)[0]
+    return _plan(qw, scales, x)[1]
 
 
 def reference_partials(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -341,7 +346,7 @@ def quant_gemv(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, split_k:
             raise ValueError(f"quant_gemv: path {path!r} does not apply here (allowed: {chosen!r} or 'bytes')")
         chosen = path
     group, split, span = _plan(qw, scales, x, split_k)
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    y = None if partials else torch.empty(n, dtype=x.dtype, device=x.device)
     out = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 or partials else y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
     _wq_gemv_kernel[grid](qw, scales, x, out, n, k, qw.shape[1], span, qw.stride(0), qw.stride(0) // 4,

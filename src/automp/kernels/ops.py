@@ -124,10 +124,14 @@ def _product_like(qw: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return a.new_empty((a.shape[0], qw.shape[0]))
 
 
+def _check_row(op: str, qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
+    _require(x.dim() == 1, op, f"x must be [K], got shape {tuple(x.shape)}")
+    _check_quant(op, qw, scales, x, x.shape[0])
+
+
 @custom_op("automp::quant_gemv", mutates_args=())
 def quant_gemv_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    _require(x.dim() == 1, "quant_gemv", f"x must be [K], got shape {tuple(x.shape)}")
-    _check_quant("quant_gemv", qw, scales, x, x.shape[0])
+    _check_row("quant_gemv", qw, scales, x)
     if use_triton(x):
         return _gemv_quant.quant_gemv(qw, scales.contiguous(), x)
     return (_quant.dequantize_weight(qw, scales, x.shape[0]) @ x.float()).to(x.dtype)
@@ -135,16 +139,14 @@ def quant_gemv_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> to
 
 @quant_gemv_op.register_fake
 def _(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    _require(x.dim() == 1, "quant_gemv", f"x must be [K], got shape {tuple(x.shape)}")
-    _check_quant("quant_gemv", qw, scales, x, x.shape[0])
+    _check_row("quant_gemv", qw, scales, x)
     return x.new_empty((qw.shape[0],))
 
 
 @custom_op("automp::quant_gemv_partials", mutates_args=())
 def quant_gemv_partials_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """float32 [S, N]: quant_gemv's S split programs' partial products, unsummed (gemv_quant.quant_gemv, partials)."""
-    _require(x.dim() == 1, "quant_gemv_partials", f"x must be [K], got shape {tuple(x.shape)}")
-    _check_quant("quant_gemv_partials", qw, scales, x, x.shape[0])
+    _check_row("quant_gemv_partials", qw, scales, x)
     if use_triton(x):
         return _gemv_quant.quant_gemv(qw, scales.contiguous(), x, partials=True)
     return _gemv_quant.reference_partials(qw, scales, x)
@@ -152,8 +154,7 @@ def quant_gemv_partials_op(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tens
 
 @quant_gemv_partials_op.register_fake
 def _(qw: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    _require(x.dim() == 1, "quant_gemv_partials", f"x must be [K], got shape {tuple(x.shape)}")
-    _check_quant("quant_gemv_partials", qw, scales, x, x.shape[0])
+    _check_row("quant_gemv_partials", qw, scales, x)
     return x.new_empty((_gemv_quant.partial_count(qw, scales, x), qw.shape[0]), dtype=torch.float32)
 
 
