@@ -33,10 +33,12 @@ def test_gemm_rejects_bad_inputs():
 def test_tile_families_are_pruned_by_m():
     from automp.kernels.gemm import MID_M, SKINNY_M, _cfg, prune_by_m
 
-    configs = [_cfg(16, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(128, 128, 64, 4, 4), _cfg(128, 256, 64, 8, 3)]
-    rows = lambda m: sorted(c.kwargs["BLOCK_M"] for c in prune_by_m(configs, {"M": m}))  # noqa: E731
-    assert rows(8) == [16]  # skinny M: only tiles near its height
-    assert rows(SKINNY_M) == [16, 64]
-    assert rows(128) == [16, 64, 128, 128]  # the band: a few square tiles would leave SMs idle, both are tuned
-    assert rows(MID_M + 1) == [128, 128]
+    configs = [_cfg(16, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 4), _cfg(128, 128, 64, 4, 4),
+               _cfg(128, 256, 64, 8, 3)]
+    tiles = lambda m: sorted((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])  # noqa: E731
+                             for c in prune_by_m(configs, {"M": m}))
+    assert tiles(8) == [(16, 64)]  # skinny M: only tiles near its height
+    assert tiles(SKINNY_M) == [(16, 64), (64, 64), (64, 128)]
+    assert len(tiles(128)) == 5  # the band: a few square tiles would leave SMs idle, both are tuned
+    assert tiles(MID_M + 1) == [(64, 128), (128, 128), (128, 256)]  # large M: tiles of >= WIDE_TILE only
     assert prune_by_m([configs[0]], {"M": 4096}) == [configs[0]]

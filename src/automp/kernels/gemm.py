@@ -16,11 +16,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from automp.kernels.gemv import INTERPRET, half_dot, k_range
 
 SKINNY_M = 64
 MID_M = 512  # up to here both tile families are tuned (see prune_by_m)
+# Above MID_M, the tiles tuned: a 64x128 tile still re-reads each operand few enough times, and at K = 3072 (an
+# encoder's second MLP GEMM, M = 8192) the int8 GEMM's 64x128 tile measured fastest of all.
+WIDE_TILE = 64 * 128
+
+
+def graph_bench(kernel_call, quantiles):
+    """The autotuner's timing of one config, as Triton's do_bench_cudagraph: launches replayed from one CUDA graph.
+
+    An encoder's GEMMs take a few microseconds at batch 1, about what a launch costs the host; Triton's default
+    timing launches each call on its own, so its figures are mostly launch time and noise (the int8 GEMM's tuner
+    picked a config 1.4x slower than the best at 128x3072x768), while the encoder runs the GEMM inside its own CUDA
+    graph, where no launch is paid."""
+    return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: int | None = None) -> triton.Config:
@@ -41,7 +55,7 @@ def mm_configs(square: list[tuple], skinny: list[tuple], tiny: tuple,
 
 
 def prune_by_m(configs: list[triton.Config], nargs: dict, **_: object) -> list[triton.Config]:
-    """Skinny M tunes only tiles with BLOCK_M <= 64, large M only the larger ones, and the band between tunes both.
+    """Skinny M tunes only tiles with BLOCK_M <= 64, large M only tiles of >= WIDE_TILE, and the band between both.
 
     The band: at M = 128 (one 128-token sequence) the square tiles leave most SMs idle (N=768 in 128x256 tiles is 3
     programs), and for int8 a 16-row tile measured clearly faster there than the square family (at 128x768x768).
@@ -54,7 +68,7 @@ def prune_by_m(configs: list[triton.Config], nargs: dict, **_: object) -> list[t
     if m <= MID_M:
         configs = [c for c in configs if not c.kwargs.get("PERSISTENT", 0)]
     skinny = [c for c in configs if c.kwargs["BLOCK_M"] <= SKINNY_M]
-    wide = [c for c in configs if c.kwargs["BLOCK_M"] > SKINNY_M]
+    wide = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= WIDE_TILE]
     if m <= SKINNY_M:
         fit = [c for c in skinny if c.kwargs["BLOCK_M"] >= min(m, 16) and c.kwargs["BLOCK_M"] < 2 * max(m, 16)]
         return fit or skinny

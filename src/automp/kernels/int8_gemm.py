@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from automp.kernels.gemm import mm_configs, prune_by_m, tile_coords, tile_ids
+from automp.kernels.gemm import graph_bench, mm_configs, prune_by_m, tile_coords, tile_ids
 from automp.kernels.gemv import INTERPRET, k_range, num_sms
 
 _FAST_GELU = tl.constexpr(not INTERPRET)
@@ -53,26 +53,21 @@ def _gelu_for_int8(x):
         return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PERSISTENT). The persistent ones are the square tiles that fit one
-# program per SM (two for the 4-warp 128x128x64, whose k = 2 keeps the SM's two slots busy).
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PERSISTENT). The persistent ones: two 4-warp programs per SM, so that one
+# program's epilogue overlaps the other's main loop as well as its own next tile's loads. Forced one by one at a
+# BERT-base encoder's shapes on an H200 (BENCHMARKS.md, "Deployment and encoders"), these beat their one-tile forms
+# at M = 8192, most at K = 3072, while one 8-warp program per SM ran slower than its plain form at every shape.
 _I8_SQUARE = [(128, 256, 128, 8, 3, 0), (256, 128, 128, 8, 3, 0), (128, 128, 128, 8, 4, 0), (128, 128, 64, 4, 4, 0),
               (128, 256, 64, 8, 4, 0), (64, 128, 128, 4, 4, 0)]
-_I8_PERSISTENT = [(128, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1), (128, 128, 64, 4, 4, 2),
-                  (256, 128, 128, 8, 3, 1)]
+_I8_PERSISTENT = [(64, 128, 128, 4, 4, 2), (128, 128, 64, 4, 4, 2)]
 _I8_SKINNY = [(16, 64, 256, 4, 4, 0), (32, 64, 256, 4, 3, 0), (32, 128, 128, 4, 4, 0), (64, 64, 256, 4, 3, 0),
-              (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0)]
+              (64, 64, 128, 4, 4, 0)]
 _I8_TINY = (16, 16, 32, 4, 1, 0)
 
 
-# The autotuner is offered the persistent configs only once their compiled loop has been checked and timed on a GPU
-# (tests/kernels/test_int8_gemm.py there, and sweeps that force each through `config=`): it picks by speed alone, so a
-# miscompiled flattened loop would give wrong products without a word.
-OFFER_PERSISTENT = False
-
-
-def i8_configs(interpret: bool = INTERPRET, persistent: bool = OFFER_PERSISTENT) -> list[triton.Config]:
+def i8_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Every config the autotuner is offered (the interpreter: the tiny one only)."""
-    return mm_configs(_I8_SQUARE + (_I8_PERSISTENT if persistent else []), _I8_SKINNY, _I8_TINY, interpret)
+    return mm_configs(_I8_SQUARE + _I8_PERSISTENT, _I8_SKINNY, _I8_TINY, interpret)
 
 
 @triton.jit
@@ -127,7 +122,8 @@ def _epilogue(acc, rm, rn, M, N, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.autotune(configs=i8_configs(), key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_by_m})
+@triton.autotune(configs=i8_configs(), key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_by_m},
+                 do_bench=graph_bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, M, N, K,
