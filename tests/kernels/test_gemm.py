@@ -42,3 +42,14 @@ def test_tile_families_are_pruned_by_m():
     assert len(tiles(128)) == 5  # the band: a few square tiles would leave SMs idle, both are tuned
     assert tiles(MID_M + 1) == [(64, 128), (128, 128), (128, 256)]  # large M: tiles of >= WIDE_TILE only
     assert prune_by_m([configs[0]], {"M": 4096}) == [configs[0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA graphs")
+def test_graph_bench_times_a_launch_and_leaves_its_output_right():
+    from automp.kernels.gemm import graph_bench
+    a, b = (torch.randn(128, 768, device="cuda", dtype=torch.float16) for _ in range(2))
+    out = torch.full((128, 128), float("nan"), device="cuda", dtype=torch.float16)
+    q50, q20, q80 = graph_bench(lambda: torch.mm(a, b.t(), out=out), quantiles=(0.5, 0.2, 0.8))
+    assert 0 < q20 <= q50 <= q80 < 10  # milliseconds per launch
+    assert rel_err(out.float(), a.float() @ b.float().t()) < 1e-2
+    assert graph_bench(lambda: torch.mm(a, b.t(), out=out), None) > 0

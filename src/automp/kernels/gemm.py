@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from automp.kernels.gemv import INTERPRET, half_dot, k_range
 
@@ -27,14 +26,37 @@ MID_M = 512  # up to here both tile families are tuned (see prune_by_m)
 WIDE_TILE = 64 * 128
 
 
-def graph_bench(kernel_call, quantiles):
-    """The autotuner's timing of one config, as Triton's do_bench_cudagraph: launches replayed from one CUDA graph.
+def graph_bench(kernel_call, quantiles, calls: int = 32, replays: int = 5) -> list[float]:
+    """The autotuner's timing of one config (its do_bench): `calls` launches captured in one CUDA graph, replayed
+    `replays` times; the quantiles of the per-launch milliseconds.
 
-    An encoder's GEMMs take a few microseconds at batch 1, about what a launch costs the host; Triton's default
-    timing launches each call on its own, so its figures are mostly launch time and noise (the int8 GEMM's tuner
-    picked a config 1.4x slower than the best at 128x3072x768), while the encoder runs the GEMM inside its own CUDA
-    graph, where no launch is paid."""
-    return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+    An encoder's GEMMs take a few microseconds at batch 1, about what a launch costs the host. Triton's default timing
+    launches each call on its own, so its figures were mostly launch time and noise (the int8 GEMM's tuner picked a
+    config 1.4x slower than the best at 128x3072x768), while the encoder runs the GEMM inside its own CUDA graph.
+    Short on purpose: tuning every shape of a model is most of its quantization set-up, and Triton's own
+    do_bench_cudagraph (20 ms per config) doubled it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        kernel_call()  # compiles outside the capture; a config that does not fit raises here, for the tuner
+        graph.capture_begin()
+        try:
+            for _ in range(calls):
+                kernel_call()
+        finally:
+            graph.capture_end()
+        graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+    stream.synchronize()
+    times = torch.tensor([start.elapsed_time(end) / calls for start, end in events])
+    if quantiles is None:
+        return times.median().item()
+    return [torch.quantile(times, q).item() for q in quantiles]
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, persistent: int | None = None) -> triton.Config:
