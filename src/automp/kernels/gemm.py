@@ -31,10 +31,10 @@ def graph_bench(kernel_call, quantiles, calls: int = 32, replays: int = 5) -> li
     `replays` times; the quantiles of the per-launch milliseconds.
 
     An encoder's GEMMs take a few microseconds at batch 1, about what a launch costs the host. Triton's default timing
-    launches each call on its own, so its figures were mostly launch time and noise (the int8 GEMM's tuner picked a
-    config 1.4x slower than the best at 128x3072x768), while the encoder runs the GEMM inside its own CUDA graph.
-    Short on purpose: tuning every shape of a model is most of its quantization set-up, and Triton's own
-    do_bench_cudagraph (20 ms per config) doubled it."""
+    launches each call on its own, so its figures were mostly launch time and noise, and the int8 GEMM's tuner picked
+    configs far slower than the best, while the encoder runs the GEMM inside its own CUDA graph. Short on purpose:
+    tuning every shape of a model is part of its quantization set-up, and Triton's own do_bench_cudagraph spends
+    10 replays of 20 ms on each config."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()

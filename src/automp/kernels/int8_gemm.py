@@ -55,8 +55,8 @@ def _gelu_for_int8(x):
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PERSISTENT). The persistent ones: two 4-warp programs per SM, so that one
 # program's epilogue overlaps the other's main loop as well as its own next tile's loads. Forced one by one at a
-# BERT-base encoder's shapes on an H200 (BENCHMARKS.md, "Deployment and encoders"), these beat their one-tile forms
-# at M = 8192, most at K = 3072, while one 8-warp program per SM ran slower than its plain form at every shape.
+# BERT-base encoder's shapes on a Hopper GPU (BENCHMARKS.md, "Deployment and encoders"), these beat their one-tile
+# forms at M = 8192, most at K = 3072, while one 8-warp program per SM ran slower than its plain form at every shape.
 _I8_SQUARE = [(128, 256, 128, 8, 3, 0), (256, 128, 128, 8, 3, 0), (128, 128, 128, 8, 4, 0), (128, 128, 64, 4, 4, 0),
               (128, 256, 64, 8, 4, 0), (64, 128, 128, 4, 4, 0)]
 _I8_PERSISTENT = [(64, 128, 128, 4, 4, 2), (128, 128, 64, 4, 4, 2)]
