@@ -34,7 +34,7 @@ def graph_bench(kernel_call, quantiles, calls: int = 32, replays: int = 5) -> li
     launches each call on its own, so its figures were mostly launch time and noise, and the int8 GEMM's tuner picked
     configs far slower than the best, while the encoder runs the GEMM inside its own CUDA graph. Short on purpose:
     tuning every shape of a model is part of its quantization set-up, and Triton's own do_bench_cudagraph spends
-    10 replays of 20 ms on each config."""
+    ten replays of a fixed span on each config."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
