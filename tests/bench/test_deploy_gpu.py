@@ -81,6 +81,9 @@ def test_a_quick_cpu_run_writes_paired_ratios_with_their_spread(tmp_path, monkey
     for r in rows:
         assert r["rounds"] == 4 and r["spread"][0] <= r["ms"] <= r["spread"][1]
         assert r["ratio_spread"][0] <= r["ratio"] <= r["ratio_spread"][1] and r["setup_s"] >= 0
+        phases = r["setup_phases"]  # the set-up split: building, then each shape's first call
+        assert sorted(int(b) for b in phases["first_call_s"]) == batches
+        assert phases["built_s"] + sum(phases["first_call_s"].values()) <= r["setup_s"] + 0.02 * (1 + len(batches))
         assert r["cos_min"] > 0.999999 and {"device", "torch", "date", "commit"} <= set(r)  # the FP32 model itself
 
 
@@ -90,7 +93,8 @@ def test_encoder_rows_name_the_int8_cases_and_skip_the_anchors():
     def row(name, ms, anchor_ms, batch, **extra):
         return Result("deploy_gpu", name, ms, "torch.compile fp16", anchor_ms,
                       {"batch": batch, "cos_min": 0.99712, "report_batch": 16, **extra})
-    timed = dict(spread=[3.0, 3.2], ratio=1.17, ratio_spread=[1.12, 1.2], rounds=6, setup_s=47.2)
+    timed = dict(spread=[3.0, 3.2], ratio=1.17, ratio_spread=[1.12, 1.2], rounds=6, setup_s=47.2,
+                 setup_phases={"convert": 9.0, "built_s": 30.0, "first_call_s": {64: 17.2}})
     results = [row("bert-base seq128 bs64 anchor", 3.6, 3.6, 64),
                row("bert-base seq128 bs64 int8-static", 3.1, 3.6, 64, report_speedup=1.3, **timed),
                row("bert-base seq128 bs16 int8-static", 1.0, 1.1, 16, report_speedup=1.12, **timed),  # 1.12 / 1.17
@@ -106,7 +110,8 @@ def test_encoder_rows_name_the_int8_cases_and_skip_the_anchors():
     assert (rows[2]["report_speedup"], rows[2]["agrees"]) == (1.2, False)  # 1.2 against 1.4
     assert rows[3] == {"model": "minilm", "case": "int4-weight", "activations": None, "batch": 1, "ms": 0.8,
                        "anchor_ms": 0.4, "cos_min": 0.99712, "ratio": 0.5, "spread": None, "ratio_spread": None,
-                       "rounds": None, "setup_s": None, "report_speedup": None, "agrees": None, **where}
+                       "rounds": None, "setup_s": None, "setup_phases": None, "report_speedup": None, "agrees": None,
+                       **where}
     assert len(rows) == 4
     md = deploy_gpu.encoder_markdown(rows, "automp bench deploy_gpu")
     assert ("| bert-base | int8 | static | 64 | 3.100 | 3.000-3.200 | 3.600 | 1.17x | 1.12-1.20 | 47.2 | 0.99712 |  |"

@@ -94,6 +94,7 @@ def test_report_carries_the_check(monkeypatch):
     _, rep = optimize_torch(net, "int8-weight", calib, config=TorchQuantConfig(compile=False))
     if DEVICE == "cpu":
         assert rep["speed"]["measured"] is False and "cpu" in rep["speed"]["why"]
+        assert list(rep["seconds"]) == ["convert"]  # no check, no check's time
     timer = FakeTimer(1.0, 3.0)
     monkeypatch.setattr(speed, "skipped_because", lambda device, calls, enabled: None)
     monkeypatch.setattr(speed, "default_timer", timer)
@@ -105,6 +106,10 @@ def test_report_carries_the_check(monkeypatch):
     _, rep = optimize_torch(net, "int8-weight", calib, config=TorchQuantConfig(compile=False))
     assert timer.calls == 2 * speed.ROUNDS and timer.order[:2] == ["q", "f"]
     assert rep["speed"]["speedup"] == pytest.approx(3.0) and rep["speed"]["faster"] == "quantized"
+    # the set-up's phases: the conversion, and the check with each model's first call (its compile) apart
+    assert set(rep["seconds"]) == {"convert", "speed_check"} and rep["seconds"]["convert"] >= 0
+    first = rep["speed"]["first_call_s"]
+    assert set(first) == {"quantized", "float16"} and rep["seconds"]["speed_check"] >= sum(first.values()) - 0.02  # each rounded
 
 
 def _marking(call, timer):

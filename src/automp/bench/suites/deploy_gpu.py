@@ -144,7 +144,8 @@ def _build(mode: str, fp32: nn.Module, calib: list[Inputs], cuda: bool) -> tuple
     return model, {"compiled": cuda, "quantized_layers": counts.get("quantized", 0),
                    "fp16_layers": sum(counts.values()) - counts.get("quantized", 0),
                    "calib_rel_err": rep.max_rel_error, "mbytes": rep.bytes["after"] / 1e6,
-                   "report_speedup": rep.speed.get("speedup")}
+                   "report_speedup": rep.speed.get("speedup"),
+                   "setup_phases": dict(rep.seconds, report_first_call_s=rep.speed.get("first_call_s"))}
 
 
 def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argparse.Namespace, device: str,
@@ -178,11 +179,18 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
         with torch.no_grad():
             model, facts = _build(mode, fp32, calib, cuda)
             fn = lambda inp, model=model: model(**inp)  # noqa: E731
+            built_s = round(time.monotonic() - t0, 2)
+            first = {}
             for b in batches:  # compile + record each shape before anything is timed
+                t1 = time.monotonic()
                 fn(timed[b])
-            if cuda:
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
+                first[b] = round(time.monotonic() - t1, 2)
             facts["setup_s"] = round(time.monotonic() - t0, 2)
+            facts["setup_phases"] = dict(facts.get("setup_phases", {}), built_s=built_s, first_call_s=first)
+            print(f"[deploy_gpu] {name} {mode}: set-up {facts['setup_s']:.1f} s {facts['setup_phases']}",
+                  file=sys.stderr, flush=True)
             facts.update(_accuracy(fn, chunks, refs))
         built[mode] = fn, facts
     rows = [Result("deploy_gpu", f"{name} bs{b} {mode}", math.nan, extra={"batch": b, "skipped": "time limit"})
@@ -296,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def encoder_rows(results: list[Result]) -> list[dict]:
     """The quantized modes' rows as {"model", "case", "activations", "batch", "ms", "spread", "anchor_ms", "ratio",
-    "ratio_spread", "rounds", "setup_s", "cos_min", "device", "torch", "date", "commit"} (case "int8"; the other modes
-    keep their own names), the form BENCHMARKS.md's encoder table is read from."""
+    "ratio_spread", "rounds", "setup_s", "setup_phases", "cos_min", "device", "torch", "date", "commit"} (case "int8";
+    the other modes keep their own names), the form BENCHMARKS.md's encoder table is read from. setup_phases: the
+    report's "convert" and "speed_check" seconds (with its models' first calls), built_s (quantize_module whole) and
+    first_call_s per batch size (compiling and recording that shape)."""
     rows, where = [], provenance()
     for r in results:
         mode = r.name.split()[-1]
@@ -313,6 +323,7 @@ def encoder_rows(results: list[Result]) -> list[dict]:
         rows.append({"model": model, "case": case, "activations": acts, "batch": x["batch"], "ms": round(r.ms, 4),
                      "spread": x.get("spread"), "anchor_ms": round(r.anchor_ms, 4), "ratio": ratio,
                      "ratio_spread": x.get("ratio_spread"), "rounds": x.get("rounds"), "setup_s": x.get("setup_s"),
+                     "setup_phases": x.get("setup_phases"),
                      "cos_min": round(x["cos_min"], 5), "report_speedup": report,
                      "agrees": None if report is None else abs(report / ratio - 1) <= AGREE, **where})
     return rows

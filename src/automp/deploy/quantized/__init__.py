@@ -22,6 +22,7 @@ report says which is faster, and a slower result warns).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
@@ -113,8 +114,10 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     # automp.quant.quantize's PTQ route (its model handler calls ptq.convert), entered directly: the verb would swap
     # layers in place without calib and hand a causal LM to its own handler, and here every module gets the float32
     # boundary and the report
+    start = time.perf_counter()
     model = ptq.convert(module, scheme)
     report = model.quant_report
+    report.seconds["convert"] = round(time.perf_counter() - start, 2)
 
     def build(m: nn.Module) -> nn.Module:
         return compile_module(m, config.compile_mode) if config.compile else m
@@ -122,9 +125,12 @@ def quantize_module(module: nn.Module, precision: str, calib: Iterable | None = 
     out = build(model)
     device = torch.device(report.device)
     why = speed.skipped_because(device, batches or [], config.measure)
+    start = time.perf_counter()
     report.speed = (speed.SpeedCheck(skipped=why) if why else
                     speed.check(out, module, config.dtype, model.io_dtype, boundary.calib_calls(batches, device, 1)[0],
                                 build)).to_dict()
+    if not why:
+        report.seconds["speed_check"] = round(time.perf_counter() - start, 2)
     return out, report
 
 

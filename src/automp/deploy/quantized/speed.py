@@ -54,6 +54,7 @@ class SpeedCheck:
     float_dtype: str = "float16"
     skipped: str | None = None  # why nothing was timed
     ratios: tuple[float, ...] = ()  # each round's float ms / quantized ms
+    first_call_s: tuple[float, float] | None = None  # (quantized, float): compiling and recording, on a compiled model
 
     @property
     def speedup(self) -> float | None:
@@ -65,7 +66,9 @@ class SpeedCheck:
             return {"measured": False, "why": self.skipped}
         return {"measured": True, "quantized_ms": self.quantized_ms, f"{self.float_dtype}_ms": self.float_ms,
                 "speedup": self.speedup, "spread": [min(self.ratios), max(self.ratios)], "rounds": len(self.ratios),
-                "faster": "quantized" if (self.speedup or 0) >= 1 else self.float_dtype}
+                "faster": "quantized" if (self.speedup or 0) >= 1 else self.float_dtype,
+                "first_call_s": {"quantized": self.first_call_s[0], self.float_dtype: self.first_call_s[1]}
+                if self.first_call_s else None}
 
 
 def skipped_because(device: torch.device, calls: list, enabled: bool) -> str | None:
@@ -88,12 +91,20 @@ def check(quantized: nn.Module, module: nn.Module, dtype: torch.dtype, io_dtype:
     args, kwargs = call
     calls = {"q": lambda: quantized(*args, **kwargs), "f": lambda: float_model(*args, **kwargs)}
     ms: dict[str, list[float]] = {"q": [], "f": []}
+    first: dict[str, float] = {}
     with torch.no_grad():
+        for side in ("q", "f"):  # a compiled model compiles (and records its graph) here, timed apart from the rounds
+            start = time.perf_counter()
+            calls[side]()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            first[side] = round(time.perf_counter() - start, 2)
         for r in range(ROUNDS):
             for side in ("q", "f") if r % 2 == 0 else ("f", "q"):
                 ms[side].append(timer(calls[side]))
     result = SpeedCheck(statistics.median(ms["q"]), statistics.median(ms["f"]), str(dtype).removeprefix("torch."),
-                        ratios=tuple(f / q for q, f in zip(ms["q"], ms["f"]) if q > 0))
+                        ratios=tuple(f / q for q, f in zip(ms["q"], ms["f"]) if q > 0),
+                        first_call_s=(first["q"], first["f"]))
     if (result.speedup or 1.0) < 1.0:
         warnings.warn(f"automp: the quantized module measured {result.quantized_ms:.3f} ms per call against "
                       f"{result.float_ms:.3f} ms for the same module in {result.float_dtype} on this GPU "

@@ -54,6 +54,10 @@ class QuantReport:
     fallback_sensitivity: dict[str, float] = field(default_factory=dict)  # model-level, for "isolate" / "drop"
     bytes: dict[str, int] = field(default_factory=dict)
     speed: dict = field(default_factory=dict)  # quantized vs float timing on the GPU: automp.deploy.quantized's
+    # wall seconds of the set-up's phases, where the caller timed them: automp.deploy.quantized's "convert"
+    # (calibration, smoothing search, budget fallback, quantization) and "speed_check" (its models' first calls, which
+    # compile them, and its timing)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_rel_error(self) -> float | None:
@@ -74,4 +78,5 @@ class QuantReport:
                 "max_rel_error": self.max_rel_error, "error_data": self.error_data,
                 "fallback_steps": self.fallback_steps, "sensitivity": self.sensitivity,
                 "fallback_sensitivity": self.fallback_sensitivity, "bytes": self.bytes, "speed": self.speed,
+                "seconds": self.seconds,
                 "layers_quantized": [d.name for d in self.layers if d.rule is Rule.QUANTIZED]}
