@@ -104,6 +104,27 @@ def test_int8_gemm_requant_matches_float64_then_quantize(poison, gelu, per_chann
     assert ref.max() == 127 and ref.std() > 10  # some codes clipped, the rest spread
 
 
+@pytest.mark.parametrize("zero", [None, -3])
+def test_int8_gemm_requant_rounds_ties_to_even_and_clamps_exactly(poison, zero):
+    """Products that land exactly on half codes round half to even, as torch.round does, and codes beyond the int8
+    range clamp, with and without a zero point: the epilogue's rounding is exact, not within a tolerance."""
+    m, n, k = 255, 3, 32
+    a = torch.zeros(m, k, dtype=torch.int8)
+    a[:, 0] = torch.arange(-127, 128, dtype=torch.int8)  # each row one product: v * b[0, j]
+    b = torch.zeros(k, n, dtype=torch.int8)
+    b[0] = torch.tensor([1, 1, 3], dtype=torch.int8)
+    mult = torch.tensor([0.5, 2.0, 0.5])  # v / 2: ties at every odd v; 2 v: clamped beyond 63; 3 v / 2: both
+    a, b, mult = a.to(DEVICE), b.to(DEVICE), mult.to(DEVICE)
+    ones = torch.ones(1, device=DEVICE)
+    z = None if zero is None else torch.tensor([zero], dtype=torch.int32, device=DEVICE)
+    out = K.int8_gemm_requant(a, b, ones, torch.ones(n, device=DEVICE), None, mult, z)
+    v = torch.arange(-127, 128, dtype=torch.float64)[:, None] * torch.tensor([1.0, 1.0, 3.0]) * torch.tensor(
+        [0.5, 2.0, 0.5], dtype=torch.float64)
+    ref = (torch.round(v) + (zero or 0)).clamp(-128 if zero is not None else -127, 127)
+    assert (v - v.floor() == 0.5).sum() > 100  # ties, both even and odd below them
+    assert torch.equal(out.cpu().double(), ref)
+
+
 def test_int8_gemm_requant_rejects_bad_scales():
     a, b = _int8_operands(4, 6, 8)
     sa, sb = torch.ones(4, device=DEVICE), torch.ones(6, device=DEVICE)
@@ -212,7 +233,7 @@ def _constexprs(config: triton.Config, **epilogue) -> dict:
     """An encoder layer's build: K-major b (the weight's [N, K] viewed as [K, N]), so both unit strides are
     specialized, K a whole number of K-steps, fp16 out with bias unless `epilogue` says otherwise."""
     return dict(dict(HAS_BIAS=True, HAS_ZP=False, GELU=False, QUANT_OUT=False, HAS_QZ=False, EVEN_K=True,
-                     stride_ak=1, stride_bk=1), **config.kwargs, **epilogue)
+                     stride_ak=1, stride_bk=1, stride_sa=0), **config.kwargs, **epilogue)
 
 
 def _innermost_loop(sass: list[str], holding: str) -> list[str]:
@@ -221,6 +242,18 @@ def _innermost_loop(sass: list[str], holding: str) -> list[str]:
     loops = [sass[labels[m.group(1)]:i] for i, line in enumerate(sass)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i - 1]
     return min((loop for loop in loops if any(holding in line for line in loop)), key=len)
+
+
+def test_sm90_requant_epilogue_converts_without_float_to_int_and_one_tanh_per_element():
+    """The GELU + requantization epilogue (an MLP's first GEMM) is bound by its quarter-rate instructions: one hardware
+    tanh per element, and no float-to-int conversion (the rounding is done by an add of 1.5 * 2^23)."""
+    cfg = triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, PERSISTENT=0), num_warps=4,
+                        num_stages=4)
+    for zero_point in (False, True):
+        sass = sm90_sass("automp.kernels.int8_gemm", "_int8_gemm_kernel", dict(POINTERS, c_ptr="*i8"),
+                         _constexprs(cfg, GELU=True, QUANT_OUT=True, HAS_QZ=zero_point), 4, 4)
+        assert sum("MUFU.TANH" in line for line in sass) == 128 * 128 // (32 * 4)
+        assert not any(re.search(r"\bF2I\.(S|F16|F32\.S)", line) for line in sass), zero_point
 
 
 def test_persistent_sm90_build_is_one_flattened_wgmma_loop_resident_k_per_sm():
