@@ -116,6 +116,17 @@ def test_smoothing_fixes_the_outlier_layer_without_fallback():
     assert auto.max_rel_error == pytest.approx(auto.smooth_search[auto.smooth])
     assert auto.max_rel_error <= half.max_rel_error + 1e-9 and f"alpha {auto.smooth}" in auto.layers[0].reason
     assert auto.to_dict()["smooth_search"]
+    assert auto.smooth_search[SMOOTH_GRID[0]] == pytest.approx(half.max_rel_error)  # the first build, reused
+
+
+def test_smoothing_search_builds_each_alpha_once(monkeypatch):
+    """Each build is a calibration pass: the grid's first alpha is built once, not again inside the search."""
+    from automp.quant.ptq import pipeline
+    built = []
+    real = pipeline._layers
+    monkeypatch.setattr(pipeline, "_layers", lambda *a: built.append(a[6]) or real(*a))
+    quantize(_outlier_mlp(), W8A8Config(calib=[randn(8, 48, seed=4).to(DEVICE)]))
+    assert built == list(SMOOTH_GRID)
 
 
 def test_static_int8_activations():

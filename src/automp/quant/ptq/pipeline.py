@@ -287,7 +287,7 @@ def convert(module: nn.Module, config: PTQConfig) -> boundary.QuantizedModel:
             if len(alphas) > 1:
                 alpha, smooth_errors, qmods = _choose_smoothing(
                     swap, alphas,
-                    lambda a: _layers(module, names, decided, calls, precision, config, a, absmax, groups))
+                    lambda a: _layers(module, names, decided, calls, precision, config, a, absmax, groups), qmods)
             sens = _sensitivities(module, qmods, calls) if calls else {}
             quantized, kept, steps, model_sens = set(names), [], [], {}
             if calls:
@@ -339,13 +339,14 @@ def _layers(module: nn.Module, names: list[str], decided: dict, calls: list[boun
     return {n: out[n] for n in names}
 
 
-def _choose_smoothing(swap: _Swapper, alphas: tuple, build: Callable[[float], dict[str, nn.Module]]
-                      ) -> tuple[float, dict[float, float], dict[str, nn.Module]]:
+def _choose_smoothing(swap: _Swapper, alphas: tuple, build: Callable[[float], dict[str, nn.Module]],
+                      first: dict[str, nn.Module]) -> tuple[float, dict[float, float], dict[str, nn.Module]]:
     """(alpha, {alpha: model error with every layer quantized}, its layers): the alpha of least error vs FP32 on the
-    calibration data, each one measured with the whole model quantized (one model run per alpha)."""
+    calibration data, each one measured with the whole model quantized (one model run per alpha). `first`: the
+    layers already built at alphas[0] (each build is a calibration pass)."""
     errors, best = {}, None
     for alpha in alphas:
-        qmods = build(alpha)
+        qmods = first if alpha == alphas[0] else build(alpha)
         swap.set_layers(qmods)
         errors[alpha] = swap.error(set(qmods))
         if best is None or errors[alpha] < errors[best[0]]:
