@@ -26,7 +26,7 @@ MID_M = 512  # up to here both tile families are tuned (see prune_by_m)
 WIDE_TILE = 64 * 128
 
 
-def graph_bench(kernel_call, quantiles, calls: int = 32, replays: int = 5) -> list[float]:
+def graph_bench(kernel_call, quantiles, calls: int = 32, replays: int = 5) -> float | list[float]:
     """The autotuner's timing of one config (its do_bench): `calls` launches captured in one CUDA graph, replayed
     `replays` times; the quantiles of the per-launch milliseconds.
 

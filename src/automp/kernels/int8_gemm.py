@@ -96,8 +96,8 @@ def _tile_dot(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, st
 
 @triton.jit
 def _epilogue(acc, rm, rn, M, N, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr,
-              stride_sa: tl.constexpr, stride_qm, HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, GELU: tl.constexpr, QUANT_OUT: tl.constexpr,
-              HAS_QZ: tl.constexpr):
+              stride_sa: tl.constexpr, stride_qm, HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, GELU: tl.constexpr,
+              QUANT_OUT: tl.constexpr, HAS_QZ: tl.constexpr):
     """Zero-point correction, scales, bias, GELU, requantization and the store of one tile's accumulator."""
     m_mask = rm < M
     n_mask = rn < N
