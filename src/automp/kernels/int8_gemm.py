@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from automp.kernels.gemm import graph_bench, mm_configs, prune_by_m, tile_coords, tile_ids
+from automp.kernels.gemm import graph_bench, mm_configs, prune_by_m, tile_coords, tile_dot, tile_ids
 from automp.kernels.gemv import INTERPRET, k_range, num_sms
 
 _FAST_GELU = tl.constexpr(not INTERPRET)
@@ -70,28 +70,6 @@ _I8_TINY = (16, 16, 32, 4, 1, 0)
 def i8_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Every config the autotuner is offered (the interpreter: the tiny one only)."""
     return mm_configs(_I8_SQUARE + _I8_PERSISTENT, _I8_SKINNY, _I8_TINY, interpret)
-
-
-@triton.jit
-def _tile_dot(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """int32 a[rm, :] @ b[:, rn]. Rows/columns past the edge wrap to valid ones (their results are never stored),
-    so only a partial last K-step is masked."""
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (rm % M)[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N)[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in k_range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
 
 
 @triton.jit
@@ -149,8 +127,8 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, col
         pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_dot(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = tile_dot(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, True)
         _epilogue(acc, rm, rn, M, N, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, colsum_ptr, qm_ptr, qz_ptr, stride_sa,
                   stride_qm, HAS_BIAS, HAS_ZP, GELU, QUANT_OUT, HAS_QZ)
     else:  # tiles pid, pid + programs, ...
@@ -162,9 +140,9 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, za_ptr, col
         done = tl.program_id(0) - step
         for tile in tile_range(tl.program_id(0), tiles, step, flatten=True):
             pid_m, pid_n = tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _tile_dot(a_ptr, b_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
-                            pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N, K, stride_am, stride_ak, stride_bk,
-                            stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            acc = tile_dot(a_ptr, b_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                           pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N, K, stride_am, stride_ak, stride_bk,
+                           stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, True)
             done += step
             pid_m, pid_n = tile_coords(done, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _epilogue(acc, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
