@@ -156,6 +156,8 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
     mode once, in reversed order every other round, and a mode's figure is the median of its blocks with their spread;
     its ratio is the median of the rounds' ratios to the anchor's block of the same round (paired, so drift between
     rounds cancels)."""
+    from automp.deploy.quantized.speed import first_call_s
+
     cuda = device == "cuda"
     fp32 = fp32.eval().to(device)
     bmax = max(args.batches)
@@ -180,13 +182,8 @@ def bench_model(name: str, fp32: nn.Module, make_inputs: Callable, args: argpars
             model, facts = _build(mode, fp32, calib, cuda)
             fn = lambda inp, model=model: model(**inp)  # noqa: E731
             built_s = round(time.monotonic() - t0, 2)
-            first = {}
-            for b in batches:  # compile + record each shape before anything is timed
-                t1 = time.monotonic()
-                fn(timed[b])
-                if cuda:
-                    torch.cuda.synchronize()
-                first[b] = round(time.monotonic() - t1, 2)
+            # compile + record each shape before anything is timed
+            first = {b: first_call_s(lambda b=b: fn(timed[b])) for b in batches}
             facts["setup_s"] = round(time.monotonic() - t0, 2)
             facts["setup_phases"] = dict(facts.get("setup_phases", {}), built_s=built_s, first_call_s=first)
             print(f"[deploy_gpu] {name} {mode}: set-up {facts['setup_s']:.1f} s {facts['setup_phases']}",

@@ -47,6 +47,16 @@ def default_timer(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) * 1e3 / BLOCK
 
 
+def first_call_s(fn: Callable[[], Any]) -> float:
+    """Wall seconds of one call of `fn`, the device synchronized after it: a compiled model's first call of a shape
+    is its compile (and CUDA-graph recording)."""
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 2)
+
+
 @dataclass(frozen=True)
 class SpeedCheck:
     quantized_ms: float | None = None  # medians of the rounds' samples
@@ -91,14 +101,8 @@ def check(quantized: nn.Module, module: nn.Module, dtype: torch.dtype, io_dtype:
     args, kwargs = call
     calls = {"q": lambda: quantized(*args, **kwargs), "f": lambda: float_model(*args, **kwargs)}
     ms: dict[str, list[float]] = {"q": [], "f": []}
-    first: dict[str, float] = {}
     with torch.no_grad():
-        for side in ("q", "f"):  # a compiled model compiles (and records its graph) here, timed apart from the rounds
-            start = time.perf_counter()
-            calls[side]()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            first[side] = round(time.perf_counter() - start, 2)
+        first = {side: first_call_s(calls[side]) for side in ("q", "f")}  # compiles, timed apart from the rounds
         for r in range(ROUNDS):
             for side in ("q", "f") if r % 2 == 0 else ("f", "q"):
                 ms[side].append(timer(calls[side]))
